@@ -1,0 +1,14 @@
+"""numba_flash: exact FlashAttention forward and backward, written in Python with Numba CUDA.
+
+>>> import numpy as np, numba_flash
+>>> q = k = v = np.random.default_rng(0).standard_normal((2, 8, 100, 64), dtype=np.float32)
+>>> out = numba_flash.attention(q, k, v, causal=True)        # (2, 8, 100, 64), float32
+
+``numba_flash.reference`` is the float64 NumPy oracle with the same semantics.
+"""
+from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulator before numba loads
+from . import reference
+from .api import attention, attention_fwd
+
+__version__ = "0.1.0"
+__all__ = ["attention", "attention_fwd", "reference", "SIMULATOR", "SimulatorWarning"]

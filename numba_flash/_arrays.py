@@ -1,0 +1,79 @@
+"""Array kinds: NumPy on the host, and device arrays from Numba, CuPy, PyTorch, JAX, ...
+
+Kernels take 4-D views ``(B1, B2, N, d)`` with arbitrary strides. Any number of
+leading dims is folded into at most two strided dims without copying; the rare
+layouts that need more (three or more leading dims that cannot be merged) are
+handled by the caller, one launch per outer index.
+"""
+import numpy as np
+from numba import cuda
+
+from ._runtime import SIMULATOR
+
+if not SIMULATOR:
+    from numba.cuda.cudadrv.devicearray import DeviceNDArray
+
+
+def is_device_array(x):
+    """True for Numba device arrays and anything exporting ``__cuda_array_interface__``
+    or a CUDA DLPack capsule (CuPy, PyTorch, JAX)."""
+    if cuda.is_cuda_array(x) if hasattr(cuda, "is_cuda_array") else False:
+        return True
+    if getattr(x, "__cuda_ndarray__", False):       # Numba (and simulator) device arrays
+        return True
+    dev = getattr(x, "__dlpack_device__", None)
+    if dev is not None and not isinstance(x, np.ndarray):
+        try:
+            return int(dev()[0]) in (2, 3, 13)       # kDLCUDA, kDLCUDAHost, kDLCUDAManaged
+        except Exception:
+            return False
+    return False
+
+
+def as_numba_device(x):
+    """A Numba device array viewing the same device memory (no copy)."""
+    if getattr(x, "__cuda_ndarray__", False):
+        return x
+    if hasattr(x, "__cuda_array_interface__"):
+        return cuda.as_cuda_array(x)
+    # DLPack-only producers: read pointer, shape and strides, then view through the CAI.
+    from cuda.core.utils import StridedMemoryView
+    view = StridedMemoryView(x, stream_ptr=-1)
+    itemsize = np.dtype(view.dtype).itemsize
+    strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
+    desc = {"shape": tuple(view.shape), "strides": strides, "typestr": np.dtype(view.dtype).str,
+            "data": (int(view.ptr), False), "version": 3}
+    return cuda.from_cuda_array_interface(desc, owner=x)
+
+
+def strided_view(ary, shape, strides):
+    """View of a device array with a new shape and byte strides (same memory)."""
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(np.lib.stride_tricks.as_strided(ary._ary, shape, strides))
+    return DeviceNDArray(tuple(shape), tuple(strides), ary.dtype, gpu_data=ary.gpu_data)
+
+
+def fold_leading(shape, strides):
+    """Merge adjacent leading dims whose strides allow it.
+
+    ``shape``/``strides`` are the leading dims only. Returns a list of (size, stride)
+    groups, outermost first; size-1 dims are dropped.
+    """
+    groups = []
+    for n, s in zip(shape, strides):
+        if n == 1:
+            continue
+        if groups and groups[-1][1] == n * s:
+            size, _ = groups[-1]
+            groups[-1] = (size * n, s)
+        else:
+            groups.append((n, s))
+    return groups
+
+
+def device_empty(shape, dtype, fill=None):
+    """A new C-contiguous device array, optionally filled on the host first (tests use NaN)."""
+    if fill is None:
+        return cuda.device_array(shape, dtype=dtype)
+    return cuda.to_device(np.full(shape, fill, dtype=dtype))

@@ -1,0 +1,54 @@
+"""Choose between a real GPU and Numba's CUDA simulator, before numba is imported.
+
+Numba reads ``NUMBA_ENABLE_CUDASIM`` once, at import time, so the choice has to be
+made here, first thing in ``numba_flash/__init__.py``.
+
+* If the user has set ``NUMBA_ENABLE_CUDASIM`` (to anything), we obey it.
+* Otherwise we ask the CUDA driver (``libcuda``, through ctypes, without importing
+  numba) whether a device exists. If not, we switch the simulator on and say so once
+  with a :class:`SimulatorWarning`.
+
+``SIMULATOR`` is the decision; every other module reads it from here.
+"""
+import ctypes
+import os
+import sys
+import warnings
+
+
+class SimulatorWarning(UserWarning):
+    """numba_flash is running its kernels in Numba's CUDA simulator (slow, for tiny inputs)."""
+
+
+def _gpu_present():
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        count = ctypes.c_int(0)
+        try:
+            return lib.cuInit(0) == 0 and lib.cuDeviceGetCount(ctypes.byref(count)) == 0 and count.value > 0
+        except AttributeError:
+            return False
+    return False
+
+
+def _decide():
+    if "NUMBA_ENABLE_CUDASIM" in os.environ:
+        return os.environ["NUMBA_ENABLE_CUDASIM"] not in ("", "0")
+    if _gpu_present():
+        return False
+    numba = sys.modules.get("numba")
+    if numba is not None and not numba.config.ENABLE_CUDASIM:
+        # numba was imported before us without the simulator: too late to switch it on.
+        return False
+    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    warnings.warn(
+        "numba_flash: no CUDA GPU found, so kernels run in Numba's CUDA simulator "
+        "(correct but very slow: use tiny inputs). Set NUMBA_ENABLE_CUDASIM=0 to disable this.",
+        SimulatorWarning, stacklevel=3)
+    return True
+
+
+SIMULATOR = _decide()

@@ -1,0 +1,145 @@
+"""Float64 NumPy oracle for scaled dot-product attention (forward and backward).
+
+This module is the ground truth that the Numba CUDA kernels are tested
+against.  It is deliberately plain: it materialises the full score matrix,
+works in float64 and uses no numba.
+
+Notation follows the FlashAttention papers (Dao et al., 2022; Dao, 2023).
+For one head, with Q in R^{Nq x d}, K in R^{Nk x d}, V in R^{Nk x dv}::
+
+    S   = scale * Q K^T                      (Nq, Nk), scale = 1/sqrt(d) by default
+    S_ij = -inf where the causal mask hides key j from query i
+    m_i = max_j S_ij                         (Nq,)
+    l_i = sum_j exp(S_ij - m_i)              (Nq,)
+    L_i = m_i + log l_i   (logsumexp, "lse") (Nq,)
+    P   = exp(S - L)      (row softmax)      (Nq, Nk)
+    O   = P V                                (Nq, dv)
+
+Backward, given dO = dLoss/dO::
+
+    dV    = P^T dO                           (Nk, dv)
+    dP    = dO V^T                           (Nq, Nk)
+    D_i   = rowsum(dO * O)_i  ("delta")      (Nq,)
+    dS    = P * (dP - D)                     (Nq, Nk)
+    dQ    = scale * dS K                     (Nq, d)
+    dK    = scale * dS^T Q                   (Nk, d)
+
+All functions accept any number of leading (batch, head, ...) dims, which
+must be identical for q, k, v (NumPy broadcasting is used).  A query row that
+sees no key at all (causal with Nq > Nk, or Nk == 0) gets O_i = 0,
+L_i = -inf and zero gradients; no NaN and no floating-point warning is ever
+produced for such rows.
+"""
+
+import math
+
+import numpy as np
+
+__all__ = ["causal_mask", "attention_fwd", "attention", "attention_bwd"]
+
+
+def causal_mask(nq, nk):
+    """Bottom-right aligned causal mask, shape (nq, nk), dtype bool.
+
+    ``mask[i, j]`` is True where query i may see key j, i.e.
+    ``j <= i + nk - nq``.  The last query always sees every key; when
+    nq == nk this is the usual lower-triangular ``j <= i``.  This is the
+    convention of FlashAttention >= 2.1 (queries are the *last* nq positions
+    of a length-nk sequence, as in KV-cache decoding).
+
+    nq=3, nk=5 (offset +2)::
+
+              j: 0 1 2 3 4
+        i=0      x x x . .
+        i=1      x x x x .
+        i=2      x x x x x
+
+    nq=5, nk=3 (offset -2; rows 0 and 1 see nothing)::
+
+              j: 0 1 2
+        i=0      . . .
+        i=1      . . .
+        i=2      x . .
+        i=3      x x .
+        i=4      x x x
+
+    Note: PyTorch's ``scaled_dot_product_attention(..., is_causal=True)`` is
+    *top-left* aligned (``j <= i``, i.e. ``torch.ones(nq, nk).tril()``), so it
+    differs from this mask whenever nq != nk.
+    """
+    i = np.arange(nq)[:, None]
+    j = np.arange(nk)[None, :]
+    return j <= i + (nk - nq)
+
+
+def _prepare(q, k, v, scale):
+    q = np.asarray(q, dtype=np.float64)
+    k = np.asarray(k, dtype=np.float64)
+    v = np.asarray(v, dtype=np.float64)
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim < 2:
+            raise ValueError(f"{name} must have ndim >= 2, got shape {x.shape}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[-1])
+    return q, k, v, float(scale)
+
+
+def _probs(q, k, causal, scale):
+    """Return (P, lse): softmax probabilities (..., Nq, Nk) and lse (..., Nq).
+
+    Rows with no visible key give P_i = 0 and lse_i = -inf.
+    """
+    s = scale * np.matmul(q, np.swapaxes(k, -1, -2))  # (..., Nq, Nk)
+    if causal:
+        s = np.where(causal_mask(s.shape[-2], s.shape[-1]), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # (..., Nq, 1)
+    m = np.where(np.isfinite(m), m, 0.0)  # empty rows: avoid -inf - -inf
+    e = np.exp(s - m)  # masked entries -> exp(-inf) = 0
+    l = np.sum(e, axis=-1, keepdims=True)  # (..., Nq, 1); 0 for empty rows
+    visible = l > 0
+    p = e / np.where(visible, l, 1.0)
+    log_l = np.log(l, out=np.full_like(l, -np.inf), where=visible)
+    lse = (m + log_l)[..., 0]
+    return p, lse
+
+
+def attention_fwd(q, k, v, *, causal=False, scale=None):
+    """Attention forward pass; returns ``(out, lse)``.
+
+    q: (..., Nq, d), k: (..., Nk, d), v: (..., Nk, dv), same leading dims.
+    out: (..., Nq, dv) = softmax(scale * q k^T [masked]) v, float64.
+    lse: (..., Nq) natural-log logsumexp of the scaled visible scores
+    (-inf for a row that sees no key).  ``scale`` defaults to 1/sqrt(d);
+    ``causal`` uses :func:`causal_mask` (bottom-right aligned).
+    """
+    q, k, v, scale = _prepare(q, k, v, scale)
+    p, lse = _probs(q, k, causal, scale)
+    return np.matmul(p, v), lse
+
+
+def attention(q, k, v, *, causal=False, scale=None):
+    """Attention output only, shape (..., Nq, dv); see :func:`attention_fwd`."""
+    return attention_fwd(q, k, v, causal=causal, scale=scale)[0]
+
+
+def attention_bwd(dout, q, k, v, *, causal=False, scale=None):
+    """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, recomputing the forward.
+
+    dout: (..., Nq, dv).  Returns dq (..., Nq, d), dk (..., Nk, d),
+    dv (..., Nk, dv), all float64.  Formulas (module docstring)::
+
+        dV = P^T dO,  dP = dO V^T,  D = rowsum(dO * O),
+        dS = P * (dP - D),  dQ = scale dS K,  dK = scale dS^T Q
+    """
+    q, k, v, scale = _prepare(q, k, v, scale)
+    dout = np.asarray(dout, dtype=np.float64)
+    p, _ = _probs(q, k, causal, scale)
+    out = np.matmul(p, v)
+    pt = np.swapaxes(p, -1, -2)
+    dv = np.matmul(pt, dout)
+    dp = np.matmul(dout, np.swapaxes(v, -1, -2))
+    delta = np.sum(dout * out, axis=-1, keepdims=True)
+    ds = p * (dp - delta)
+    dq = scale * np.matmul(ds, k)
+    dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q)
+    return dq, dk, dv

@@ -1,0 +1,75 @@
+"""Warp-level operations that work both compiled and in Numba's CUDA simulator.
+
+Kernels call ``warp.shfl_xor_sync`` etc. from this module, never ``cuda.shfl_*``
+directly. Compiled, these are numba's own intrinsics. The simulator has none of
+them, so there they are emulated: each lane of a warp writes its value into a
+32-slot buffer, waits for the other participating lanes at a ``threading.Barrier``,
+reads the lane it asked for, and waits once more so the buffer can be reused.
+
+The emulation leans on two simulator internals (``BlockThread.thread_id`` and
+``BlockThread._manager``), which is one reason numba-cuda is pinned.
+"""
+import threading
+
+from numba import cuda
+
+from ._runtime import SIMULATOR
+
+FULL_MASK = 0xFFFFFFFF
+
+if not SIMULATOR:
+    shfl_sync = cuda.shfl_sync
+    shfl_xor_sync = cuda.shfl_xor_sync
+    shfl_down_sync = cuda.shfl_down_sync
+
+else:
+    _TIMEOUT_S = 60.0
+    _slots_lock = threading.Lock()
+
+    class _Slot:
+        def __init__(self, parties):
+            self.values = [None] * 32
+            self.barrier = threading.Barrier(parties)
+
+    def _slot(thread, mask):
+        mgr = thread._manager
+        warp = thread.thread_id // 32
+        with _slots_lock:
+            table = mgr.__dict__.setdefault("_numba_flash_warps", {})
+            slot = table.get((warp, mask))
+            if slot is None:
+                nthreads = 1
+                for n in mgr._block_dim:
+                    nthreads *= n
+                lanes = min(32, nthreads - 32 * warp)
+                parties = bin(mask & ((1 << lanes) - 1)).count("1")
+                slot = table[(warp, mask)] = _Slot(parties)
+        return slot
+
+    def _exchange(mask, value):
+        """Rendezvous of the lanes in ``mask``; returns (my lane, every lane's value)."""
+        t = threading.current_thread()
+        lane = t.thread_id % 32
+        s = _slot(t, int(mask))
+        s.values[lane] = value
+        try:
+            s.barrier.wait(_TIMEOUT_S)
+            values = list(s.values)
+            s.barrier.wait(_TIMEOUT_S)
+        except threading.BrokenBarrierError:
+            raise RuntimeError("warp shuffle: a lane named in the mask never arrived "
+                               "(a lane returned early or took another branch)") from None
+        return lane, values
+
+    def shfl_sync(mask, value, src_lane):
+        lane, values = _exchange(mask, value)
+        return values[int(src_lane) % 32]
+
+    def shfl_xor_sync(mask, value, lane_mask):
+        lane, values = _exchange(mask, value)
+        return values[(lane ^ int(lane_mask)) % 32]
+
+    def shfl_down_sync(mask, value, delta):
+        lane, values = _exchange(mask, value)
+        src = lane + int(delta)
+        return values[src] if src < 32 else value
