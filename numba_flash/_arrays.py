@@ -46,6 +46,24 @@ def as_numba_device(x):
     return cuda.from_cuda_array_interface(desc, owner=x)
 
 
+def device_pointer(ary):
+    """Address of the first element (the simulator's is the host buffer's)."""
+    if SIMULATOR:
+        return ary._ary.ctypes.data
+    return ary.__cuda_array_interface__["data"][0]
+
+
+def rows_aligned16(ary):
+    """Every row starts on a 16-byte boundary and rows are contiguous (cp.async can copy them)."""
+    isz = ary.dtype.itemsize
+    shape, strides = tuple(ary.shape), tuple(ary.strides)
+    if shape[-1] > 1 and strides[-1] != isz:
+        return False
+    if any(n > 1 and s % 16 for n, s in zip(shape[:-1], strides[:-1])):
+        return False
+    return device_pointer(ary) % 16 == 0
+
+
 def strided_view(ary, shape, strides):
     """View of a device array with a new shape and byte strides (same memory)."""
     if SIMULATOR:

@@ -142,13 +142,14 @@ def _forward(q, k, v, causal, scale):
         if inp.on_device:
             return _arrays.device_empty(out_shape, inp.dtype), _arrays.device_empty(lse.shape, inp.dtype)
         return out, lse
-    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal)
+    qd, kd, vd = (_to_device(inp, a) for a in inp.arrays)
+    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal,
+                                           all(_arrays.rows_aligned16(a) for a in (qd, kd, vd)))
     t = spec.tiling
     kern = spec.kernel()
     out = _arrays.device_empty(out_shape, inp.dtype, _POISON)
     lse4 = _arrays.device_empty(inp.lead + (inp.nq, 1), inp.dtype, _POISON)  # folds like out
     lse = _arrays.strided_view(lse4, lse4.shape[:-1], lse4.strides[:-1])
-    qd, kd, vd = (_to_device(inp, a) for a in inp.arrays)
     scale_log2 = inp.dtype.type(inp.scale * LOG2E)
     parts = zip(*(_kernel_views(a, n, dd) for a, n, dd in
                   ((qd, inp.nq, inp.d), (kd, inp.nk, inp.d), (vd, inp.nk, inp.d),

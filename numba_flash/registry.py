@@ -7,6 +7,8 @@ dtype × head dim × causal.
 """
 import dataclasses
 
+import numpy as np
+
 from ._runtime import SIMULATOR
 from .kernels.forward import Tiling, make_forward, smem_words
 
@@ -55,14 +57,20 @@ class Specialisation:
     dtype: str
     d: int
     causal: bool
+    use_async: bool   # cp.async tile loads (needs 16-byte aligned rows and unit inner stride)
     tiling: Tiling
 
     @property
+    def name(self):
+        return (f"{self.variant}/{self.dtype}/d{self.d}/{'causal' if self.causal else 'full'}"
+                f"/{'async' if self.use_async else 'plain'}")
+
+    @property
     def smem_bytes(self):
-        return smem_words(self.tiling) * (4 if self.dtype == "float32" else 8)
+        return smem_words(self.d, self.tiling) * (4 if self.dtype == "float32" else 8)
 
     def kernel(self):
-        return make_forward(self.dtype, self.d, self.tiling, self.causal)
+        return make_forward(self.dtype, self.d, self.tiling, self.causal, self.use_async)
 
     def signature(self, layout="C"):
         """Numba signature string for PTX compilation (4-D q, k, v, out; 3-D lse)."""
@@ -75,8 +83,15 @@ VARIANTS = {
 }
 
 
-def forward_specialisation(dtype_name: str, d: int, causal: bool, simulator: bool = SIMULATOR):
-    return Specialisation("forward_simt", dtype_name, d, causal, forward_tiling(dtype_name, d, simulator))
+def async_possible(dtype_name: str, d: int):
+    """cp.async moves 16 bytes: rows of d elements must be a whole number of them."""
+    return d % (16 // np.dtype(dtype_name).itemsize) == 0
+
+
+def forward_specialisation(dtype_name: str, d: int, causal: bool, use_async: bool,
+                           simulator: bool = SIMULATOR):
+    return Specialisation("forward_simt", dtype_name, d, causal, use_async and async_possible(dtype_name, d),
+                          forward_tiling(dtype_name, d, simulator))
 
 
 def specialisations(simulator: bool = False):
@@ -84,4 +99,5 @@ def specialisations(simulator: bool = False):
     for dt in DTYPES:
         for d in HEAD_DIMS:
             for causal in (False, True):
-                yield forward_specialisation(dt, d, causal, simulator)
+                for use_async in (True, False):
+                    yield forward_specialisation(dt, d, causal, use_async, simulator)

@@ -18,13 +18,22 @@ Thread layout: ``NT = RG × CG`` threads; thread (r, c) with ``r = tid // CG`` a
 
 * score columns ``c + CG·j`` (j < TN): neighbouring lanes read neighbouring K rows,
   whose shared-memory stride ``DK + 4`` words makes the 128-bit loads conflict-free;
-* output columns ``4·(c + CG·m) + e`` (m < DO/(4·CG), e < 4): neighbouring lanes read
+* output columns ``4·(c + CG·g) + f`` (g < DO/(4·CG), f < 4): neighbouring lanes read
   neighbouring 16-byte chunks of a V row.
 
 The CG lanes that share a row are consecutive lanes of one warp, so row max and row
 sum are ``log2(CG)`` butterfly shuffles. The row sum ``l`` stays a per-lane partial
 sum until the end (every lane of a row applies the same rescale factor), so only the
 max is reduced inside the loop.
+
+Loads. With ``ASYNC`` (rows 16-byte aligned, unit inner stride: decided by the API)
+tiles move global → shared with ``cp.async``, overlapped with compute:
+
+    d <= DK (one chunk):  wait K(j) · S = Q Kᵀ · softmax · wait V(j) · issue K(j+1)
+                          · O += P V · issue V(j+1)
+    d >  DK (chunks):     chunk c+1 of Q and K is in flight while chunk c is used.
+
+Otherwise tiles are copied with plain loads, eight in flight per thread.
 
 Head dims larger than ``DK`` are streamed through shared memory in chunks of ``DK``
 for S = Q Kᵀ. Head dims larger than ``DO`` are split across ``ceil(D / DO)`` blocks
@@ -49,6 +58,7 @@ from .._runtime import SIMULATOR
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x · log2 e)
 LN2 = 0.6931471805599453
 PAD = 4  # words of padding per shared-memory row: keeps rows 16-byte aligned and shifts banks
+COPY_BATCH = 8  # plain-load copies: loads in flight per thread before their stores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,36 +84,46 @@ class Tiling:
         return self.RG * self.CG
 
 
-def smem_words(t: Tiling):
-    """Dynamic shared memory of one block, in elements: Q, K, V and P tiles."""
-    qs = t.DK + PAD
-    return t.BM * qs + t.BN * qs + t.BN * t.DO + t.BM * (t.BN + PAD)
+def chunks(d, t: Tiling):
+    return -(-d // t.DK)
+
+
+def smem_words(d, t: Tiling):
+    """Dynamic shared memory of one block, in elements: Q, K (two slots when chunked), V, P."""
+    qk = (t.BM + t.BN) * (t.DK + PAD) * (2 if chunks(d, t) > 1 else 1)
+    return qk + t.BN * t.DO + t.BM * (t.BN + PAD)
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool):
-    """Build the forward kernel for one (dtype, head dim, tiling, causal) specialisation.
+def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bool):
+    """Build the forward kernel for one (dtype, head dim, tiling, causal, async) specialisation.
 
     Kernel arguments: ``q (B1, B2, Nq, D)``, ``k (B1, B2, Nk, D)``, ``v (B1, B2, Nk, D)``
-    (any strides), ``out (B1, B2, Nq, D)``, ``lse (B1, B2, Nq)``, ``scale_log2`` (scale ·
-    log2 e, in the dtype). Launch with ``grid = (ceil(Nq / BM) · B1 · B2, ceil(D / DO))``, ``block = RG · CG`` and
-    ``smem_words(t) · itemsize`` bytes of dynamic shared memory.
+    (any strides; with ``use_async`` the last stride must be 1 and rows 16-byte
+    aligned), ``out (B1, B2, Nq, D)``, ``lse (B1, B2, Nq)``, ``scale_log2`` (scale ·
+    log2 e, in the dtype). Launch with ``grid = (ceil(Nq / BM) · B1 · B2, ceil(D / DO))``,
+    ``block = RG · CG`` and ``smem_words(D, t) · itemsize`` bytes of dynamic shared memory.
     """
     np_dt = np.dtype(dtype_name)
     TM, TN, CG, RG, DK, DO = t.TM, t.TN, t.CG, t.RG, t.DK, t.DO
     BM, BN, NT = t.BM, t.BN, t.threads
     assert CG & (CG - 1) == 0 and CG <= 32 and NT % 32 == 0
     assert DK % 8 == 0 and DO % (4 * CG) == 0
-    NKC = -(-D // DK)                  # head-dim chunks for S = Q Kᵀ
+    NKC = chunks(D, t)                 # head-dim chunks for S = Q Kᵀ
     VO4 = DO // (4 * CG)               # 4-wide output column groups per thread
     VO = 4 * VO4                       # output columns per thread
     QS = DK + PAD                      # row stride of the Q and K tiles
     PS = BN + PAD                      # row stride of the P tile
-    Q_OFF, K_OFF = 0, BM * QS
-    V_OFF = K_OFF + BN * QS
+    SLOT = (BM + BN) * QS              # one Q+K chunk slot
+    Q_OFF, K_OFF = 0, BM * QS          # within a slot
+    V_OFF = SLOT * (2 if NKC > 1 else 1)
     P_OFF = V_OFF + BN * DO
     END = P_OFF + BM * PS
+    assert END == smem_words(D, t)
     SHUFFLE_OFFSETS = tuple(CG >> (s + 1) for s in range(int(math.log2(CG))))
+    E16 = 16 // np_dt.itemsize         # elements per 16-byte cp.async
+    if use_async:
+        assert D % E16 == 0
     # 128-bit shared loads for float32; plain loads for float64 (and in the simulator).
     LD4 = ops.ld_shared_x4 if np_dt == np.float32 else ops.ld_x4
     DT = np_dt.type
@@ -112,18 +132,103 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool):
     ALIGN = None if SIMULATOR else 16   # the simulator accepts only alignment=None
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
-    @cuda.jit(device=True, inline="always")
-    def load_tile(dst, dst_off, dst_stride, src, b1, b2, row0, nrows, col0, ncols, n_lim, d_lim, tid):
-        """dst[r, c] = src[b1, b2, row0 + r, col0 + c], zero outside (n_lim, d_lim); coalesced along c."""
-        for idx in range(tid, nrows * ncols, NT):
-            r = idx // ncols
-            c = idx - r * ncols
-            gr = row0 + r
-            gc = col0 + c
-            x = ZERO
-            if gr < n_lim and gc < d_lim:
-                x = src[b1, b2, gr, gc]
-            dst[dst_off + r * dst_stride + c] = x
+    def copy_tile(dst, dst_off, dst_stride, src, b1, b2, row0, NROWS, col0, NCOLS, n_lim, tid):
+        """dst[r, c] = src[b1, b2, row0 + r, col0 + c] for r < NROWS, c < NCOLS; zero outside
+        (n_lim rows, D columns). Asynchronous with ``use_async`` (completes at cp_async_wait)."""
+        if use_async:
+            CPR = NCOLS // E16                     # 16-byte chunks per row
+            for it in range(-(-NROWS * CPR // NT)):
+                ch = tid + it * NT
+                if ch < NROWS * CPR:
+                    r = ch // CPR
+                    cc = (ch - r * CPR) * E16
+                    gr = row0 + r
+                    gc = col0 + cc
+                    ok = gr < n_lim and gc < D
+                    # A zero-byte copy still needs a valid address: point it at element 0.
+                    ops.cp_async16(dst, dst_off + r * dst_stride + cc, src, b1, b2,
+                                   gr if ok else 0, gc if ok else 0, 16 if ok else 0)
+        else:
+            buf = cuda.local.array(COPY_BATCH, nb_dt)
+            for it0 in range(0, -(-NROWS * NCOLS // NT), COPY_BATCH):
+                for u in range(COPY_BATCH):        # all loads first: COPY_BATCH in flight
+                    idx = tid + (it0 + u) * NT
+                    r = idx // NCOLS
+                    gr = row0 + r
+                    gc = col0 + idx - r * NCOLS
+                    x = ZERO
+                    if idx < NROWS * NCOLS and gr < n_lim and gc < D:
+                        x = src[b1, b2, gr, gc]
+                    buf[u] = x
+                for u in range(COPY_BATCH):
+                    idx = tid + (it0 + u) * NT
+                    if idx < NROWS * NCOLS:
+                        r = idx // NCOLS
+                        dst[dst_off + r * dst_stride + idx - r * NCOLS] = buf[u]
+
+    def qk_chunk(smem, q_off, k_off, s, qv, kv, r, c):
+        """s += Q Kᵀ over one head-dim chunk held at q_off / k_off."""
+        for kk in range(0, DK, 4):
+            for i in range(TM):
+                qv[i, 0], qv[i, 1], qv[i, 2], qv[i, 3] = LD4(smem, q_off + (r * TM + i) * QS + kk)
+            for j in range(TN):
+                kv[j, 0], kv[j, 1], kv[j, 2], kv[j, 3] = LD4(smem, k_off + (c + CG * j) * QS + kk)
+            for i in range(TM):
+                for j in range(TN):
+                    acc = s[i, j]
+                    for e in range(4):
+                        acc += qv[i, e] * kv[j, e]
+                    s[i, j] = acc
+
+    def softmax_update(smem, s, o, m, l, scale_log2, r, c, q0, k0, Nk, diag):
+        """Online softmax on one S tile: rescale O and l, write P = exp2(S - m) to shared memory."""
+        needs_mask = k0 + BN > Nk
+        if causal:
+            needs_mask = needs_mask or k0 + BN - 1 > q0 + diag
+        for i in range(TM):
+            row = q0 + r * TM + i
+            mx = NEG_INF
+            for j in range(TN):
+                x = s[i, j] * scale_log2
+                if needs_mask:
+                    key = k0 + c + CG * j
+                    if key >= Nk or (causal and key > row + diag):
+                        x = NEG_INF
+                s[i, j] = x
+                mx = max(mx, x)
+            for off in SHUFFLE_OFFSETS:
+                mx = max(mx, warp.shfl_xor_sync(warp.FULL_MASK, mx, off))
+            m_new = max(m[i], mx)
+            # A row that has seen no visible key yet keeps m = -inf; exponentiate
+            # against 0 instead so that exp2(-inf - -inf) never makes a NaN.
+            m_use = ZERO if m_new == NEG_INF else m_new
+            alpha = math.exp2(m[i] - m_use)
+            m[i] = m_new
+            rs = ZERO
+            for j in range(TN):
+                p = math.exp2(s[i, j] - m_use)
+                rs += p
+                smem[P_OFF + (r * TM + i) * PS + c + CG * j] = p
+            l[i] = l[i] * alpha + rs
+            for jo in range(VO):
+                o[i, jo] *= alpha
+
+    def pv_tile(smem, o, pv, vv, r, c):
+        """O += P V for one tile."""
+        for jj in range(0, BN, 4):
+            for i in range(TM):
+                pv[i, 0], pv[i, 1], pv[i, 2], pv[i, 3] = LD4(smem, P_OFF + (r * TM + i) * PS + jj)
+            for e in range(4):
+                for g in range(VO4):
+                    vv[0], vv[1], vv[2], vv[3] = LD4(smem, V_OFF + (jj + e) * DO + 4 * (c + CG * g))
+                    for i in range(TM):
+                        p = pv[i, e]
+                        for f in range(4):
+                            o[i, 4 * g + f] += p * vv[f]
+
+    if not SIMULATOR:
+        copy_tile, qk_chunk, softmax_update, pv_tile = (
+            cuda.jit(device=True, inline="always")(f) for f in (copy_tile, qk_chunk, softmax_update, pv_tile))
 
     @cuda.jit(**JIT)
     def forward(q, k, v, out, lse, scale_log2):
@@ -165,80 +270,56 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool):
         n_kt = (max(kv_end, 0) + BN - 1) // BN
 
         if NKC == 1:
-            load_tile(smem, Q_OFF, QS, q, b1, b2, q0, BM, 0, DK, Nq, D, tid)
+            # Prologue: Q (once) and K(0) in one group, V(0) in the next.
+            copy_tile(smem, Q_OFF, QS, q, b1, b2, q0, BM, 0, DK, Nq, tid)
+            if n_kt > 0:
+                copy_tile(smem, K_OFF, QS, k, b1, b2, 0, BN, 0, DK, Nk, tid)
+            ops.cp_async_commit()
+            if n_kt > 0:
+                copy_tile(smem, V_OFF, DO, v, b1, b2, 0, BN, d0, DO, Nk, tid)
+            ops.cp_async_commit()
 
         for kt in range(n_kt):
             k0 = kt * BN
-            # ---- S = Q Kᵀ over head-dim chunks -------------------------------------
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO
-            for kc in range(NKC):
-                if NKC > 1:
-                    load_tile(smem, Q_OFF, QS, q, b1, b2, q0, BM, kc * DK, DK, Nq, D, tid)
-                load_tile(smem, K_OFF, QS, k, b1, b2, k0, BN, kc * DK, DK, Nk, D, tid)
-                if kc == 0:
-                    load_tile(smem, V_OFF, DO, v, b1, b2, k0, BN, d0, DO, Nk, D, tid)
-                cuda.syncthreads()  # Q/K/V tiles written before any thread reads them
-                for kk in range(0, DK, 4):
-                    for i in range(TM):
-                        qv[i, 0], qv[i, 1], qv[i, 2], qv[i, 3] = LD4(smem, Q_OFF + (r * TM + i) * QS + kk)
-                    for j in range(TN):
-                        kv[j, 0], kv[j, 1], kv[j, 2], kv[j, 3] = LD4(smem, K_OFF + (c + CG * j) * QS + kk)
-                    for i in range(TM):
-                        for j in range(TN):
-                            acc = s[i, j]
-                            for e in range(4):
-                                acc += qv[i, e] * kv[j, e]
-                            s[i, j] = acc
-                if NKC > 1:
-                    cuda.syncthreads()  # all reads of this Q/K chunk done before the next overwrites it
+            if NKC == 1:
+                ops.cp_async_wait(1)       # Q and K(kt) have landed (V(kt) may still be in flight)
+                cuda.syncthreads()         # ... for every thread's copies, not just this one's
+                qk_chunk(smem, Q_OFF, K_OFF, s, qv, kv, r, c)
+            else:
+                # V(kt) joins chunk 0's group; chunk c+1 is in flight while chunk c is used.
+                copy_tile(smem, V_OFF, DO, v, b1, b2, k0, BN, d0, DO, Nk, tid)
+                copy_tile(smem, Q_OFF, QS, q, b1, b2, q0, BM, 0, DK, Nq, tid)
+                copy_tile(smem, K_OFF, QS, k, b1, b2, k0, BN, 0, DK, Nk, tid)
+                ops.cp_async_commit()
+                for kc in range(NKC):
+                    slot = (kc & 1) * SLOT
+                    if kc + 1 < NKC:
+                        nxt = SLOT - slot  # the other slot: last read in chunk kc-1, before its barrier
+                        copy_tile(smem, nxt + Q_OFF, QS, q, b1, b2, q0, BM, (kc + 1) * DK, DK, Nq, tid)
+                        copy_tile(smem, nxt + K_OFF, QS, k, b1, b2, k0, BN, (kc + 1) * DK, DK, Nk, tid)
+                        ops.cp_async_commit()
+                        ops.cp_async_wait(1)   # chunk kc (and V) landed; chunk kc+1 in flight
+                    else:
+                        ops.cp_async_wait(0)
+                    cuda.syncthreads()         # chunk kc visible to all threads
+                    qk_chunk(smem, slot + Q_OFF, slot + K_OFF, s, qv, kv, r, c)
+                    cuda.syncthreads()         # chunk kc fully read before its slot is refilled
 
-            # ---- online softmax (log2 units) --------------------------------------
-            needs_mask = k0 + BN > Nk
-            if causal:
-                needs_mask = needs_mask or k0 + BN - 1 > q0 + diag
-            for i in range(TM):
-                row = q0 + r * TM + i
-                mx = NEG_INF
-                for j in range(TN):
-                    x = s[i, j] * scale_log2
-                    if needs_mask:
-                        key = k0 + c + CG * j
-                        if key >= Nk or (causal and key > row + diag):
-                            x = NEG_INF
-                    s[i, j] = x
-                    mx = max(mx, x)
-                for off in SHUFFLE_OFFSETS:
-                    mx = max(mx, warp.shfl_xor_sync(warp.FULL_MASK, mx, off))
-                m_new = max(m[i], mx)
-                # A row that has seen no visible key yet keeps m = -inf; exponentiate
-                # against 0 instead so that exp2(-inf - -inf) never makes a NaN.
-                m_use = ZERO if m_new == NEG_INF else m_new
-                alpha = math.exp2(m[i] - m_use)
-                m[i] = m_new
-                rs = ZERO
-                for j in range(TN):
-                    p = math.exp2(s[i, j] - m_use)
-                    rs += p
-                    smem[P_OFF + (r * TM + i) * PS + c + CG * j] = p
-                l[i] = l[i] * alpha + rs
-                for jo in range(VO):
-                    o[i, jo] *= alpha
-            cuda.syncthreads()  # P tile complete before P·V reads other lanes' entries
-
-            # ---- O += P V ----------------------------------------------------------
-            for jj in range(0, BN, 4):
-                for i in range(TM):
-                    pv[i, 0], pv[i, 1], pv[i, 2], pv[i, 3] = LD4(smem, P_OFF + (r * TM + i) * PS + jj)
-                for e in range(4):
-                    for g in range(VO4):
-                        vv[0], vv[1], vv[2], vv[3] = LD4(smem, V_OFF + (jj + e) * DO + 4 * (c + CG * g))
-                        for i in range(TM):
-                            p = pv[i, e]
-                            for f in range(4):
-                                o[i, 4 * g + f] += p * vv[f]
-            cuda.syncthreads()  # K, V and P tiles fully read before the next tile overwrites them
+            softmax_update(smem, s, o, m, l, scale_log2, r, c, q0, k0, Nk, diag)
+            if NKC == 1:
+                ops.cp_async_wait(0)       # V(kt) has landed
+            cuda.syncthreads()             # P and V complete; every thread is done reading K(kt)
+            if NKC == 1 and kt + 1 < n_kt:
+                copy_tile(smem, K_OFF, QS, k, b1, b2, k0 + BN, BN, 0, DK, Nk, tid)  # overlaps P V
+                ops.cp_async_commit()
+            pv_tile(smem, o, pv, vv, r, c)
+            cuda.syncthreads()             # V and P fully read before they are overwritten
+            if NKC == 1 and kt + 1 < n_kt:
+                copy_tile(smem, V_OFF, DO, v, b1, b2, k0 + BN, BN, d0, DO, Nk, tid)  # overlaps next S
+                ops.cp_async_commit()
 
         # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------
         for i in range(TM):

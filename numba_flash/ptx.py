@@ -1,0 +1,56 @@
+"""Compile every registered kernel specialisation to PTX, without a GPU.
+
+    python -m numba_flash.ptx --cc 9.0          # one JSON line per specialisation
+
+Must run with ``NUMBA_ENABLE_CUDASIM=0`` (the simulator cannot compile); NVVM comes
+from the ``numba-cuda[cu13]`` wheels, so no GPU or CUDA toolkit is needed. The test
+suite runs this in a subprocess and checks what each PTX contains.
+"""
+import argparse
+import json
+import sys
+
+
+def features(ptx: str) -> dict:
+    """Instructions the tests look for in a kernel's PTX."""
+    return {
+        "shfl.sync": ptx.count("shfl.sync"),
+        "ld.shared.v4": ptx.count("ld.shared.v4"),
+        "local": ptx.count(".local"),
+        "f64": ptx.count(".f64"),
+        "mma.sync": ptx.count("mma.sync"),
+        "ldmatrix": ptx.count("ldmatrix"),
+        "cp.async": ptx.count("cp.async.cg"),
+    }
+
+
+def compile_spec(spec, cc, layout="C"):
+    from numba import cuda
+    kern = spec.kernel()
+    ptx, _ = cuda.compile_ptx(kern.py_func, spec.signature(layout), cc=cc,
+                              launch_bounds=(spec.tiling.threads, 1))
+    return ptx
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--cc", default="9.0", help="compute capability, e.g. 8.0 or 9.0")
+    p.add_argument("--layout", default="C", choices=["C", "A"], help="array layout of q, k, v")
+    p.add_argument("--only", default=None, help="substring filter on the specialisation name")
+    a = p.parse_args(argv)
+    from ._runtime import SIMULATOR
+    if SIMULATOR:
+        sys.exit("numba_flash.ptx: run with NUMBA_ENABLE_CUDASIM=0 (the simulator cannot compile PTX)")
+    from . import registry
+    cc = tuple(int(x) for x in a.cc.split("."))
+    for spec in registry.specialisations():
+        name = spec.name
+        if a.only and a.only not in name:
+            continue
+        ptx = compile_spec(spec, cc, a.layout)
+        print(json.dumps({"name": name, "dtype": spec.dtype, "cc": a.cc, "layout": a.layout,
+                          **features(ptx)}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
