@@ -1,9 +1,7 @@
 """Array kinds: NumPy on the host, and device arrays from Numba, CuPy, PyTorch, JAX, ...
 
-Kernels take 4-D views ``(B1, B2, N, d)`` with arbitrary strides. Any number of
-leading dims is folded into at most two strided dims without copying; the rare
-layouts that need more (three or more leading dims that cannot be merged) are
-handled by the caller, one launch per outer index.
+Kernels take 4-D views ``(B1, B2, N, d)`` with arbitrary strides (see
+``api._kernel_views``), so device inputs are never copied.
 """
 import numpy as np
 from numba import cuda
@@ -30,12 +28,22 @@ def is_device_array(x):
     return False
 
 
+def producer_stream(x):
+    """The stream a device array's producer last used, from ``__cuda_array_interface__``
+    (CuPy, PyTorch): a handle, or None when the producer names none (Numba arrays)."""
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None or getattr(x, "__cuda_ndarray__", False):
+        return None
+    return cai.get("stream")
+
+
 def as_numba_device(x):
-    """A Numba device array viewing the same device memory (no copy)."""
+    """A Numba device array viewing the same device memory (no copy, no synchronisation:
+    ``api`` orders the launch after the producer's stream instead)."""
     if getattr(x, "__cuda_ndarray__", False):
         return x
     if hasattr(x, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(x)
+        return cuda.as_cuda_array(x, sync=False)
     # DLPack-only producers: read pointer, shape and strides, then view through the CAI.
     from cuda.core.utils import StridedMemoryView
     view = StridedMemoryView(x, stream_ptr=-1)
@@ -70,24 +78,6 @@ def strided_view(ary, shape, strides):
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
         return FakeCUDAArray(np.lib.stride_tricks.as_strided(ary._ary, shape, strides))
     return DeviceNDArray(tuple(shape), tuple(strides), ary.dtype, gpu_data=ary.gpu_data)
-
-
-def fold_leading(shape, strides):
-    """Merge adjacent leading dims whose strides allow it.
-
-    ``shape``/``strides`` are the leading dims only. Returns a list of (size, stride)
-    groups, outermost first; size-1 dims are dropped.
-    """
-    groups = []
-    for n, s in zip(shape, strides):
-        if n == 1:
-            continue
-        if groups and groups[-1][1] == n * s:
-            size, _ = groups[-1]
-            groups[-1] = (size * n, s)
-        else:
-            groups.append((n, s))
-    return groups
 
 
 def device_empty(shape, dtype, fill=None):

@@ -33,7 +33,9 @@ class _Inputs:
             raise TypeError(f"q, k and v must all be NumPy arrays or all be CUDA device arrays; {desc}. "
                             "Move them to the same side first (e.g. numba.cuda.to_device or .copy_to_host()).")
         self.on_device = kinds[0] == "device"
+        self.stream = 0
         if self.on_device:
+            self.stream = _launch_stream(arrays)
             arrays = [_arrays.as_numba_device(a) for a in arrays]
         self.arrays = arrays
         dtypes = [np.dtype(a.dtype) for a in arrays]
@@ -44,24 +46,23 @@ class _Inputs:
             raise TypeError(f"q, k and v must have the same dtype, got {desc}. Cast them to one dtype "
                             "(float32 or float64) first.")
         self.dtype = dtypes[0]
-        q, k, v = arrays[:3]
-        for a, n in zip(arrays, names):
-            if a.ndim < 2:
-                raise ValueError(f"{n} must have at least 2 dims (..., N, d), got shape {tuple(a.shape)}.")
-        if not (q.ndim == k.ndim == v.ndim and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]):
-            raise ValueError(f"q, k and v must have identical leading dims, got q {tuple(q.shape)}, "
-                             f"k {tuple(k.shape)}, v {tuple(v.shape)}. Broadcast or reshape them first.")
-        self.lead = tuple(q.shape[:-2])
-        self.nq, self.d = q.shape[-2], q.shape[-1]
-        self.nk = k.shape[-2]
-        if k.shape[-1] != self.d or v.shape[-1] != self.d:
-            raise ValueError(f"q, k and v must share the head dim d (last axis), got q {tuple(q.shape)}, "
-                             f"k {tuple(k.shape)}, v {tuple(v.shape)}.")
-        if v.shape[-2] != self.nk:
-            raise ValueError(f"k and v must have the same length Nk (axis -2), got k {tuple(k.shape)} "
-                             f"and v {tuple(v.shape)}.")
+        # tuple(): the simulator's device-array shapes do not support negative indices
+        q, k, v = (tuple(a.shape) for a in arrays[:3])
+        for shape, n in zip((q, k, v), names):
+            if len(shape) < 2:
+                raise ValueError(f"{n} must have at least 2 dims (..., N, d), got shape {shape}.")
+        if not (len(q) == len(k) == len(v) and q[:-2] == k[:-2] == v[:-2]):
+            raise ValueError(f"q, k and v must have identical leading dims, got q {q}, k {k}, v {v}. "
+                             "Broadcast or reshape them first.")
+        self.lead = q[:-2]
+        self.nq, self.d = q[-2], q[-1]
+        self.nk = k[-2]
+        if k[-1] != self.d or v[-1] != self.d:
+            raise ValueError(f"q, k and v must share the head dim d (last axis), got q {q}, k {k}, v {v}.")
+        if v[-2] != self.nk:
+            raise ValueError(f"k and v must have the same length Nk (axis -2), got k {k} and v {v}.")
         if self.d < 1:
-            raise ValueError(f"the head dim d must be at least 1, got q {tuple(q.shape)}.")
+            raise ValueError(f"the head dim d must be at least 1, got q {q}.")
         if self.nq > MAX_LEN or self.nk > MAX_LEN:
             raise ValueError(f"sequence lengths must be below 2**31, got Nq={self.nq}, Nk={self.nk}.")
         self.scale = _check_scale(scale, self.d)
@@ -70,6 +71,21 @@ class _Inputs:
     @property
     def empty(self):
         return self.batch == 0 or self.nq == 0
+
+
+def _launch_stream(arrays):
+    """Launch on the producer's stream when all inputs name the same one (CuPy, PyTorch);
+    otherwise wait for each named stream and launch on the default stream."""
+    from numba import cuda
+    streams = {_arrays.producer_stream(a) for a in arrays}
+    streams.discard(None)
+    if not streams:
+        return 0
+    if len(streams) == 1:
+        return cuda.external_stream(streams.pop())
+    for handle in streams:
+        cuda.external_stream(handle).synchronize()
+    return 0
 
 
 def _kind(x, name):
@@ -102,27 +118,39 @@ def _check_scale(scale, d):
 
 
 # --------------------------------------------------------------------------- views
-def _kernel_views(x, n, d):
-    """4-D (B1, B2, n, d) views of an array with leading dims, one per launch.
+def _kernel_views(arrays):
+    """4-D ``(B1, B2, N, d)`` views of arrays that share their leading dims, per launch.
 
-    Returns ``[(index, view)]`` where ``index`` is the outer leading index (a tuple) the
-    view covers; only layouts whose leading dims fold into more than two strided
-    groups need more than one entry.
+    The leading dims are folded into at most two strided dims, merging a dim into its
+    outer neighbour only where that is valid for *every* array, so that block ``b``
+    reads the same leading index in each. Returns a list of per-launch tuples of views;
+    only layouts that fold into three or more groups need more than one launch (one
+    per index of the outermost leading dim).
     """
-    lead, lstrides = tuple(x.shape[:-2]), tuple(x.strides[:-2])
-    inner = tuple(x.strides[-2:])
-    groups = _arrays.fold_leading(lead, lstrides)
+    shapes = [tuple(a.shape) for a in arrays]
+    strides = [tuple(a.strides) for a in arrays]
+    lead = shapes[0][:-2]
+    groups = []   # [(size, [stride per array])], outermost first
+    for i, n in enumerate(lead):
+        if n == 1:
+            continue
+        st = [s[i] for s in strides]
+        if groups and all(prev == n * x for prev, x in zip(groups[-1][1], st)):
+            groups[-1] = (groups[-1][0] * n, st)
+        else:
+            groups.append((n, st))
     if len(groups) <= 2:
-        groups = [(1, 0)] * (2 - len(groups)) + groups
-        shape = (groups[0][0], groups[1][0], n, d)
-        strides = (groups[0][1], groups[1][1]) + inner
-        return [((), _arrays.strided_view(x, shape, strides))]
-    # Three or more unmergeable groups: launch per index of the outermost leading dim.
-    views = []
-    for i in range(x.shape[0]):
-        for idx, view in _kernel_views(x[i], n, d):
-            views.append(((i,) + idx, view))
-    return views
+        groups = [(1, [0] * len(arrays))] * (2 - len(groups)) + groups
+        return [tuple(
+            _arrays.strided_view(a, (groups[0][0], groups[1][0]) + shapes[j][-2:],
+                                 (groups[0][1][j], groups[1][1][j]) + strides[j][-2:])
+            for j, a in enumerate(arrays))]
+    first = next(i for i, n in enumerate(lead) if n != 1)
+    index = (0,) * first
+    launches = []
+    for i in range(lead[first]):
+        launches += _kernel_views([a[index + (i,)] for a in arrays])
+    return launches
 
 
 def _to_device(inp, x):
@@ -151,17 +179,14 @@ def _forward(q, k, v, causal, scale):
     lse4 = _arrays.device_empty(inp.lead + (inp.nq, 1), inp.dtype, _POISON)  # folds like out
     lse = _arrays.strided_view(lse4, lse4.shape[:-1], lse4.strides[:-1])
     scale_log2 = inp.dtype.type(inp.scale * LOG2E)
-    parts = zip(*(_kernel_views(a, n, dd) for a, n, dd in
-                  ((qd, inp.nq, inp.d), (kd, inp.nk, inp.d), (vd, inp.nk, inp.d),
-                   (out, inp.nq, inp.d), (lse4, inp.nq, 1))))
-    for (_, q4), (_, k4), (_, v4), (_, o4), (_, l4) in parts:
+    for q4, k4, v4, o4, l4 in _kernel_views([qd, kd, vd, out, lse4]):
         b = q4.shape[0] * q4.shape[1]
         grid = (-(-inp.nq // t.BM) * b, -(-inp.d // t.DO))
         if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_Y:
             raise ValueError(f"problem too large for one launch: {b} leading indices × Nq={inp.nq} "
                              f"needs {grid[0]} blocks (limit {MAX_GRID_X}). Split the batch.")
         l3 = _arrays.strided_view(l4, l4.shape[:3], l4.strides[:3])
-        launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2))
+        launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2), inp.stream)
     if inp.on_device:
         return out, lse
     return out.copy_to_host(), lse.copy_to_host()
@@ -202,10 +227,13 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
         inputs, float64 for float64). NumPy in gives NumPy out; device in gives Numba
         device arrays out, without a host round trip.
 
-    Streams: kernels are launched on the default stream. Inputs exported with a stream
-    through ``__cuda_array_interface__`` (CuPy, PyTorch) are synchronised by Numba
-    before the launch; the results are ready for any work queued on the default stream
-    afterwards (call ``numba.cuda.synchronize()`` before using them on another stream).
+    Streams: device inputs from CuPy or PyTorch name their producer's current stream in
+    ``__cuda_array_interface__``; the kernel is launched on that stream, so it runs after
+    the work that produced the inputs and the results are ready for work queued on the
+    same stream afterwards, with no host synchronisation. (If q, k and v name different
+    streams, each is synchronised and the default stream is used.) Numba device arrays
+    name no stream: the kernel runs on the default stream. The output is allocated with
+    ``numba.cuda.device_array``.
     """
     return _forward(q, k, v, causal, scale)
 

@@ -26,8 +26,10 @@ def forward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tili
 
     The rules (measured on the H200, see docs/performance.md):
 
-    * float32, d <= 128: 128 query rows × 64 keys per block, 8 × 4 scores and
-      8 × d/16 outputs per thread; the whole head dim in shared memory.
+    * float32, d <= 64: 128 query rows × 64 keys per block, 8 × 8 scores and
+      8 × d/8 outputs per thread; the whole head dim in shared memory.
+    * float32, 64 < d <= 128: 128 query rows × 64 keys per block, 8 × 4 scores and
+      8 × d/16 outputs per thread.
     * float32, 128 < d <= 256: 64 query rows per block (registers for 4 × d/16 outputs).
     * d > 256: the head dim is streamed in 64-wide chunks for S = Q Kᵀ and the output
       is split in 256-column slices across blocks (grid axis y).
@@ -38,6 +40,8 @@ def forward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tili
     if simulator:
         return Tiling(TM=2, TN=2, CG=4, RG=8, DK=16, DO=16)
     if dtype_name == "float32":
+        if d <= 64:
+            return Tiling(TM=8, TN=8, CG=8, RG=16, DK=_round_up(d, 8), DO=_round_up(d, 32))
         if d <= 128:
             return Tiling(TM=8, TN=4, CG=16, RG=16, DK=_round_up(d, 8), DO=_round_up(d, 64))
         if d <= 256:

@@ -1,0 +1,120 @@
+"""bench.py: the --tiny smoke run (simulator or GPU), its JSON, and the sub-slice oracle it validates with."""
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from numba_flash import reference
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench.py"
+
+
+def _load_bench():
+    spec = importlib.util.spec_from_file_location("bench", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+bench = _load_bench()
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    js, md = out / "b.json", out / "b.md"
+    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--json", str(js), "--markdown", str(md)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return proc, js, md
+
+
+def test_tiny_run_succeeds(tiny_run):
+    proc, js, md = tiny_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert js.exists() and md.exists()
+
+
+def test_tiny_json_has_valid_rows(tiny_run):
+    proc, js, _ = tiny_run
+    doc = json.loads(js.read_text())
+    assert doc["mode"] == "forward"
+    for key in ("date", "gpu", "versions", "git_sha", "settings", "rows"):
+        assert key in doc
+    assert doc["versions"]["numba"] and doc["versions"]["numpy"]
+    rows = doc["rows"]
+    expected = {(str(s), c) for s in bench.SHAPE_SETS["tiny"] for c in bench.CAUSAL}
+    assert {(str(bench.Shape(**r["shape"])), r["causal"]) for r in rows} == expected
+    for r in rows:
+        v = r["validation"]
+        assert r["valid"] is True and v["error"] is None
+        assert 0 <= v["max_abs_err"] <= v["tolerance"] == bench.TOLERANCE[r["dtype"]]
+        ours = r["ours"]
+        assert ours["ms_median"] > 0 and ours["tflops"] > 0 and ours["repeats"] >= 1
+        assert set(ours["tiling"]) == {"TM", "TN", "CG", "RG", "DK", "DO"}
+        assert isinstance(ours["use_async"], bool)
+        assert r["flops"] == bench.forward_flops(bench.Shape(**r["shape"]), r["causal"])
+        assert set(r["peers"]) == set(bench.PEERS)
+
+
+def test_tiny_table_printed_last(tiny_run):
+    proc, js, md = tiny_run
+    lines = proc.stdout.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("shape (B,H,N,d)"))
+    assert len(lines) - header < 16                       # only the table and its notes follow
+    rows = lines[header + 2: header + 2 + len(json.loads(js.read_text())["rows"])]
+    assert all(row.rstrip().endswith("ok") for row in rows)
+    assert "dispatch overhead is INCLUDED" in proc.stdout
+    assert md.read_text().count("\n|") >= 2 + len(rows)
+
+
+@pytest.mark.parametrize("nq, nk", [(37, 37), (20, 45), (45, 20), (9, 3)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_oracle_rows_match_full_reference(nq, nk, causal):
+    rng = np.random.default_rng(1)
+    q, k, v = rng.standard_normal((nq, 8)), rng.standard_normal((nk, 8)), rng.standard_normal((nk, 8))
+    out, lse = reference.attention_fwd(q, k, v, causal=causal)
+    for r0, r1 in [(0, 5), (nq - 5, nq), (2, nq - 1)]:
+        o, l = bench.oracle_rows(q, k, v, r0, r1, causal=causal)
+        np.testing.assert_allclose(o, out[r0:r1], rtol=0, atol=1e-12)
+        np.testing.assert_array_equal(np.isinf(l), np.isinf(lse[r0:r1]))
+        np.testing.assert_allclose(l[np.isfinite(l)], lse[r0:r1][np.isfinite(l)], rtol=0, atol=1e-12)
+
+
+def test_validation_blocks_subslice_big_shapes():
+    s = bench.Shape(16, 16, 1024, 1024, 128)
+    blocks = bench.validation_blocks(s)
+    assert {b[0] for b in blocks} == {(0, 0), (15, 15)}
+    assert sum(b[2] - b[1] for b in blocks if b[0] == (0, 0)) <= bench.VALIDATE_ROWS
+    half = bench.VALIDATE_ROWS // 2
+    assert ((0, 0), 0, half) in blocks and ((15, 15), 1024 - half, 1024) in blocks
+
+
+def test_max_abs_err_nan_and_inf():
+    assert bench.max_abs_err(np.array([np.nan]), np.array([0.0])) == np.inf
+    assert bench.max_abs_err(np.array([-np.inf, 1.0]), np.array([-np.inf, 1.5])) == 0.5
+
+
+def test_cli_defaults_and_modes():
+    args = bench.parse_args([])
+    assert args.mode == "forward" and args.shapes == ["anchors", "seed"] and args.dtype == ["float32"]
+    assert args.json.endswith("results/bench-forward.json")
+    shapes = bench.select_shapes(bench.parse_args(["--quick"]))
+    assert shapes == bench.QUICK_SHAPES
+    args = bench.parse_args(["forward", "--shapes", "seed", "--dtype", "float32,float64", "--repeats", "5"])
+    assert bench.select_shapes(args) == bench.SHAPE_SETS["seed"] and args.repeats == 5
+    assert len(bench.forward_configs(args)) == 2 * len(bench.CAUSAL)
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--shapes", "nope"])
+
+
+def test_anchor_shapes():
+    anchors = bench.SHAPE_SETS["anchors"]
+    assert len(anchors) == 6
+    for s in anchors:
+        assert s.B * s.Nq == 16384 and s.H * s.d == 2048 and s.Nq == s.Nk
+    assert {(s.d, s.H) for s in anchors} == {(64, 32), (128, 16)}
