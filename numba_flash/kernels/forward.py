@@ -53,12 +53,12 @@ import numpy as np
 from numba import cuda
 
 from .. import ops, warp
+from . import tiles
+from .tiles import PAD
 from .._runtime import SIMULATOR
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x · log2 e)
 LN2 = 0.6931471805599453
-PAD = 4  # words of padding per shared-memory row: keeps rows 16-byte aligned and shifts banks
-COPY_BATCH = 8  # plain-load copies: loads in flight per thread before their stores
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,61 +124,13 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
     E16 = 16 // np_dt.itemsize         # elements per 16-byte cp.async
     if use_async:
         assert D % E16 == 0
-    # 128-bit shared loads for float32; plain loads for float64 (and in the simulator).
-    LD4 = ops.ld_shared_x4 if np_dt == np.float32 else ops.ld_x4
     DT = np_dt.type
     ZERO, ONE, NEG_INF, LN2_T = DT(0), DT(1), DT(-np.inf), DT(LN2)
     nb_dt = numba.from_dtype(np_dt)
     ALIGN = None if SIMULATOR else 16   # the simulator accepts only alignment=None
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
-    def copy_tile(dst, dst_off, dst_stride, src, b1, b2, row0, NROWS, col0, NCOLS, n_lim, tid):
-        """dst[r, c] = src[b1, b2, row0 + r, col0 + c] for r < NROWS, c < NCOLS; zero outside
-        (n_lim rows, D columns). Asynchronous with ``use_async`` (completes at cp_async_wait)."""
-        if use_async:
-            CPR = NCOLS // E16                     # 16-byte chunks per row
-            for it in range(-(-NROWS * CPR // NT)):
-                ch = tid + it * NT
-                if ch < NROWS * CPR:
-                    r = ch // CPR
-                    cc = (ch - r * CPR) * E16
-                    gr = row0 + r
-                    gc = col0 + cc
-                    ok = gr < n_lim and gc < D
-                    # A zero-byte copy still needs a valid address: point it at element 0.
-                    ops.cp_async16(dst, dst_off + r * dst_stride + cc, src, b1, b2,
-                                   gr if ok else 0, gc if ok else 0, 16 if ok else 0)
-        else:
-            buf = cuda.local.array(COPY_BATCH, nb_dt)
-            for it0 in range(0, -(-NROWS * NCOLS // NT), COPY_BATCH):
-                for u in range(COPY_BATCH):        # all loads first: COPY_BATCH in flight
-                    idx = tid + (it0 + u) * NT
-                    r = idx // NCOLS
-                    gr = row0 + r
-                    gc = col0 + idx - r * NCOLS
-                    x = ZERO
-                    if idx < NROWS * NCOLS and gr < n_lim and gc < D:
-                        x = src[b1, b2, gr, gc]
-                    buf[u] = x
-                for u in range(COPY_BATCH):
-                    idx = tid + (it0 + u) * NT
-                    if idx < NROWS * NCOLS:
-                        r = idx // NCOLS
-                        dst[dst_off + r * dst_stride + idx - r * NCOLS] = buf[u]
-
-    def qk_chunk(smem, q_off, k_off, s, qv, kv, r, c):
-        """s += Q Kᵀ over one head-dim chunk held at q_off / k_off."""
-        for kk in range(0, DK, 4):
-            for i in range(TM):
-                qv[i, 0], qv[i, 1], qv[i, 2], qv[i, 3] = LD4(smem, q_off + (r * TM + i) * QS + kk)
-            for j in range(TN):
-                kv[j, 0], kv[j, 1], kv[j, 2], kv[j, 3] = LD4(smem, k_off + (c + CG * j) * QS + kk)
-            for i in range(TM):
-                for j in range(TN):
-                    acc = s[i, j]
-                    for e in range(4):
-                        acc += qv[i, e] * kv[j, e]
-                    s[i, j] = acc
+    copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
 
     def softmax_update(smem, s, o, m, l, scale_log2, r, c, q0, k0, Nk, diag):
         """Online softmax on one S tile: rescale O and l, write P = exp2(S - m) to shared memory."""
@@ -213,22 +165,8 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
             for jo in range(VO):
                 o[i, jo] *= alpha
 
-    def pv_tile(smem, o, pv, vv, r, c):
-        """O += P V for one tile."""
-        for jj in range(0, BN, 4):
-            for i in range(TM):
-                pv[i, 0], pv[i, 1], pv[i, 2], pv[i, 3] = LD4(smem, P_OFF + (r * TM + i) * PS + jj)
-            for e in range(4):
-                for g in range(VO4):
-                    vv[0], vv[1], vv[2], vv[3] = LD4(smem, V_OFF + (jj + e) * DO + 4 * (c + CG * g))
-                    for i in range(TM):
-                        p = pv[i, e]
-                        for f in range(4):
-                            o[i, 4 * g + f] += p * vv[f]
-
     if not SIMULATOR:
-        copy_tile, qk_chunk, softmax_update, pv_tile = (
-            cuda.jit(device=True, inline="always")(f) for f in (copy_tile, qk_chunk, softmax_update, pv_tile))
+        softmax_update = cuda.jit(device=True, inline="always")(softmax_update)
 
     @cuda.jit(**JIT)
     def forward(q, k, v, out, lse, scale_log2):
@@ -287,7 +225,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
             if NKC == 1:
                 ops.cp_async_wait(1)       # Q and K(kt) have landed (V(kt) may still be in flight)
                 cuda.syncthreads()         # ... for every thread's copies, not just this one's
-                qk_chunk(smem, Q_OFF, K_OFF, s, qv, kv, r, c)
+                mm_abt(smem, Q_OFF, K_OFF, QS, s, qv, kv, r, c)
             else:
                 # V(kt) joins chunk 0's group; chunk c+1 is in flight while chunk c is used.
                 copy_tile(smem, V_OFF, DO, v, b1, b2, k0, BN, d0, DO, Nk, tid)
@@ -305,7 +243,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
                     else:
                         ops.cp_async_wait(0)
                     cuda.syncthreads()         # chunk kc visible to all threads
-                    qk_chunk(smem, slot + Q_OFF, slot + K_OFF, s, qv, kv, r, c)
+                    mm_abt(smem, slot + Q_OFF, slot + K_OFF, QS, s, qv, kv, r, c)
                     cuda.syncthreads()         # chunk kc fully read before its slot is refilled
 
             softmax_update(smem, s, o, m, l, scale_log2, r, c, q0, k0, Nk, diag)
@@ -315,7 +253,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
             if NKC == 1 and kt + 1 < n_kt:
                 copy_tile(smem, K_OFF, QS, k, b1, b2, k0 + BN, BN, 0, DK, Nk, tid)  # overlaps P V
                 ops.cp_async_commit()
-            pv_tile(smem, o, pv, vv, r, c)
+            mm_pv(smem, P_OFF, PS, V_OFF, DO, o, pv, vv, r, c)
             cuda.syncthreads()             # V and P fully read before they are overwritten
             if NKC == 1 and kt + 1 < n_kt:
                 copy_tile(smem, V_OFF, DO, v, b1, b2, k0 + BN, BN, d0, DO, Nk, tid)  # overlaps next S
