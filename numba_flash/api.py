@@ -21,36 +21,42 @@ _POISON = None
 
 # --------------------------------------------------------------------------- inputs
 class _Inputs:
-    """Validated q, k, v: array kind, dtype, shapes, and device views."""
+    """Validated inputs: array kind, dtype, shapes, scale, and the arrays on the device side.
 
-    def __init__(self, names, arrays, causal, scale):
+    ``arrays`` maps names to arrays; it starts with q, k, v and may add the backward's
+    ``dout`` and ``out`` (shaped like q) and ``lse`` (shaped like q without d).
+    """
+
+    def __init__(self, arrays, causal, scale):
+        names = list(arrays)
+        values = list(arrays.values())
         if not isinstance(causal, (bool, np.bool_)):
             raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}).")
         self.causal = bool(causal)
-        kinds = [_kind(a, n) for a, n in zip(arrays, names)]
+        kinds = [_kind(a, n) for n, a in arrays.items()]
         if len(set(kinds)) > 1:
             desc = ", ".join(f"{n} is a {k} array" for n, k in zip(names, kinds))
-            raise TypeError(f"q, k and v must all be NumPy arrays or all be CUDA device arrays; {desc}. "
-                            "Move them to the same side first (e.g. numba.cuda.to_device or .copy_to_host()).")
+            raise TypeError(f"{', '.join(names)} must all be NumPy arrays or all be CUDA device arrays; "
+                            f"{desc}. Move them to the same side first (numba.cuda.to_device or .copy_to_host()).")
         self.on_device = kinds[0] == "device"
         self.stream = 0
         if self.on_device:
-            self.stream = _launch_stream(arrays)
-            arrays = [_arrays.as_numba_device(a) for a in arrays]
-        self.arrays = arrays
-        dtypes = [np.dtype(a.dtype) for a in arrays]
-        for a, n, dt in zip(arrays, names, dtypes):
+            self.stream = _launch_stream(values)
+            values = [_arrays.as_numba_device(a) for a in values]
+        dtypes = [np.dtype(a.dtype) for a in values]
+        for n, dt in zip(names, dtypes):
             _check_dtype(dt, n)
         if len(set(dtypes)) > 1:
             desc = ", ".join(f"{n}.dtype={dt}" for n, dt in zip(names, dtypes))
-            raise TypeError(f"q, k and v must have the same dtype, got {desc}. Cast them to one dtype "
-                            "(float32 or float64) first.")
+            raise TypeError(f"{', '.join(names)} must have the same dtype, got {desc}. Cast them to one "
+                            "dtype (float32 or float64) first.")
         self.dtype = dtypes[0]
         # tuple(): the simulator's device-array shapes do not support negative indices
-        q, k, v = (tuple(a.shape) for a in arrays[:3])
-        for shape, n in zip((q, k, v), names):
-            if len(shape) < 2:
-                raise ValueError(f"{n} must have at least 2 dims (..., N, d), got shape {shape}.")
+        shapes = {n: tuple(a.shape) for n, a in zip(names, values)}
+        q, k, v = shapes["q"], shapes["k"], shapes["v"]
+        for n in ("q", "k", "v"):
+            if len(shapes[n]) < 2:
+                raise ValueError(f"{n} must have at least 2 dims (..., N, d), got shape {shapes[n]}.")
         if not (len(q) == len(k) == len(v) and q[:-2] == k[:-2] == v[:-2]):
             raise ValueError(f"q, k and v must have identical leading dims, got q {q}, k {k}, v {v}. "
                              "Broadcast or reshape them first.")
@@ -61,12 +67,37 @@ class _Inputs:
             raise ValueError(f"q, k and v must share the head dim d (last axis), got q {q}, k {k}, v {v}.")
         if v[-2] != self.nk:
             raise ValueError(f"k and v must have the same length Nk (axis -2), got k {k} and v {v}.")
+        for n in ("dout", "out"):
+            if n in shapes and shapes[n] != q:
+                raise ValueError(f"{n} must have the shape of q {q}, got {shapes[n]}.")
+        if "lse" in shapes and shapes["lse"] != q[:-1]:
+            raise ValueError(f"lse must have shape {q[:-1]} (q's shape without d, as returned by "
+                             f"attention_fwd), got {shapes['lse']}.")
         if self.d < 1:
             raise ValueError(f"the head dim d must be at least 1, got q {q}.")
         if self.nq > MAX_LEN or self.nk > MAX_LEN:
             raise ValueError(f"sequence lengths must be below 2**31, got Nq={self.nq}, Nk={self.nk}.")
         self.scale = _check_scale(scale, self.d)
         self.batch = int(np.prod(self.lead, dtype=np.int64))
+        self.arrays = dict(zip(names, values))
+
+    def device(self, name):
+        """The named input on the device (NumPy inputs are copied, contiguously)."""
+        x = self.arrays[name]
+        if self.on_device:
+            return x
+        from numba import cuda
+        return cuda.to_device(np.ascontiguousarray(x))
+
+    def empty_like(self, shape):
+        """A new device array for an output, poisoned first in the test-suite."""
+        return _arrays.device_empty(shape, self.dtype, _POISON)
+
+    def result(self, *arrays):
+        """NumPy in -> NumPy out; device in -> device arrays out."""
+        if self.on_device:
+            return arrays
+        return tuple(a.copy_to_host() for a in arrays)
 
     @property
     def empty(self):
@@ -153,43 +184,41 @@ def _kernel_views(arrays):
     return launches
 
 
-def _to_device(inp, x):
-    if inp.on_device:
-        return x
-    from numba import cuda
-    return cuda.to_device(np.ascontiguousarray(x))
+def _unit_tail(x):
+    """View ``(..., N)`` as ``(..., N, 1)``, so per-row arrays fold like the others."""
+    shape, strides = tuple(x.shape), tuple(x.strides)
+    return _arrays.strided_view(x, shape + (1,), strides + (x.dtype.itemsize,))
+
+
+def _drop_tail(x4):
+    return _arrays.strided_view(x4, tuple(x4.shape)[:3], tuple(x4.strides)[:3])
+
+
+def _grid(inp, rows, b, rows_per_block, cols_per_block):
+    grid = (-(-rows // rows_per_block) * b, -(-inp.d // cols_per_block))
+    if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_Y:
+        raise ValueError(f"problem too large for one launch: {b} leading indices × {rows} rows "
+                         f"needs {grid[0]} blocks (limit {MAX_GRID_X}). Split the batch.")
+    return grid
 
 
 # --------------------------------------------------------------------------- forward
 def _forward(q, k, v, causal, scale):
-    inp = _Inputs(("q", "k", "v"), (q, k, v), causal, scale)
-    out_shape = inp.lead + (inp.nq, inp.d)
+    inp = _Inputs({"q": q, "k": k, "v": v}, causal, scale)
+    out = inp.empty_like(inp.lead + (inp.nq, inp.d))
+    lse = inp.empty_like(inp.lead + (inp.nq,))
     if inp.empty:
-        out = np.empty(out_shape, inp.dtype)
-        lse = np.empty(inp.lead + (inp.nq,), inp.dtype)
-        if inp.on_device:
-            return _arrays.device_empty(out_shape, inp.dtype), _arrays.device_empty(lse.shape, inp.dtype)
-        return out, lse
-    qd, kd, vd = (_to_device(inp, a) for a in inp.arrays)
-    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal,
-                                           all(_arrays.rows_aligned16(a) for a in (qd, kd, vd)))
-    t = spec.tiling
-    kern = spec.kernel()
-    out = _arrays.device_empty(out_shape, inp.dtype, _POISON)
-    lse4 = _arrays.device_empty(inp.lead + (inp.nq, 1), inp.dtype, _POISON)  # folds like out
-    lse = _arrays.strided_view(lse4, lse4.shape[:-1], lse4.strides[:-1])
+        return inp.result(out, lse)
+    qd, kd, vd = (inp.device(n) for n in "qkv")
+    aligned = all(_arrays.rows_aligned16(a) for a in (qd, kd, vd))
+    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, aligned)
+    t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.dtype.type(inp.scale * LOG2E)
-    for q4, k4, v4, o4, l4 in _kernel_views([qd, kd, vd, out, lse4]):
-        b = q4.shape[0] * q4.shape[1]
-        grid = (-(-inp.nq // t.BM) * b, -(-inp.d // t.DO))
-        if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_Y:
-            raise ValueError(f"problem too large for one launch: {b} leading indices × Nq={inp.nq} "
-                             f"needs {grid[0]} blocks (limit {MAX_GRID_X}). Split the batch.")
-        l3 = _arrays.strided_view(l4, l4.shape[:3], l4.strides[:3])
-        launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2), inp.stream)
-    if inp.on_device:
-        return out, lse
-    return out.copy_to_host(), lse.copy_to_host()
+    for q4, k4, v4, o4, l4 in _kernel_views([qd, kd, vd, out, _unit_tail(lse)]):
+        grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
+        launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, _drop_tail(l4), scale_log2),
+               inp.stream)
+    return inp.result(out, lse)
 
 
 def attention_fwd(q, k, v, *, causal=False, scale=None):
@@ -241,3 +270,52 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
 def attention(q, k, v, *, causal=False, scale=None):
     """Exact attention ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_fwd`."""
     return _forward(q, k, v, causal, scale)[0]
+
+
+# --------------------------------------------------------------------------- backward
+def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
+    """Gradients of attention; returns ``(dq, dk, dv)``.
+
+    Equivalent to :func:`numba_flash.reference.attention_bwd` (float64 oracle).
+    ``out`` and ``lse`` are what :func:`attention_fwd` returned for the same ``q, k, v,
+    causal, scale``; ``dout`` is the gradient of the loss with respect to ``out``. P is
+    recomputed from ``lse`` tile by tile, so extra memory is O(N): the gradients and
+    one ``delta = rowsum(dout ∘ out)`` value per query row.
+
+    Same shape, dtype, array-kind, stream and causal rules as :func:`attention_fwd`:
+    dout and out are shaped like q, lse like q without its last axis; all share one
+    dtype (float32 or float64). Rows with no visible key contribute zero gradient.
+    The result is deterministic: no atomics, every gradient element is written by
+    exactly one thread, so equal inputs give bitwise-equal gradients.
+    """
+    inp = _Inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, causal, scale)
+    dq = inp.empty_like(inp.lead + (inp.nq, inp.d))
+    dk = inp.empty_like(inp.lead + (inp.nk, inp.d))
+    dv = inp.empty_like(inp.lead + (inp.nk, inp.d))
+    if inp.batch == 0 or inp.nq + inp.nk == 0:
+        return inp.result(dq, dk, dv)
+    dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
+    delta = inp.empty_like(inp.lead + (inp.nq,))
+    aligned = all(_arrays.rows_aligned16(dev[n]) for n in ("q", "k", "v", "dout"))
+    spec = {name: registry.specialisation(name, inp.dtype.name, inp.d, inp.causal, aligned)
+            for name in ("backward_delta", "backward_dkdv_simt", "backward_dq_simt")}
+    k_delta, k_dkdv, k_dq = (s.kernel() for s in spec.values())
+    t = spec["backward_dkdv_simt"].tiling
+    rows = t.RG * t.TM
+    scale_t, scale_log2 = inp.dtype.type(inp.scale), inp.dtype.type(inp.scale * LOG2E)
+    views = _kernel_views([dev["q"], dev["k"], dev["v"], dev["dout"], dev["out"], _unit_tail(dev["lse"]),
+                           _unit_tail(delta), dq, dk, dv])
+    for q4, k4, v4, do4, o4, l4, dl4, dq4, dk4, dv4 in views:
+        b = q4.shape[0] * q4.shape[1]
+        l3, dl3 = _drop_tail(l4), _drop_tail(dl4)
+        if inp.nq:
+            launch(k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
+                   (do4, o4, dl3), inp.stream)
+        if inp.nk:
+            launch(k_dkdv, _grid(inp, inp.nk, b, rows, t.DO), t.RG * t.CG,
+                   spec["backward_dkdv_simt"].smem_bytes,
+                   (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t), inp.stream)
+        if inp.nq:
+            launch(k_dq, _grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG, spec["backward_dq_simt"].smem_bytes,
+                   (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t), inp.stream)
+    return inp.result(dq, dk, dv)

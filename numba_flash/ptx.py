@@ -27,8 +27,8 @@ def features(ptx: str) -> dict:
 def compile_spec(spec, cc, layout="C"):
     from numba import cuda
     kern = spec.kernel()
-    ptx, _ = cuda.compile_ptx(kern.py_func, spec.signature(layout), cc=cc,
-                              launch_bounds=(spec.tiling.threads, 1))
+    bounds = {} if spec.tiling is None else {"launch_bounds": (spec.tiling.threads, 1)}
+    ptx, _ = cuda.compile_ptx(kern.py_func, spec.signature(layout), cc=cc, **bounds)
     return ptx
 
 

@@ -259,6 +259,8 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
                 copy_tile(smem, V_OFF, DO, v, b1, b2, k0 + BN, BN, d0, DO, Nk, tid)  # overlaps next S
                 ops.cp_async_commit()
 
+        ops.cp_async_wait(0)               # nothing left in flight when the loop had no iteration
+
         # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------
         for i in range(TM):
             li = l[i]

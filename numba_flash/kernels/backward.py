@@ -1,0 +1,299 @@
+"""FlashAttention-2 backward on CUDA cores (float32 and float64), deterministic.
+
+Given the forward's ``lse`` (natural-log row log-sum-exp), P is recomputed tile by tile
+and never stored whole:
+
+    delta_i = Σ_f dO[i, f] · O[i, f]                     (pre-pass, ``make_delta``)
+    P       = exp(scale · Q Kᵀ − lse)                     (masked entries: 0)
+    dV      = Pᵀ dO
+    dP      = dO Vᵀ
+    dS      = P ∘ (dP − delta)
+    dQ      = scale · dS K
+    dK      = scale · dSᵀ Q
+
+Two kernels, from one factory, each owning the rows it accumulates so that no two
+blocks ever write the same element (no atomics: bitwise reproducible):
+
+* ``dkdv``: a block owns ``R`` keys. It keeps K and V for them (and its dK, dV
+  accumulators in registers) and loops over query tiles of ``C`` rows, computing the
+  transposed tiles ``Pᵀ = exp(scale · K Qᵀ − lse)`` and ``dPᵀ = V dOᵀ``.
+* ``dq``: a block owns ``R`` queries. It keeps Q and dO and loops over key tiles of
+  ``C`` keys computing P, dP, dS and dQ += dS K.
+
+Both are the same computation with the roles of the two operand pairs swapped:
+*row* operands (``RA``, ``RB``) belong to the block's rows, *column* operands
+(``CA``, ``CB``) are streamed, ``S = RA CAᵀ`` and ``dP = RB CBᵀ``.
+
+Thread layout, head-dim chunks (``DK``) and output slices (``DO``, grid axis y) follow
+the forward (see ``forward.py`` and ``tiles.py``). When the head dim fits in one chunk
+and one slice ("tile mode", every d <= 256 in the registry) the row operands stay in
+shared memory for the whole loop and the second products read the column tiles in
+place; otherwise each chunk is streamed and the slices are loaded separately.
+"""
+import functools
+import math
+
+import numba
+import numpy as np
+from numba import cuda
+
+from .. import ops, warp
+from .._runtime import SIMULATOR
+from . import tiles
+from .forward import LOG2E, Tiling
+from .tiles import PAD
+
+KINDS = ("dkdv", "dq")
+
+
+def _layout(d, t: Tiling, kind):
+    """Shared-memory offsets (in elements) of one block; the last entry is the total."""
+    nkc = -(-d // t.DK)
+    tile_mode = nkc == 1 and t.DO >= d
+    qs = (max(t.DK, t.DO) if tile_mode else t.DK) + PAD
+    R, C = t.RG * t.TM, t.CG * t.TN
+    ps = C + PAD
+    off = {"RA": 0, "RB": R * qs}
+    off["CA"] = 2 * R * qs
+    off["CB"] = off["CA"] + C * qs
+    off["P1"] = off["CB"] + C * qs
+    end = off["P1"] + R * ps
+    if kind == "dkdv":
+        off["P2"] = end
+        end += R * ps
+    if not tile_mode:
+        off["SA"] = end                 # slice of CA: (C × DO)
+        end += C * t.DO
+        if kind == "dkdv":
+            off["SB"] = end             # slice of CB
+            end += C * t.DO
+    off["END"] = end
+    return nkc, tile_mode, qs, ps, off
+
+
+def smem_words(d, t: Tiling, kind):
+    return _layout(d, t, kind)[-1]["END"]
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bool):
+    """Build the ``dkdv`` or ``dq`` backward kernel for one specialisation.
+
+    Arguments (4-D ``(B1, B2, N, D)`` views with any strides, 3-D ``(B1, B2, Nq)`` for
+    lse/delta): ``q, k, v, dout, lse, delta, ga, gb, scale_log2, scale``. ``dkdv`` writes
+    ``ga = dK`` and ``gb = dV`` (rows are keys); ``dq`` writes ``ga = dQ`` and ignores
+    ``gb``. Launch with ``grid = (ceil(rows / R) · B1 · B2, ceil(D / DO))``,
+    ``block = RG · CG`` and ``smem_words(D, t, kind) · itemsize`` bytes.
+    """
+    assert kind in KINDS
+    DKDV = kind == "dkdv"
+    np_dt = np.dtype(dtype_name)
+    nb_dt = numba.from_dtype(np_dt)
+    TM, TN, CG, RG, DK, DO = t.TM, t.TN, t.CG, t.RG, t.DK, t.DO
+    R, C, NT = RG * TM, CG * TN, RG * CG
+    NKC, TILE_MODE, QS, PS, OFF = _layout(D, t, kind)
+    TILE_COLS = QS - PAD                # columns copied per row in tile mode (zero beyond D)
+    RA_OFF, RB_OFF, CA_OFF, CB_OFF, P1_OFF = OFF["RA"], OFF["RB"], OFF["CA"], OFF["CB"], OFF["P1"]
+    P2_OFF = OFF.get("P2", 0)
+    SA_OFF = OFF.get("SA", CA_OFF)      # tile mode: the column tiles are the slices
+    SB_OFF = OFF.get("SB", CB_OFF)
+    S_STRIDE = QS if TILE_MODE else DO
+    VO = DO // CG
+    GB_SHAPE = (TM, VO) if DKDV else (1, 1)
+    DT = np_dt.type
+    ZERO, POS_INF, NEG_INF, LOG2E_T = DT(0), DT(np.inf), DT(-np.inf), DT(LOG2E)
+    ALIGN = None if SIMULATOR else 16
+    JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+    copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
+
+    @cuda.jit(**JIT)
+    def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale):
+        Nq = q.shape[2]
+        Nk = k.shape[2]
+        diag = Nk - Nq                  # key j visible to query i iff j <= i + diag
+        tid = cuda.threadIdx.x
+        r = tid // CG
+        c = tid - r * CG
+        B2 = q.shape[1]
+        B = q.shape[0] * B2
+        bt = cuda.blockIdx.x // B
+        b = cuda.blockIdx.x - bt * B
+        b1 = b // B2
+        b2 = b - b1 * B2
+        d0 = cuda.blockIdx.y * DO
+        if DKDV:
+            n_rows, n_cols = Nk, Nq
+            r0 = bt * R                 # early key tiles have the most visible queries: first
+            c_start = 0
+            if causal:
+                c_start = max(0, r0 - diag) // C
+            c_end = (Nq + C - 1) // C
+        else:
+            n_rows, n_cols = Nq, Nk
+            r0 = ((Nq + R - 1) // R - 1 - bt) * R   # late query tiles are the heaviest: first
+            c_start = 0
+            kv_end = Nk
+            if causal:
+                kv_end = min(Nk, r0 + R + diag)
+            c_end = (max(kv_end, 0) + C - 1) // C
+
+        smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
+        s = cuda.local.array((TM, TN), nb_dt)
+        dp = cuda.local.array((TM, TN), nb_dt)
+        acc_a = cuda.local.array((TM, VO), nb_dt)
+        acc_b = cuda.local.array(GB_SHAPE, nb_dt)
+        av = cuda.local.array((TM, 4), nb_dt)
+        bv = cuda.local.array((TN, 4), nb_dt)
+        vv = cuda.local.array(4, nb_dt)
+        row_lse = cuda.local.array(TM, nb_dt)
+        row_delta = cuda.local.array(TM, nb_dt)
+        for i in range(TM):
+            for f in range(VO):
+                acc_a[i, f] = ZERO
+                if DKDV:
+                    acc_b[i, f] = ZERO
+            if not DKDV:
+                row = r0 + r * TM + i
+                x = POS_INF             # padding rows and rows with no visible key: P = 0
+                y = ZERO
+                if row < Nq:
+                    y = delta[b1, b2, row]
+                    if lse[b1, b2, row] != NEG_INF:
+                        x = lse[b1, b2, row] * LOG2E_T
+                row_lse[i] = x
+                row_delta[i] = y
+
+        if TILE_MODE:                   # row operands stay in shared memory throughout
+            if DKDV:
+                copy_tile(smem, RA_OFF, QS, k, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
+                copy_tile(smem, RB_OFF, QS, v, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
+            else:
+                copy_tile(smem, RA_OFF, QS, q, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
+                copy_tile(smem, RB_OFF, QS, dout, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
+
+        for ct in range(c_start, c_end):
+            c0 = ct * C
+            for i in range(TM):
+                for j in range(TN):
+                    s[i, j] = ZERO
+                    dp[i, j] = ZERO
+            # ---- S = RA CAᵀ and dP = RB CBᵀ, over head-dim chunks ----------------------
+            for kc in range(NKC):
+                if TILE_MODE:
+                    if DKDV:
+                        copy_tile(smem, CA_OFF, QS, q, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
+                        copy_tile(smem, CB_OFF, QS, dout, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
+                    else:
+                        copy_tile(smem, CA_OFF, QS, k, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
+                        copy_tile(smem, CB_OFF, QS, v, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
+                else:
+                    col = kc * DK
+                    if DKDV:
+                        copy_tile(smem, RA_OFF, QS, k, b1, b2, r0, R, col, DK, n_rows, tid)
+                        copy_tile(smem, RB_OFF, QS, v, b1, b2, r0, R, col, DK, n_rows, tid)
+                        copy_tile(smem, CA_OFF, QS, q, b1, b2, c0, C, col, DK, n_cols, tid)
+                        copy_tile(smem, CB_OFF, QS, dout, b1, b2, c0, C, col, DK, n_cols, tid)
+                    else:
+                        copy_tile(smem, RA_OFF, QS, q, b1, b2, r0, R, col, DK, n_rows, tid)
+                        copy_tile(smem, RB_OFF, QS, dout, b1, b2, r0, R, col, DK, n_rows, tid)
+                        copy_tile(smem, CA_OFF, QS, k, b1, b2, c0, C, col, DK, n_cols, tid)
+                        copy_tile(smem, CB_OFF, QS, v, b1, b2, c0, C, col, DK, n_cols, tid)
+                ops.cp_async_commit()
+                ops.cp_async_wait(0)
+                cuda.syncthreads()      # tiles written before any thread reads them
+                mm_abt(smem, RA_OFF, CA_OFF, QS, s, av, bv, r, c)
+                mm_abt(smem, RB_OFF, CB_OFF, QS, dp, av, bv, r, c)
+                if NKC > 1:
+                    cuda.syncthreads()  # chunk fully read before the next one overwrites it
+
+            # ---- P = exp2(S·scale·log2e − lse·log2e), dS = P ∘ (dP − delta) -------------
+            for j in range(TN):
+                col = c0 + c + CG * j
+                lse_j = POS_INF
+                delta_j = ZERO
+                if DKDV and col < Nq:
+                    delta_j = delta[b1, b2, col]
+                    if lse[b1, b2, col] != NEG_INF:
+                        lse_j = lse[b1, b2, col] * LOG2E_T
+                for i in range(TM):
+                    row = r0 + r * TM + i
+                    if DKDV:            # row = key, col = query
+                        visible = col < Nq and row < Nk and (not causal or row <= col + diag)
+                        lse_ij = lse_j
+                        delta_ij = delta_j
+                    else:               # row = query, col = key
+                        visible = col < Nk and (not causal or col <= row + diag)
+                        lse_ij = row_lse[i]
+                        delta_ij = row_delta[i]
+                    p = ZERO
+                    if visible:
+                        p = math.exp2(s[i, j] * scale_log2 - lse_ij)
+                    ds = p * (dp[i, j] - delta_ij)
+                    if DKDV:
+                        smem[P1_OFF + (r * TM + i) * PS + c + CG * j] = p
+                        smem[P2_OFF + (r * TM + i) * PS + c + CG * j] = ds
+                    else:
+                        smem[P1_OFF + (r * TM + i) * PS + c + CG * j] = ds
+            if not TILE_MODE:           # the DO-wide slices the second products read
+                if DKDV:
+                    copy_tile(smem, SA_OFF, DO, q, b1, b2, c0, C, d0, DO, n_cols, tid)
+                    copy_tile(smem, SB_OFF, DO, dout, b1, b2, c0, C, d0, DO, n_cols, tid)
+                else:
+                    copy_tile(smem, SA_OFF, DO, k, b1, b2, c0, C, d0, DO, n_cols, tid)
+                ops.cp_async_commit()
+                ops.cp_async_wait(0)
+            cuda.syncthreads()          # P / dS tiles (and slices) complete before the products
+
+            # ---- dV += Pᵀ dO, dK += dSᵀ Q   |   dQ += dS K ------------------------------
+            if DKDV:
+                mm_pv(smem, P1_OFF, PS, SB_OFF, S_STRIDE, acc_b, av, vv, r, c)
+                mm_pv(smem, P2_OFF, PS, SA_OFF, S_STRIDE, acc_a, av, vv, r, c)
+            else:
+                mm_pv(smem, P1_OFF, PS, SA_OFF, S_STRIDE, acc_a, av, vv, r, c)
+            cuda.syncthreads()          # all reads done before the next tile overwrites them
+        ops.cp_async_wait(0)            # nothing left in flight when the loop had no iteration
+
+        # ---- epilogue: dK = scale · acc_a, dV = acc_b   |   dQ = scale · acc_a -----------
+        for i in range(TM):
+            row = r0 + r * TM + i
+            if row < n_rows:
+                for g in range(VO // 4):
+                    for f in range(4):
+                        col = d0 + 4 * (c + CG * g) + f
+                        if col < D:
+                            ga[b1, b2, row, col] = acc_a[i, 4 * g + f] * scale
+                            if DKDV:
+                                gb[b1, b2, row, col] = acc_b[i, 4 * g + f]
+
+    backward.rows_per_block = R
+    return backward
+
+
+@functools.lru_cache(maxsize=None)
+def make_delta(dtype_name: str):
+    """``delta[b1, b2, i] = Σ_f dout[b1, b2, i, f] · out[b1, b2, i, f]``: one warp per row.
+
+    Launch with ``grid = (ceil(Nq / 8), B1 · B2)`` and 256 threads.
+    """
+    ZERO = np.dtype(dtype_name).type(0)
+    ROWS = 8                            # warps per block = rows per block
+
+    @cuda.jit
+    def delta_kernel(dout, out, delta):
+        B2 = out.shape[1]
+        b = cuda.blockIdx.y
+        b1 = b // B2
+        b2 = b - b1 * B2
+        lane = cuda.threadIdx.x & 31
+        row = cuda.blockIdx.x * ROWS + (cuda.threadIdx.x >> 5)
+        acc = ZERO
+        if row < out.shape[2]:
+            for f in range(lane, out.shape[3], 32):
+                acc += dout[b1, b2, row, f] * out[b1, b2, row, f]
+        for off in (16, 8, 4, 2, 1):    # every lane takes part, also on rows past the end
+            acc += warp.shfl_xor_sync(warp.FULL_MASK, acc, off)
+        if lane == 0 and row < out.shape[2]:
+            delta[b1, b2, row] = acc
+
+    delta_kernel.rows_per_block = ROWS
+    return delta_kernel
