@@ -4,6 +4,7 @@
     python bench.py --quick                # (4, 16, 4096, 128) and the seed shape only
     python bench.py forward --shapes anchors --dtype float32,float64 --repeats 50
     python bench.py --tiny --json /tmp/b.json    # simulator-sized smoke run (tests/test_bench.py)
+    python bench.py backward               # attention_bwd vs SDPA backward, same shapes and options
 
 Every mode does the same four things, in this order:
 
@@ -25,13 +26,23 @@ Every mode does the same four things, in this order:
 4. **Report**: JSON (environment, versions, git SHA, one record per row), optionally a
    Markdown fragment for docs/performance.md, and a fixed-width table printed last.
 
-FLOPs follow the FlashAttention convention: forward = 4·B·H·Nq·Nk·d, halved when causal.
+FLOPs follow the FlashAttention convention: forward = 4·B·H·Nq·Nk·d, halved when causal;
+backward = 2.5 × forward.
 
-Adding a mode (``backward``, ``ladder``): write ``run_<mode>(args)`` (configs, validation
-against the oracle, timing through ``measure``, a ``<MODE>_COLUMNS`` table; ending with
-``print_summary``, which returns the exit status) and add one entry to ``MODES`` at the
-bottom. Options shared by all modes live in ``_common_options``; the environment record,
-timers, memory probes and JSON/Markdown/table writers are mode-agnostic.
+The ``backward`` mode differs only where the backward must: it validates dq, dk, dv of
+``numba_flash.attention_bwd`` for the first leading index against
+``reference.attention_bwd`` on the timed inputs when N <= ``BWD_FULL_N``, and otherwise on a
+separately generated problem of the same B, H, d, causality and dtype with N =
+``BWD_VALIDATE_N`` (dK/dV depend on every query row, so it cannot be checked on a row
+slice); it times ``attention_bwd`` alone (out and lse precomputed by ``attention_fwd``),
+and the peers' ``torch.autograd.grad`` through an SDPA output (graph retained).
+
+Adding a mode (``ladder``): write a ``validate_one(cfg, bench)`` and a ``time_one(cfg, val,
+ctx, bench)`` (see ``validate_forward_config`` / ``time_forward_row``), a ``<MODE>_COLUMNS``
+table and its notes, a ``run_<mode>(args)`` that hands them to ``run_mode``, and one entry
+in ``MODES`` at the bottom. Options shared by all modes live in ``_common_options``; the
+environment record, input generation, timers, memory probes, peer wrapper and
+JSON/Markdown/table writers are mode-agnostic.
 
 Caveats: in Numba's CUDA simulator (no GPU) there are no CUDA events, so ``--tiny``
 times with ``time.perf_counter`` and the numbers mean nothing; inputs there are NumPy
@@ -105,6 +116,14 @@ L2_FLUSH_BYTES = 256 << 20   # written between repeats: > 4x the H200's 60 MB L2
 # Peers: PyTorch SDPA backends. JSON key -> (table label, torch.nn.attention.SDPBackend member).
 PEERS = {"sdpa_efficient": ("eff", "EFFICIENT_ATTENTION"), "sdpa_math": ("math", "MATH")}
 
+# Backward mode
+BWD_TOLERANCE = {"float32": 3e-4, "float64": 1e-9}   # per gradient: max abs err <= tol · max(1, max|oracle|)
+BWD_FULL_N = 1024            # validate on the timed inputs themselves up to this Nq and Nk ...
+BWD_VALIDATE_N = 512         # ... else on a separate problem with N = this (same B, H, d, causal, dtype)
+BWD_FLOP_FACTOR = 2.5        # FlashAttention convention: backward = 2.5 x forward FLOPs
+BWD_LEAD = (0, 0)            # the leading index compared with the oracle
+GRADS = ("dq", "dk", "dv")
+
 MIB = 2.0 ** 20
 
 
@@ -112,6 +131,10 @@ def forward_flops(s: Shape, causal: bool) -> float:
     """FlashAttention convention: 2 matmuls of 2·Nq·Nk·d per head; causal does half the work."""
     f = 4.0 * s.B * s.H * s.Nq * s.Nk * s.d
     return f / 2 if causal else f
+
+
+def backward_flops(s: Shape, causal: bool) -> float:
+    return BWD_FLOP_FACTOR * forward_flops(s, causal)
 
 
 def select_shapes(args):
@@ -207,6 +230,16 @@ def input_kind(torch):
 def make_inputs(shape: Shape, dtype: str, kind: str, torch=None, seed=SEED):
     """q, k, v ~ N(0, 1) of the given kind; the same values every time for the same seed."""
     sizes = [(shape.B, shape.H, shape.Nq, shape.d)] + [(shape.B, shape.H, shape.Nk, shape.d)] * 2
+    return random_arrays(sizes, dtype, kind, torch, seed)
+
+
+def make_dout(shape: Shape, dtype: str, kind: str, torch=None, seed=SEED + 1):
+    """The backward's incoming gradient dout ~ N(0, 1), shaped like q (its own seed)."""
+    return random_arrays([(shape.B, shape.H, shape.Nq, shape.d)], dtype, kind, torch, seed)[0]
+
+
+def random_arrays(sizes, dtype: str, kind: str, torch=None, seed=SEED):
+    """Standard-normal arrays of these sizes and kind ("torch", "numpy", "numba"), reproducibly."""
     if kind == "torch":
         gen = torch.Generator(device="cuda").manual_seed(seed)
         tdt = getattr(torch, dtype)
@@ -459,36 +492,38 @@ class Bench:
     peers: tuple
 
 
-# --------------------------------------------------------------------------- forward
-def forward_configs(args):
+# --------------------------------------------------------------------------- rows (all modes)
+def mode_configs(args):
+    """Every (shape, causal, dtype) the options select, in table order."""
     return [{"shape": s, "causal": c, "dtype": dt}
             for dt in args.dtype for s in select_shapes(args) for c in CAUSAL]
 
 
-def kernel_record(cfg, use_async):
-    s = cfg["shape"]
-    spec = registry.forward_specialisation(cfg["dtype"], s.d, cfg["causal"], use_async)
+def spec_record(spec, s: Shape, rows):
+    """A kernel specialisation as the JSON records it; ``rows`` is what its grid's x axis tiles."""
     t = spec.tiling
     return {"kernel": spec.name, "variant": spec.variant, "use_async": spec.use_async,
             "tiling": dataclasses.asdict(t), "BM": t.BM, "BN": t.BN, "threads": t.threads,
             "smem_bytes": spec.smem_bytes,
-            "grid": [-(-s.Nq // t.BM) * s.B * s.H, -(-s.d // t.DO)]}
+            "grid": [-(-rows // t.BM) * s.B * s.H, -(-s.d // t.DO)]}
 
 
-def out_lse_mib(cfg):
-    s = cfg["shape"]
-    return s.B * s.H * s.Nq * (s.d + 1) * np.dtype(cfg["dtype"]).itemsize / MIB
-
-
-def time_ours(cfg, arrays, bench):
-    q, k, v = arrays
-    call = lambda: numba_flash.attention_fwd(q, k, v, causal=cfg["causal"])  # noqa: E731
+def time_numba(call, bench, flops):
+    """``measure`` one call of ours, then its peak extra device memory; errors go in the record."""
     try:
         rec = measure(call, bench.events, bench)
         rec["extra_mib"] = numba_extra_mib(call)
     except Exception as exc:  # noqa: BLE001 - reported in the row
         return {"error": f"{type(exc).__name__}: {exc}"}
-    rec["tflops"] = forward_flops(cfg["shape"], cfg["causal"]) / (rec["ms_median"] * 1e-3) / 1e12
+    rec["tflops"] = flops / (rec["ms_median"] * 1e-3) / 1e12
+    return rec
+
+
+def time_torch(call, bench, flops):
+    """``measure`` one torch call with torch's events, then its ``max_memory_allocated`` growth."""
+    rec = measure(call, TorchEvents(bench.torch), bench)
+    rec["extra_mib"] = torch_extra_mib(bench.torch, call)
+    rec["tflops"] = flops / (rec["ms_median"] * 1e-3) / 1e12
     return rec
 
 
@@ -503,26 +538,39 @@ def peer_unavailable(bench, cfg):
     return None
 
 
-def time_peer(name, cfg, arrays, bench, refs):
-    """One SDPA backend on the same tensors: error vs the oracle, time, extra memory."""
+def run_peer(name, bench, body):
+    """``body()`` (-> record) with SDPA restricted to peer ``name``'s backend.
+
+    An unsupported backend ("No available kernel") or running out of memory gives
+    ``{"error": ...}``; torch's cache is emptied after either way (MATH's score matrices).
+    """
     torch = bench.torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
-    q, k, v = arrays
-    sdpa = torch.nn.functional.scaled_dot_product_attention
-    call = lambda: sdpa(q, k, v, is_causal=cfg["causal"])  # noqa: E731
     try:
         with warnings.catch_warnings(), sdpa_kernel(getattr(SDPBackend, PEERS[name][1])):
             warnings.simplefilter("ignore")   # "memory efficient kernel not used because ..."
-            err, _ = compare_blocks(call(), None, refs)
-            rec = measure(call, TorchEvents(torch), bench)
-            rec["extra_mib"] = torch_extra_mib(torch, call)
-    except Exception as exc:  # noqa: BLE001 - unsupported ("No available kernel") or out of memory
+            rec = body()
+    except Exception as exc:  # noqa: BLE001 - unsupported or out of memory
+        rec = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+    finally:
         torch.cuda.empty_cache()
-        return {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-    torch.cuda.empty_cache()   # give MATH's score matrices back before the next row
-    rec["max_abs_err"] = err
-    rec["tflops"] = forward_flops(cfg["shape"], cfg["causal"]) / (rec["ms_median"] * 1e-3) / 1e12
     return rec
+
+
+def add_peers(rec, cfg, bench, time_peer):
+    """Fill ``rec["peers"]``: ``time_peer(name)`` for each SDPA backend, or why it was not run."""
+    reason = peer_unavailable(bench, cfg)
+    for name in PEERS:
+        peer = {"error": reason} if reason else time_peer(name)
+        peer["backend"] = PEERS[name][1]
+        peer["ratio"] = ratio(rec["ours"], peer)
+        rec["peers"][name] = peer
+
+
+def new_record(mode, cfg, flops, val):
+    return {"mode": mode, "shape": dataclasses.asdict(cfg["shape"]), "causal": cfg["causal"],
+            "dtype": cfg["dtype"], "flops": flops, "valid": val["valid"], "validation": val,
+            "ours": {}, "peers": {}}
 
 
 def ratio(ours, peer):
@@ -535,55 +583,37 @@ def row_label(cfg):
     return f"{cfg['shape']} {'causal' if cfg['causal'] else 'full'} {cfg['dtype']}"
 
 
-def validate_all(configs, bench):
-    """Phase 1: every configuration against the oracle. Returns [(validation, refs)], one per config."""
+def validate_all(configs, bench, validate_one):
+    """Phase 1: every configuration against the oracle.
+
+    ``validate_one(cfg, bench)`` returns ``(validation record, context for time_one)``; the
+    record has ``valid``, ``error`` (and ``traceback``), ``max_abs_err`` and ``summary``.
+    """
     print(f"Validating {len(configs)} configurations against numba_flash.reference (float64, CPU) ...",
           flush=True)
     results = []
     for cfg in configs:
-        arrays = make_inputs(cfg["shape"], cfg["dtype"], bench.kind, bench.torch)
-        refs = oracle_for(*arrays, validation_blocks(cfg["shape"]), cfg["causal"])
-        val = validate_forward(cfg, arrays, refs)
-        val["use_async"] = uses_async(arrays)
-        results.append((val, refs))
+        val, ctx = validate_one(cfg, bench)
+        results.append((val, ctx))
         if val["valid"]:
-            print(f"  ok       {row_label(cfg)}: max abs err {val['max_abs_err']:.2e} "
-                  f"(tol {val['tolerance']:.0e})", flush=True)
+            print(f"  ok       {row_label(cfg)}: {val['summary']}", flush=True)
         else:
-            what = val["error"] or f"max abs err {val['max_abs_err']:.3e} > tol {val['tolerance']:.0e}"
+            what = val["error"] or val["summary"]
             print(f"  INVALID  {row_label(cfg)}: {what}", flush=True)
             print(f"VALIDATION FAILED for {row_label(cfg)}: {what}\n{val.get('traceback', '')}",
                   file=sys.stderr, flush=True)
-        del arrays
     return results
 
 
-def time_all(configs, validated, bench):
-    """Phase 2: time ours and the peers on each validated configuration."""
+def time_all(configs, validated, bench, time_one):
+    """Phase 2: ``time_one(cfg, val, ctx, bench)`` (-> row record) for each configuration."""
     print(f"Timing {len(configs)} configurations ({bench.events.name}; median of >= {bench.repeats} "
           f"repeats and >= {bench.min_time_s:g} s; peers: {', '.join(bench.peers) or 'none'}) ...", flush=True)
     rows = []
-    for cfg, (val, refs) in zip(configs, validated):
-        arrays = make_inputs(cfg["shape"], cfg["dtype"], bench.kind, bench.torch)
-        rec = {"mode": "forward", "shape": dataclasses.asdict(cfg["shape"]), "causal": cfg["causal"],
-               "dtype": cfg["dtype"], "flops": forward_flops(cfg["shape"], cfg["causal"]),
-               "valid": val["valid"], "validation": val,
-               "ours": kernel_record(cfg, val["use_async"]), "peers": {}}
-        rec["ours"]["out_lse_mib"] = out_lse_mib(cfg)
-        val.pop("use_async")
-        if val["valid"]:
-            rec["ours"].update(time_ours(cfg, arrays, bench))
-        else:
-            rec["ours"]["error"] = "not timed: validation failed"
-        reason = peer_unavailable(bench, cfg)
-        for name in PEERS:
-            peer = {"error": reason} if reason else time_peer(name, cfg, arrays, bench, refs)
-            peer["backend"] = PEERS[name][1]
-            peer["ratio"] = ratio(rec["ours"], peer)
-            rec["peers"][name] = peer
+    for cfg, (val, ctx) in zip(configs, validated):
+        rec = time_one(cfg, val, ctx, bench)
         print(f"  {row_label(cfg)}: {_brief(rec)}", flush=True)
         rows.append(rec)
-        del arrays
     return rows
 
 
@@ -596,26 +626,36 @@ def _brief(rec):
     return "; ".join(parts)
 
 
-def run_forward(args):
+def make_bench(args):
+    """Timers, repeat policy, L2 flush and torch (TF32 off: a true float32 MATH peer)."""
     torch = load_torch()
     if torch is not None:
-        torch.backends.cuda.matmul.allow_tf32 = False   # a true float32 MATH peer
+        torch.backends.cuda.matmul.allow_tf32 = False
     peers = () if torch is None or args.no_peers else tuple(PEERS)
-    bench = Bench(events=WallClock() if SIMULATOR else NumbaEvents(),
-                  repeats=args.repeats, min_time_s=args.min_time, warmup=args.warmup,
-                  flush=None if args.no_flush_l2 else make_l2_flush(), torch=torch,
-                  kind=input_kind(torch), peers=peers)
-    env = environment(torch)
+    return Bench(events=WallClock() if SIMULATOR else NumbaEvents(),
+                 repeats=args.repeats, min_time_s=args.min_time, warmup=args.warmup,
+                 flush=None if args.no_flush_l2 else make_l2_flush(), torch=torch,
+                 kind=input_kind(torch), peers=peers)
+
+
+def run_mode(args, mode, validate_one, time_one, columns, notes, settings):
+    """Validate, time, write JSON (and Markdown), print the table last; returns the exit status.
+
+    ``notes(doc)`` -> lines under the table; ``settings``: the mode's entries of the JSON
+    ``settings`` (tolerance, what is validated, FLOP convention, timed call).
+    """
+    bench = make_bench(args)
+    env = environment(bench.torch)
     print(_header(env), flush=True)
-    configs = forward_configs(args)
-    validated = validate_all(configs, bench)
-    rows = time_all(configs, validated, bench)
-    doc = {"mode": "forward", **env, "settings": _settings(args, bench), "rows": rows}
+    configs = mode_configs(args)
+    validated = validate_all(configs, bench, validate_one)
+    rows = time_all(configs, validated, bench, time_one)
+    doc = {"mode": mode, **env, "settings": {**_settings(args, bench), **settings}, "rows": rows}
     write_json(args.json, doc)
     if args.markdown:
-        write_markdown(args.markdown, doc, FORWARD_COLUMNS, forward_notes(doc))
+        write_markdown(args.markdown, doc, columns, notes(doc))
     print(f"Wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
-    return print_summary(rows, FORWARD_COLUMNS, forward_notes(doc))
+    return print_summary(rows, columns, notes(doc))
 
 
 def print_summary(rows, columns, notes):
@@ -635,10 +675,7 @@ def _settings(args, bench):
     return {"repeats_min": bench.repeats, "min_time_s": bench.min_time_s, "warmup": bench.warmup,
             "max_repeats": MAX_REPEATS, "l2_flush_bytes": 0 if bench.flush is None else L2_FLUSH_BYTES,
             "timer": bench.events.name, "inputs": bench.kind, "peers": {n: PEERS[n][1] for n in bench.peers},
-            "tolerance": TOLERANCE, "validate_rows": VALIDATE_ROWS, "seed": SEED,
-            "flop_convention": "4*B*H*Nq*Nk*d, halved when causal",
-            "timed_call": "numba_flash.attention_fwd (public API: Python dispatch included)",
-            "argv": args.argv}
+            "seed": SEED, "argv": args.argv}
 
 
 def _header(env):
@@ -648,24 +685,245 @@ def _header(env):
             f"torch {v['torch'] or '—'} · inputs: {env['inputs']}")
 
 
-def forward_notes(doc):
+def common_notes(doc, call, flops):
+    """Timing and peer notes shared by the modes; ``call``: what one repeat runs."""
     s = doc["settings"]
-    notes = [
+    return [
         f"Times: median over >= {s['repeats_min']} repeats and >= {s['min_time_s']:g} s ({s['timer']}); each "
-        "repeat is one call of the public API, synchronised before"
+        f"repeat is {call}, synchronised before"
         + (", L2 flushed" if s["l2_flush_bytes"] else "") + ", so Python dispatch overhead is INCLUDED "
         "(JSON: host_ms_median).",
-        "TFLOP/s: FlashAttention convention, 4·B·H·N²·d, halved when causal. ratio = ours TFLOP/s ÷ peer "
+        f"TFLOP/s: FlashAttention convention, {flops}. ratio = ours TFLOP/s ÷ peer "
         "TFLOP/s (> 1: ours faster). Peers: torch SDPA "
         + (", ".join(f"{PEERS[n][0]} = {b}" for n, b in s["peers"].items()) or "not run")
         + ", same tensors; '—' = unsupported, out of memory or not run.",
+    ]
+
+
+def simulator_notes(doc):
+    return ["SIMULATOR: no GPU, timings are meaningless (validation only)."] if doc["simulator"] else []
+
+
+# --------------------------------------------------------------------------- forward
+def forward_configs(args):
+    return mode_configs(args)
+
+
+def kernel_record(cfg, use_async):
+    s = cfg["shape"]
+    return spec_record(registry.forward_specialisation(cfg["dtype"], s.d, cfg["causal"], use_async), s, s.Nq)
+
+
+def out_lse_mib(cfg):
+    s = cfg["shape"]
+    return s.B * s.H * s.Nq * (s.d + 1) * np.dtype(cfg["dtype"]).itemsize / MIB
+
+
+def time_ours(cfg, arrays, bench):
+    q, k, v = arrays
+    call = lambda: numba_flash.attention_fwd(q, k, v, causal=cfg["causal"])  # noqa: E731
+    return time_numba(call, bench, forward_flops(cfg["shape"], cfg["causal"]))
+
+
+def time_peer(name, cfg, arrays, bench, refs):
+    """One SDPA backend on the same tensors: error vs the oracle, time, extra memory."""
+    q, k, v = arrays
+    sdpa = bench.torch.nn.functional.scaled_dot_product_attention
+    call = lambda: sdpa(q, k, v, is_causal=cfg["causal"])  # noqa: E731
+
+    def body():
+        err, _ = compare_blocks(call(), None, refs)
+        rec = time_torch(call, bench, forward_flops(cfg["shape"], cfg["causal"]))
+        rec["max_abs_err"] = err
+        return rec
+    return run_peer(name, bench, body)
+
+
+def validate_forward_config(cfg, bench):
+    arrays = make_inputs(cfg["shape"], cfg["dtype"], bench.kind, bench.torch)
+    refs = oracle_for(*arrays, validation_blocks(cfg["shape"]), cfg["causal"])
+    val = validate_forward(cfg, arrays, refs)
+    val["use_async"] = uses_async(arrays)
+    val["summary"] = (f"max abs err {val['max_abs_err']:.2e} (tol {val['tolerance']:.0e})"
+                      if val["max_abs_err"] is not None else None)
+    return val, refs
+
+
+def time_forward_row(cfg, val, refs, bench):
+    arrays = make_inputs(cfg["shape"], cfg["dtype"], bench.kind, bench.torch)
+    val.pop("summary")
+    rec = new_record("forward", cfg, forward_flops(cfg["shape"], cfg["causal"]), val)
+    rec["ours"] = kernel_record(cfg, val.pop("use_async"))
+    rec["ours"]["out_lse_mib"] = out_lse_mib(cfg)
+    if val["valid"]:
+        rec["ours"].update(time_ours(cfg, arrays, bench))
+    else:
+        rec["ours"]["error"] = "not timed: validation failed"
+    add_peers(rec, cfg, bench, lambda name: time_peer(name, cfg, arrays, bench, refs))
+    return rec
+
+
+def run_forward(args):
+    settings = {"tolerance": TOLERANCE, "validate_rows": VALIDATE_ROWS,
+                "flop_convention": "4*B*H*Nq*Nk*d, halved when causal",
+                "timed_call": "numba_flash.attention_fwd (public API: Python dispatch included)"}
+    return run_mode(args, "forward", validate_forward_config, time_forward_row,
+                    FORWARD_COLUMNS, forward_notes, settings)
+
+
+def forward_notes(doc):
+    s = doc["settings"]
+    return common_notes(doc, "one call of the public API", "4·B·H·N²·d, halved when causal") + [
         "extra MiB: drop of the device's free memory during one call (driver granularity 2 MiB), "
         "vs out+lse MiB, the theoretical output size. err: max abs error vs the float64 oracle (out, lse) "
         "on a sub-slice; tolerance " + ", ".join(f"{t:.0e} ({dt})" for dt, t in s["tolerance"].items()) + ".",
-    ]
-    if doc["simulator"]:
-        notes.append("SIMULATOR: no GPU, timings are meaningless (validation only).")
-    return notes
+    ] + simulator_notes(doc)
+
+
+# --------------------------------------------------------------------------- backward
+def backward_validation_shape(s: Shape) -> Shape:
+    """The problem dq, dk, dv are checked on: the timed one when small enough, else a smaller one
+    with the same B, H, d (so the same kernels, tiling and launch path)."""
+    if max(s.Nq, s.Nk) <= BWD_FULL_N:
+        return s
+    return Shape(s.B, s.H, min(s.Nq, BWD_VALIDATE_N), min(s.Nk, BWD_VALIDATE_N), s.d)
+
+
+def backward_inputs(shape, dtype, bench):
+    """q, k, v and dout of the given shape, as the mode generates them everywhere."""
+    q, k, v = make_inputs(shape, dtype, bench.kind, bench.torch)
+    return q, k, v, make_dout(shape, dtype, bench.kind, bench.torch)
+
+
+def backward_oracle(q, k, v, dout, causal, lead=BWD_LEAD):
+    """{"dq", "dk", "dv"} of leading index ``lead`` from ``reference.attention_bwd`` (float64)."""
+    qh, kh, vh, dh = (to_host(a[lead]).astype(np.float64) for a in (q, k, v, dout))
+    return dict(zip(GRADS, reference.attention_bwd(dh, qh, kh, vh, causal=causal)))
+
+
+def compare_grads(grads, refs, rel_tol, lead=BWD_LEAD):
+    """Per gradient: max abs error at ``lead``, max |oracle| and the bound ``rel_tol·max(1, max|oracle|)``."""
+    res = {}
+    for name, g in zip(GRADS, grads):
+        ref = refs[name]
+        ref_max = float(np.max(np.abs(ref), initial=0.0))
+        res[name] = {"max_abs_err": max_abs_err(to_host(g[lead]), ref), "ref_max_abs": ref_max,
+                     "tolerance": rel_tol * max(1.0, ref_max)}
+    return res
+
+
+def validate_backward_config(cfg, bench):
+    """Run attention_fwd, then attention_bwd on full tensors; dq, dk, dv of one head vs the oracle.
+
+    Returns the record and the oracle's gradients when they are of the timed inputs (for
+    the peers' errors), else None.
+    """
+    s, causal = cfg["shape"], cfg["causal"]
+    vs = backward_validation_shape(s)
+    rel = BWD_TOLERANCE[cfg["dtype"]]
+    val = {"tolerance_rel": rel, "problem": dataclasses.asdict(vs), "same_inputs": vs == s,
+           "leading_index": list(BWD_LEAD), "error": None, "grads": None, "max_abs_err": None,
+           "max_err_over_tol": None, "summary": None}
+    try:
+        q, k, v, dout = backward_inputs(vs, cfg["dtype"], bench)
+        refs = backward_oracle(q, k, v, dout, causal)
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=causal)
+        grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=causal)
+        per = compare_grads(grads, refs, rel)
+    except Exception as exc:  # noqa: BLE001 - reported, row marked invalid
+        val["error"] = f"{type(exc).__name__}: {exc}"
+        val["traceback"] = traceback.format_exc()
+        val["valid"] = False
+        return val, None
+    worst = max(g["max_abs_err"] / g["tolerance"] for g in per.values())
+    val.update(grads=per, max_abs_err=max(g["max_abs_err"] for g in per.values()), max_err_over_tol=worst)
+    val["valid"] = bool(all(g["max_abs_err"] <= g["tolerance"] for g in per.values()))
+    val["summary"] = ("max abs err " + ", ".join(f"{n} {g['max_abs_err']:.2e}" for n, g in per.items())
+                      + f" (worst err/tol {worst:.1e}; tol {rel:.0e}·max(1, max|ref|)"
+                      + ("" if vs == s else f"; on {vs}") + ")")
+    return val, (refs if vs == s else None)
+
+
+def backward_kernels(cfg, use_async):
+    """The dK/dV and dQ specialisations attention_bwd launches (the delta pre-pass has no tiling)."""
+    s = cfg["shape"]
+    return {variant: spec_record(registry.specialisation(variant, cfg["dtype"], s.d, cfg["causal"], use_async),
+                                 s, rows)
+            for variant, rows in (("backward_dkdv_simt", s.Nk), ("backward_dq_simt", s.Nq))}
+
+
+def grads_mib(cfg):
+    """Theoretical extra memory of the backward: dq, dk, dv and delta (one value per query row)."""
+    s = cfg["shape"]
+    return s.B * s.H * ((s.Nq + 2 * s.Nk) * s.d + s.Nq) * np.dtype(cfg["dtype"]).itemsize / MIB
+
+
+def time_backward_ours(cfg, q, k, v, dout, bench):
+    """Time attention_bwd alone: out and lse come from one attention_fwd call before."""
+    causal = cfg["causal"]
+    try:
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=causal)
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        return {"error": f"forward failed: {type(exc).__name__}: {exc}"}
+    call = lambda: numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
+    return time_numba(call, bench, backward_flops(cfg["shape"], causal))
+
+
+def time_backward_peer(name, cfg, q, k, v, dout, bench, refs):
+    """One SDPA backend: forward once (graph kept), then time ``autograd.grad`` (ours: attention_bwd)."""
+    torch = bench.torch
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def body():
+        qg, kg, vg = (x.detach().requires_grad_() for x in (q, k, v))
+        out = sdpa(qg, kg, vg, is_causal=cfg["causal"])
+        call = lambda: torch.autograd.grad(out, (qg, kg, vg), dout, retain_graph=True)  # noqa: E731
+        per = None if refs is None else compare_grads(call(), refs, BWD_TOLERANCE[cfg["dtype"]])
+        rec = time_torch(call, bench, backward_flops(cfg["shape"], cfg["causal"]))
+        rec["grads"] = per
+        rec["max_abs_err"] = None if per is None else max(g["max_abs_err"] for g in per.values())
+        return rec
+    return run_peer(name, bench, body)
+
+
+def time_backward_row(cfg, val, refs, bench):
+    q, k, v, dout = backward_inputs(cfg["shape"], cfg["dtype"], bench)
+    val.pop("summary")
+    rec = new_record("backward", cfg, backward_flops(cfg["shape"], cfg["causal"]), val)
+    use_async = uses_async((q, k, v, dout))
+    rec["ours"] = {"use_async": use_async, "kernels": backward_kernels(cfg, use_async),
+                   "grads_mib": grads_mib(cfg)}
+    if val["valid"]:
+        rec["ours"].update(time_backward_ours(cfg, q, k, v, dout, bench))
+    else:
+        rec["ours"]["error"] = "not timed: validation failed"
+    add_peers(rec, cfg, bench, lambda name: time_backward_peer(name, cfg, q, k, v, dout, bench, refs))
+    return rec
+
+
+def run_backward(args):
+    settings = {"tolerance": BWD_TOLERANCE, "tolerance_kind": "per gradient: max abs err <= tol * max(1, max|ref|)",
+                "validation": {"leading_index": list(BWD_LEAD), "full_inputs_up_to_n": BWD_FULL_N,
+                               "else_separate_problem_n": BWD_VALIDATE_N},
+                "flop_convention": f"{BWD_FLOP_FACTOR} * forward (4*B*H*Nq*Nk*d, halved when causal)",
+                "timed_call": "numba_flash.attention_bwd with out, lse precomputed (public API: Python "
+                              "dispatch included); peers: torch.autograd.grad(out, (q, k, v), dout, "
+                              "retain_graph=True)"}
+    return run_mode(args, "backward", validate_backward_config, time_backward_row,
+                    BACKWARD_COLUMNS, backward_notes, settings)
+
+
+def backward_notes(doc):
+    s = doc["settings"]
+    return common_notes(doc, "one attention_bwd call (out, lse precomputed; peers: autograd.grad through "
+                        "an SDPA output)", f"{BWD_FLOP_FACTOR:g} × forward (4·B·H·N²·d, halved when causal)") + [
+        "extra MiB: drop of the device's free memory during one attention_bwd call (driver granularity "
+        "2 MiB), vs grads MiB = dq+dk+dv+delta, the theoretical size; peers' max_memory_allocated growth "
+        "in the JSON. err: max abs error of dq, dk, dv vs the float64 oracle for leading index (0,0), on "
+        f"the timed inputs when N <= {BWD_FULL_N}, else on a separate N = {BWD_VALIDATE_N} problem; "
+        "tolerance " + ", ".join(f"{t:.0e}" for t in s["tolerance"].values())
+        + " (" + ", ".join(s["tolerance"]) + ") × max(1, max|ref|), per gradient.",
+    ] + simulator_notes(doc)
 
 
 # --------------------------------------------------------------------------- reporting
@@ -687,20 +945,26 @@ def _err(r):
     return _fmt(v.get("max_abs_err"), ".1e")
 
 
-# (header, width, row -> text). Peer columns are generated from PEERS.
-FORWARD_COLUMNS = (
-    [("shape (B,H,N,d)", 18, lambda r: str(Shape(**r["shape"]))),
-     ("causal", 6, lambda r: "yes" if r["causal"] else "no"),
-     ("dtype", 7, lambda r: r["dtype"]),
-     ("ours ms", 9, lambda r: _fmt(r["ours"].get("ms_median"), ".3f")),
-     ("ours TF/s", 9, lambda r: _fmt(r["ours"].get("tflops"), ".2f"))]
-    + [(f"{lbl} TF/s", 9, _peer(n, "tflops", ".2f")) for n, (lbl, _) in PEERS.items()]
-    + [(f"ours/{lbl}", 9, _peer(n, "ratio", ".2f")) for n, (lbl, _) in PEERS.items()]
-    + [("extra MiB", 9, lambda r: _fmt(r["ours"].get("extra_mib"), ".1f")),
-       ("out+lse MiB", 11, lambda r: _fmt(r["ours"].get("out_lse_mib"), ".1f")),
-       ("max err", 8, _err),
-       ("valid", 7, lambda r: "ok" if r["valid"] else "INVALID")]
-)
+def make_columns(theory_header, theory_key):
+    """(header, width, row -> text) table columns; peer columns are generated from PEERS.
+    ``theory_key``: the ``ours`` entry with the theoretical memory shown next to the measured."""
+    return (
+        [("shape (B,H,N,d)", 18, lambda r: str(Shape(**r["shape"]))),
+         ("causal", 6, lambda r: "yes" if r["causal"] else "no"),
+         ("dtype", 7, lambda r: r["dtype"]),
+         ("ours ms", 9, lambda r: _fmt(r["ours"].get("ms_median"), ".3f")),
+         ("ours TF/s", 9, lambda r: _fmt(r["ours"].get("tflops"), ".2f"))]
+        + [(f"{lbl} TF/s", 9, _peer(n, "tflops", ".2f")) for n, (lbl, _) in PEERS.items()]
+        + [(f"ours/{lbl}", 9, _peer(n, "ratio", ".2f")) for n, (lbl, _) in PEERS.items()]
+        + [("extra MiB", 9, lambda r: _fmt(r["ours"].get("extra_mib"), ".1f")),
+           (theory_header, max(9, len(theory_header)), lambda r: _fmt(r["ours"].get(theory_key), ".1f")),
+           ("max err", 8, _err),
+           ("valid", 7, lambda r: "ok" if r["valid"] else "INVALID")]
+    )
+
+
+FORWARD_COLUMNS = make_columns("out+lse MiB", "out_lse_mib")
+BACKWARD_COLUMNS = make_columns("grads MiB", "grads_mib")
 
 
 def render_table(rows, columns):
@@ -785,7 +1049,8 @@ class Mode:
 
 MODES = {
     "forward": Mode("fused forward vs PyTorch SDPA (default)", run_forward),
-    # "backward": Mode(..., run_backward), "ladder": Mode(..., run_ladder): to come.
+    "backward": Mode("attention_bwd (dq, dk, dv) vs PyTorch SDPA backward", run_backward),
+    # "ladder": Mode(..., run_ladder): to come.
 }
 DEFAULT_MODE = "forward"
 

@@ -118,3 +118,75 @@ def test_anchor_shapes():
     for s in anchors:
         assert s.B * s.Nq == 16384 and s.H * s.d == 2048 and s.Nq == s.Nk
     assert {(s.d, s.H) for s in anchors} == {(64, 32), (128, 16)}
+
+
+# --------------------------------------------------------------------------- backward mode
+@pytest.fixture(scope="module")
+def tiny_backward_run(tmp_path_factory):
+    js = tmp_path_factory.mktemp("bench_bwd") / "bb.json"
+    # --repeats 1: a backward call takes ~2.5 s in the simulator; this keeps the run well under 90 s.
+    proc = subprocess.run([sys.executable, str(BENCH), "backward", "--tiny", "--repeats", "1", "--json", str(js)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    return proc, js
+
+
+def test_tiny_backward_run_has_valid_rows(tiny_backward_run):
+    proc, js = tiny_backward_run
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    doc = json.loads(js.read_text())
+    assert doc["mode"] == "backward"
+    for key in ("date", "gpu", "versions", "git_sha", "settings", "rows"):
+        assert key in doc
+    assert doc["settings"]["tolerance"] == bench.BWD_TOLERANCE
+    rows = doc["rows"]
+    expected = {(str(s), c) for s in bench.SHAPE_SETS["tiny"] for c in bench.CAUSAL}
+    assert {(str(bench.Shape(**r["shape"])), r["causal"]) for r in rows} == expected
+    for r in rows:
+        shape, v = bench.Shape(**r["shape"]), r["validation"]
+        assert r["mode"] == "backward" and r["valid"] is True and v["error"] is None
+        assert v["same_inputs"] is True and bench.Shape(**v["problem"]) == shape   # tiny: N <= BWD_FULL_N
+        assert set(v["grads"]) == {"dq", "dk", "dv"}
+        for g in v["grads"].values():
+            assert 0 <= g["max_abs_err"] <= g["tolerance"]
+            assert g["tolerance"] == pytest.approx(bench.BWD_TOLERANCE[r["dtype"]] * max(1.0, g["ref_max_abs"]))
+        assert r["flops"] == pytest.approx(2.5 * bench.forward_flops(shape, r["causal"]))
+        ours = r["ours"]
+        assert ours["ms_median"] > 0 and ours["tflops"] > 0 and ours["repeats"] >= 1
+        assert set(ours["kernels"]) == {"backward_dkdv_simt", "backward_dq_simt"}
+        for k in ours["kernels"].values():
+            assert set(k["tiling"]) == {"TM", "TN", "CG", "RG", "DK", "DO"}
+        assert ours["grads_mib"] == pytest.approx(bench.grads_mib({"shape": shape, "dtype": r["dtype"]}))
+        assert set(r["peers"]) == set(bench.PEERS)
+    lines = proc.stdout.rstrip().splitlines()
+    header = next(i for i, line in enumerate(lines) if line.strip().startswith("shape (B,H,N,d)"))
+    assert "grads MiB" in lines[header]
+    assert len(lines) - header < 16                       # only the table and its notes follow
+    assert all(row.rstrip().endswith("ok") for row in lines[header + 2: header + 2 + len(rows)])
+
+
+def test_backward_validation_shape():
+    small = bench.Shape(16, 32, 1024, 1024, 64)
+    assert bench.backward_validation_shape(small) == small
+    for s in bench.SHAPE_SETS["anchors"] + bench.SHAPE_SETS["seed"]:
+        vs = bench.backward_validation_shape(s)
+        assert (vs.B, vs.H, vs.d) == (s.B, s.H, s.d)
+        assert vs == s if s.Nq <= bench.BWD_FULL_N else vs.Nq == vs.Nk == bench.BWD_VALIDATE_N
+
+
+def test_compare_grads_relative_tolerance():
+    rng = np.random.default_rng(2)
+    q, k, v, do = (rng.standard_normal((1, 1, 12, 8)) for _ in range(4))
+    refs = bench.backward_oracle(q, k, v, do, True)
+    assert set(refs) == {"dq", "dk", "dv"}
+    grads = [x[None, None] for x in (refs["dq"], refs["dk"], refs["dv"])]
+    res = bench.compare_grads(grads, refs, 3e-4)
+    assert all(g["max_abs_err"] == 0 for g in res.values())
+    grads[1] = grads[1] + 1e-2                                     # a wrong dk
+    assert bench.compare_grads(grads, refs, 3e-4)["dk"]["max_abs_err"] == pytest.approx(1e-2)
+
+
+def test_cli_backward_defaults():
+    args = bench.parse_args(["backward"])
+    assert args.mode == "backward" and args.shapes == ["anchors", "seed"] and args.dtype == ["float32"]
+    assert args.json.endswith("results/bench-backward.json")
+    assert bench.select_shapes(bench.parse_args(["backward", "--quick"])) == bench.QUICK_SHAPES

@@ -1,0 +1,210 @@
+"""Property tests of the backward pass against the float64 oracle's gradients.
+
+The oracle's backward is itself checked against finite differences in
+``test_reference.py``. Tolerances:
+
+* float32: max error of each gradient <= 3 × that of a plain float32 NumPy backward
+  (:func:`baseline_bwd32`) + 1e-6 · max|oracle gradient| + rounding slack for large
+  logits (as in the forward tests, scaled by the gradient's size).
+* float64: 1e-10 relative to max(1, max|oracle gradient|).
+"""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+from hypothesis import example, given, note
+from hypothesis import strategies as st
+
+import numba_flash
+from numba import cuda
+from numba_flash import reference, registry
+from conftest import ON_GPU, bits, host, make_qkv
+
+DTYPES = ("float32", "float64")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lead: tuple
+    nq: int
+    nk: int
+    d: int
+    dtype: str = "float32"
+    causal: bool = False
+    scale: float = None
+    magnitude: float = 1.0
+    seed: int = 0
+
+    def inputs(self):
+        q, k, v = make_qkv(self.seed, self.lead, self.nq, self.nk, self.d, self.dtype, self.magnitude)
+        dout = np.random.default_rng(self.seed + 1).standard_normal(q.shape).astype(self.dtype)
+        return q, k, v, dout
+
+
+def baseline_bwd32(dout, q, k, v, causal, scale):
+    """The oracle's backward formulas evaluated in plain float32 NumPy."""
+    dout, q, k, v = (np.asarray(x, np.float32) for x in (dout, q, k, v))
+    sc = np.float32(1 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    s = np.matmul(q, np.swapaxes(k, -1, -2)) * sc
+    if causal:
+        s = np.where(reference.causal_mask(s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    e = np.exp(s - np.where(np.isfinite(m), m, np.float32(0)))
+    l = e.sum(-1, keepdims=True)
+    p = e / np.where(l > 0, l, np.float32(1))
+    out = p @ v
+    dv = np.swapaxes(p, -1, -2) @ dout
+    dp = dout @ np.swapaxes(v, -1, -2)
+    ds = p * (dp - (dout * out).sum(-1, keepdims=True))
+    return (ds @ k) * sc, (np.swapaxes(ds, -1, -2) @ q) * sc, dv
+
+
+def _max_abs(x):
+    return float(np.max(np.abs(x), initial=0.0))
+
+
+def check_backward(grads, dout, q, k, v, causal, scale):
+    dtype = np.asarray(q).dtype
+    ref = reference.attention_bwd(dout, q, k, v, causal=causal, scale=scale)
+    base = baseline_bwd32(dout, q, k, v, causal, scale) if dtype == np.float32 else None
+    for i, (name, g, r) in enumerate(zip(("dq", "dk", "dv"), grads, ref)):
+        assert isinstance(g, np.ndarray) and g.dtype == dtype and g.shape == r.shape, name
+        assert not np.isnan(g).any(), f"NaN in {name} (an element the kernel never wrote?)"
+        err = _max_abs(g.astype(np.float64) - r)
+        size = max(1.0, _max_abs(r))
+        if dtype == np.float64:
+            tol = 1e-10 * size
+        else:
+            mag = max(1.0, _max_abs(q), _max_abs(k)) ** 2 * math.sqrt(q.shape[-1])
+            tol = 3 * _max_abs(base[i].astype(np.float64) - r) + 1e-6 * size + 2**-24 * 8 * mag * size
+        assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
+
+
+def sim_cost(batch, nq, nk, d, dtype):
+    t = registry.backward_tiling(dtype, d)
+    rows, cols = t.RG * t.TM, t.CG * t.TN
+    tiles = -(-nq // rows) * -(-nk // cols) + -(-nk // rows) * -(-nq // cols)
+    return batch * tiles * -(-d // t.DO) * (-(-d // t.DK) + 2)
+
+
+if ON_GPU:
+    N_MAX, D_MAX = 400, 260
+
+    def fits(batch, nq, nk, d, dtype):
+        return batch * nq * nk * d <= 1 << 24
+else:
+    N_MAX, D_MAX = 40, 40
+
+    def fits(batch, nq, nk, d, dtype):
+        return sim_cost(batch, nq, nk, d, dtype) <= 60
+
+
+@st.composite
+def cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    lead = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    batch = math.prod(lead)
+    d = draw(st.integers(1, D_MAX))
+    nq = draw(st.integers(1, N_MAX))
+    nk = draw(st.integers(1, N_MAX))
+    while not fits(batch, nq, nk, d, dtype) and max(nq, nk, d) > 1:
+        nq, nk, d = max(1, nq * 3 // 4), max(1, nk * 3 // 4), max(1, d * 3 // 4)
+    return Case(lead, nq, nk, d, dtype, causal=draw(st.booleans()),
+                scale=draw(st.none() | st.floats(0.05, 2.0)),
+                magnitude=draw(st.sampled_from([1.0, 3.0, 30.0])),
+                seed=draw(st.integers(0, 2**31)))
+
+
+def _edge_examples():
+    t = registry.backward_tiling("float32", 8)
+    rows, cols = t.RG * t.TM, t.CG * t.TN
+    dk = registry.backward_tiling("float32", max(registry.HEAD_DIMS)).DK
+    return [
+        Case((), rows - 1, cols + 1, 8, causal=True, seed=1),
+        Case((), rows + 1, rows, 8, "float64", causal=True, seed=2),
+        Case((), cols, rows - 1, 5, causal=False, seed=3),
+        Case((2,), 2 * rows + 3, 3, 4, "float64", causal=True, seed=4),   # rows with no visible key
+        Case((), 3, 2 * cols + 1, 6, causal=True, seed=5),                # Nq < Nk, bottom-right
+        Case((), 1, 1, 1, seed=6),
+        Case((), 7, 6, dk + 1, "float64", causal=True, seed=7),          # head-dim chunks + slices
+        Case((2, 2), 5, 6, 3, scale=2.0, magnitude=30.0, seed=8),        # large logits
+    ]
+
+
+def _with_examples(f):
+    for c in reversed(_edge_examples()):
+        f = example(case=c)(f)
+    return f
+
+
+@_with_examples
+@given(case=cases())
+def test_backward_matches_oracle(case):
+    note(repr(case))
+    q, k, v, dout = case.inputs()
+    out, lse = numba_flash.attention_fwd(q, k, v, causal=case.causal, scale=case.scale)
+    grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=case.causal, scale=case.scale)
+    check_backward(grads, dout, q, k, v, case.causal, case.scale)
+
+
+def test_device_in_device_out_and_deterministic():
+    case = Case((2,), 19, 13, 8, "float32", causal=True, seed=11)
+    q, k, v, dout = case.inputs()
+    dev = [cuda.to_device(x) for x in (q, k, v, dout)]
+    out, lse = numba_flash.attention_fwd(*dev[:3], causal=True)
+    first = numba_flash.attention_bwd(dev[3], *dev[:3], out, lse, causal=True)
+    second = numba_flash.attention_bwd(dev[3], *dev[:3], out, lse, causal=True)
+    assert all(hasattr(g, "copy_to_host") and not isinstance(g, np.ndarray) for g in first)
+    check_backward([host(g) for g in first], dout, q, k, v, True, None)
+    for a, b in zip(first, second):
+        assert bits(host(a)) == bits(host(b)), "backward must be bitwise reproducible"
+
+
+@pytest.mark.parametrize("nq,nk", [(0, 4), (4, 0)])
+def test_empty_lengths(nq, nk):
+    q, k, v = make_qkv(3, (2,), nq, nk, 4, "float64")
+    dout = np.ones_like(q)
+    out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+    dq, dk, dv = numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=True)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for g in (dq, dk, dv):
+        assert not np.isnan(g).any() and np.all(g == 0)
+
+
+@pytest.mark.parametrize("bad,match", [
+    (dict(dout=np.zeros((3, 4), np.float32)), "dout"),
+    (dict(out=np.zeros((5, 4, 1), np.float32)), "out"),
+    (dict(lse=np.zeros((4,), np.float32)), "lse"),
+    (dict(lse=np.zeros((5,), np.float64)), "dtype"),
+    (dict(dout=[[0.0] * 4] * 5), "dout"),
+])
+def test_backward_bad_inputs(bad, match):
+    q, k, v = make_qkv(0, (), 5, 6, 4, "float32")
+    args = dict(dout=np.ones_like(q), q=q, k=k, v=v, out=np.ones_like(q), lse=np.zeros(5, np.float32))
+    args.update(bad)
+    with pytest.raises((ValueError, TypeError), match=match):
+        numba_flash.attention_bwd(args["dout"], args["q"], args["k"], args["v"], args["out"], args["lse"])
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: large shapes")
+@pytest.mark.parametrize("d", registry.HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_large_shapes(d, causal):
+    n = 1024 if d <= 256 else 512
+    for dtype in DTYPES:
+        case = Case((1, 2), n, n + 37, d, dtype, causal=causal, seed=d)
+        q, k, v, dout = case.inputs()
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=causal)
+        grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=causal)
+        check_backward(grads, dout, q, k, v, causal, None)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU")
+def test_gpu_bitwise_determinism_large():
+    q, k, v, dout = Case((2, 4), 2048, 2048, 128, seed=5).inputs()
+    dev = [cuda.to_device(x) for x in (q, k, v, dout)]
+    out, lse = numba_flash.attention_fwd(*dev[:3], causal=True)
+    runs = [[bits(host(g)) for g in numba_flash.attention_bwd(dev[3], *dev[:3], out, lse, causal=True)]
+            for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2]
