@@ -1,0 +1,209 @@
+"""Shared test configuration: Hypothesis profiles, warning filters, the NaN poison, helpers.
+
+Profiles (``HYPOTHESIS_PROFILE`` picks one; ``ci`` is the default):
+
+* ``ci``: derandomized (the same examples every run), no deadline, few examples: the
+  simulator runs a small launch in 0.1-1 s.
+* ``gpu``: random, no deadline, more examples; for a machine with a CUDA GPU.
+
+``ON_GPU`` is True when kernels run on a real GPU rather than in Numba's CUDA
+simulator; tests use it to choose problem sizes.
+"""
+import importlib
+import math
+import os
+import warnings
+
+# numba_flash warns once, at import, when it switches the simulator on.
+warnings.filterwarnings("ignore", message="numba_flash: no CUDA GPU found")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from hypothesis import HealthCheck, settings  # noqa: E402
+
+import numba_flash  # noqa: E402
+import numba_flash.api  # noqa: E402
+from numba_flash import reference  # noqa: E402
+
+ON_GPU = not numba_flash.SIMULATOR
+
+settings.register_profile(
+    "ci", derandomize=True, deadline=None, print_blob=True, max_examples=40,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile(
+    "gpu", deadline=None, print_blob=True, max_examples=150,
+    suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+# numba's performance warning lives in numba.core.errors; numba-cuda has its own class.
+_PERF_WARNING_MODULES = ("numba.core.errors", "numba.cuda.core.errors", "numba.cuda.errors")
+_PERF_WARNINGS = []
+for _mod in _PERF_WARNING_MODULES:
+    try:
+        _cls = getattr(importlib.import_module(_mod), "NumbaPerformanceWarning", None)
+    except ImportError:
+        _cls = None
+    if _cls is not None and _cls not in _PERF_WARNINGS:
+        _PERF_WARNINGS.append(_cls)
+        warnings.filterwarnings("ignore", category=_cls)
+warnings.filterwarnings("ignore", category=numba_flash.SimulatorWarning)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("filterwarnings", "ignore::numba_flash.SimulatorWarning")
+    for cls in _PERF_WARNINGS:
+        config.addinivalue_line("filterwarnings", f"ignore::{cls.__module__}.{cls.__qualname__}")
+
+
+def pytest_report_header(config):
+    return (f"numba_flash: {'GPU' if ON_GPU else 'CUDA simulator'}; "
+            f"hypothesis profile {settings._current_profile}")
+
+
+@pytest.fixture(autouse=True)
+def poison_outputs():
+    """Fill kernel outputs with NaN before each launch, so unwritten elements fail."""
+    previous = numba_flash.api._POISON
+    numba_flash.api._POISON = np.nan
+    yield
+    numba_flash.api._POISON = previous
+
+
+@pytest.fixture
+def on_gpu():
+    return ON_GPU
+
+
+# --------------------------------------------------------------------------- helpers
+def make_qkv(seed, lead, nq, nk, d, dtype, magnitude=1.0):
+    """Standard-normal q (lead + (nq, d)), k, v (lead + (nk, d)) times ``magnitude``, in ``dtype``."""
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal(tuple(lead) + (nq, d)) * magnitude
+    k = rng.standard_normal(tuple(lead) + (nk, d)) * magnitude
+    v = rng.standard_normal(tuple(lead) + (nk, d)) * magnitude
+    return tuple(x.astype(dtype) for x in (q, k, v))
+
+
+def baseline_fwd32(q, k, v, causal, scale):
+    """Plain float32 NumPy attention: what an ordinary float32 implementation gets.
+
+    Returns (out, lse) in float32; rows that see no key get out = 0, lse = -inf.
+    """
+    q32, k32, v32 = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
+    d = q32.shape[-1]
+    sc = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
+    s = np.matmul(q32, np.swapaxes(k32, -1, -2)) * sc
+    if causal:
+        s = np.where(reference.causal_mask(s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    e = np.exp(s - m)
+    l = np.sum(e, axis=-1, keepdims=True)
+    visible = l > 0
+    p = e / np.where(visible, l, np.float32(1))
+    out = np.matmul(p, v32)
+    log_l = np.log(l, out=np.full_like(l, -np.inf), where=visible)
+    lse = (m + log_l)[..., 0]
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    return out, lse
+
+
+def _max_abs(x):
+    return float(np.max(np.abs(x), initial=0.0))
+
+
+U32, U64 = 2.0**-24, 2.0**-53   # unit roundoff
+SLACK_ULPS = 8                  # allowed logit rounding, in units of U · scale · sum|q_c k_c|
+
+
+def rounding_sensitivity(q, k, v, causal, scale, ref_out, ref_lse):
+    """First-order size of the changes in out and lse caused by rounding the logits.
+
+    If each logit s_ij = scale · q_i · k_j is computed with an error of at most
+    U · A_ij, where A_ij = scale · sum_c |q_ic k_jc| (a rounding-error bound of the
+    dot product, up to a small factor), then to first order out_ic moves by at most
+    U · sum_j p_ij A_ij |v_jc - out_ic| and lse_i by at most U · sum_j p_ij A_ij.
+    Returns the maxima of these two sums without the factor U. This is how sensitive
+    the problem itself is, whatever computes it: two correct float32 programs can
+    differ by this much, while a real bug (a wrong mask, a wrong tile) errs by O(|v|).
+    """
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    nq, nk, d = q.shape[-2], k.shape[-2], q.shape[-1]
+    if q.size == 0 or nk == 0:
+        return 0.0, 0.0
+    sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    q3, k3, v3 = q.reshape(-1, nq, d), k.reshape(-1, nk, d), v.reshape(-1, nk, d)
+    o3, l3 = np.asarray(ref_out).reshape(-1, nq, d), np.asarray(ref_lse).reshape(-1, nq)
+    mask = reference.causal_mask(nq, nk) if causal else np.ones((nq, nk), bool)
+    rows = max(1, (1 << 22) // (nk * d))
+    s_out = s_lse = 0.0
+    for b in range(q3.shape[0]):
+        for r0 in range(0, nq, rows):
+            r1 = min(nq, r0 + rows)
+            qi, lse = q3[b, r0:r1], l3[b, r0:r1, None]
+            s = sc * (qi @ k3[b].T)
+            vis = mask[r0:r1] & np.isfinite(lse)
+            p = np.exp(np.where(vis, s - np.where(np.isfinite(lse), lse, 0.0), -np.inf))
+            w = p * (sc * (np.abs(qi) @ np.abs(k3[b]).T))
+            s_lse = max(s_lse, _max_abs(w.sum(-1)))
+            dev = np.abs(v3[b][None, :, :] - o3[b, r0:r1, None, :])      # (rows, nk, d)
+            s_out = max(s_out, _max_abs(np.einsum("ij,ijc->ic", w, dev)))
+    return s_out, s_lse
+
+
+def check_forward(out, lse, q, k, v, causal, scale, oracle=None):
+    """Assert that ``(out, lse)`` from numba_flash matches the float64 oracle.
+
+    Rows that see no key must be exactly out = 0 and lse = -inf. Elsewhere:
+
+    * float32: the error may be at most twice that of a plain float32 NumPy
+      computation (:func:`baseline_fwd32`), plus 1e-6 · max|v| (a few ulps), plus
+      ``SLACK_ULPS`` times the problem's sensitivity to logit rounding
+      (:func:`rounding_sensitivity`). The last term matters only for large logits,
+      where the errors of two correct float32 programs vary by more than 2x.
+    * float64: 1e-12 relative to max(1, max|oracle|), plus the same sensitivity term
+      at float64's unit roundoff.
+    """
+    q, k, v = (np.asarray(x) for x in (q, k, v))
+    dtype = q.dtype
+    lead, nq, nk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
+    assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
+    assert out.dtype == dtype and lse.dtype == dtype
+    assert out.shape == lead + (nq, d)
+    assert lse.shape == lead + (nq,)
+    assert not np.isnan(out).any(), "NaN in out (an element the kernel never wrote?)"
+    assert not np.isnan(lse).any(), "NaN in lse (an element the kernel never wrote?)"
+    assert np.isfinite(out).all()
+    assert not np.isposinf(lse).any()
+
+    ref_out, ref_lse = reference.attention_fwd(q, k, v, causal=causal, scale=scale) if oracle is None else oracle
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse must be -inf exactly where no key is visible")
+    assert np.all(out[empty] == 0), "rows with no visible key must be exactly 0"
+
+    fin = ~empty
+    err_out = _max_abs(out.astype(np.float64) - ref_out)
+    err_lse = _max_abs(lse[fin].astype(np.float64) - ref_lse[fin])
+    sens_out, sens_lse = rounding_sensitivity(q, k, v, causal, scale, ref_out, ref_lse)
+    if dtype == np.float64:
+        tol_out = 1e-12 * max(1.0, _max_abs(ref_out)) + SLACK_ULPS * U64 * sens_out
+        tol_lse = 1e-12 * max(1.0, _max_abs(ref_lse[fin])) + SLACK_ULPS * U64 * sens_lse
+    else:
+        base_out, base_lse = baseline_fwd32(q, k, v, causal, scale)
+        tol_out = (2 * _max_abs(base_out.astype(np.float64) - ref_out) + 1e-6 * _max_abs(v)
+                   + SLACK_ULPS * U32 * sens_out)
+        tol_lse = (2 * _max_abs(base_lse[fin].astype(np.float64) - ref_lse[fin])
+                   + 1e-6 * max(1.0, _max_abs(ref_lse[fin])) + SLACK_ULPS * U32 * sens_lse)
+    assert err_out <= tol_out, f"out: max error {err_out:.3e} > tolerance {tol_out:.3e}"
+    assert err_lse <= tol_lse, f"lse: max error {err_lse:.3e} > tolerance {tol_lse:.3e}"
+
+
+def host(x):
+    """A NumPy copy of a device array (Numba, or anything with copy_to_host)."""
+    return x.copy_to_host()
+
+
+def bits(x):
+    """The raw bytes of an array, for bitwise comparisons."""
+    x = np.ascontiguousarray(x)
+    return x.dtype, x.shape, x.tobytes()

@@ -1,0 +1,121 @@
+"""Offline PTX checks of every registered kernel specialisation (no GPU needed).
+
+``python -m numba_flash.ptx`` compiles each specialisation of ``registry.specialisations()``
+with NVVM and prints one JSON line of instruction counts per kernel. The compiles are
+slow (a minute or more per run), so the runs start together, in parallel subprocesses,
+from one module-scoped fixture.
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from numba_flash import registry
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 900
+EXPECTED = {s.name for s in registry.specialisations()}
+FORWARD = "forward_simt"
+
+
+def _layout_a_filters():
+    """``--only`` filters of the layout-A runs, one per dtype: the forward kernels of d = 64
+    if the registry lists that head dim, else of its smallest head dim for that dtype."""
+    filters = {}
+    for s in registry.specialisations():
+        if s.variant == FORWARD and (s.dtype not in filters or s.d == 64):
+            filters[s.dtype] = f"{FORWARD}/{s.dtype}/d{s.d}/"
+    return filters
+
+
+ONLY_A = _layout_a_filters()
+RUNS = {
+    "cc80": ["--cc", "8.0"],
+    "cc90": ["--cc", "9.0"],
+    **{f"layoutA-{dt}": ["--cc", "9.0", "--layout", "A", "--only", f] for dt, f in ONLY_A.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def ptx_runs():
+    """{run: (returncode, [parsed JSON rows], stderr)} for every run in RUNS."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    procs = {name: subprocess.Popen([sys.executable, "-m", "numba_flash.ptx", *args], cwd=ROOT, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for name, args in RUNS.items()}
+    results = {}
+    try:
+        for name, p in procs.items():
+            out, err = p.communicate(timeout=TIMEOUT_S)
+            rows = [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
+            results[name] = (p.returncode, rows, err)
+    finally:
+        for p in procs.values():
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return results
+
+
+def _rows(ptx_runs, run):
+    rc, rows, err = ptx_runs[run]
+    assert rc == 0, f"python -m numba_flash.ptx {' '.join(RUNS[run])} failed:\n{err[-4000:]}"
+    assert rows, f"no specialisation compiled:\n{err[-4000:]}"
+    return rows
+
+
+def _check_row(r):
+    """Everything one kernel's PTX must satisfy; returns a list of problems."""
+    name, bad = r["name"], []
+    if r["local"] != 0:
+        bad.append(f"{r['local']} .local references (register spills or local arrays)")
+    if r["dtype"] == "float32" and r["f64"] != 0:
+        bad.append(f"{r['f64']} .f64 instructions in a float32 kernel")
+    if name.endswith("/async") and r["cp.async"] == 0:
+        bad.append("an /async kernel without cp.async")
+    if name.endswith("/plain") and r["cp.async"] != 0:
+        bad.append(f"a /plain kernel with {r['cp.async']} cp.async")
+    if name.startswith(FORWARD + "/"):
+        if r["shfl.sync"] == 0:
+            bad.append("no shfl.sync (row max and row sum are warp shuffles)")
+        if r["dtype"] == "float32" and r["ld.shared.v4"] == 0:
+            bad.append("no ld.shared.v4 (128-bit shared loads) in a float32 kernel")
+    return [f"{name}: {b}" for b in bad]
+
+
+@pytest.mark.parametrize("run", ["cc80", "cc90"])
+def test_every_specialisation_compiles(ptx_runs, run):
+    names = [r["name"] for r in _rows(ptx_runs, run)]
+    assert len(names) == len(set(names)), "a specialisation was compiled twice"
+    assert set(names) == EXPECTED, (f"missing: {sorted(EXPECTED - set(names))}; "
+                                    f"unexpected: {sorted(set(names) - EXPECTED)}")
+    assert {r["cc"] for r in _rows(ptx_runs, run)} == {RUNS[run][1]}
+
+
+@pytest.mark.parametrize("run", ["cc80", "cc90"])
+def test_ptx_features(ptx_runs, run):
+    problems = [p for r in _rows(ptx_runs, run) for p in _check_row(r)]
+    assert not problems, "\n".join(problems)
+
+
+def test_forward_ptx_is_covered():
+    """The forward variant is registered with both dtypes, both masks and both load paths."""
+    fwd = [s for s in registry.specialisations() if s.variant == FORWARD]
+    assert {s.dtype for s in fwd} == {"float32", "float64"}
+    assert {s.causal for s in fwd} == {False, True}
+    assert {s.use_async for s in fwd} == {False, True}
+
+
+@pytest.mark.parametrize("dtype", sorted(ONLY_A))
+def test_layout_a(ptx_runs, dtype):
+    """Arbitrary-stride (layout A) q, k, v compile to the same kind of PTX."""
+    rows = _rows(ptx_runs, f"layoutA-{dtype}")
+    assert {r["layout"] for r in rows} == {"A"}
+    names = {r["name"] for r in rows}
+    assert names == {n for n in EXPECTED if ONLY_A[dtype] in n}
+    problems = [p for r in rows for p in _check_row(r)]
+    assert not problems, "\n".join(problems)
