@@ -28,13 +28,24 @@ def is_device_array(x):
     return False
 
 
+LEGACY_DEFAULT_STREAMS = (0, 1)   # the null stream, and CU_STREAM_LEGACY as CAI v3 names it
+
+
 def producer_stream(x):
-    """The stream a device array's producer last used, from ``__cuda_array_interface__``
-    (CuPy, PyTorch): a handle, or None when the producer names none (Numba arrays)."""
-    cai = getattr(x, "__cuda_array_interface__", None)
-    if cai is None or getattr(x, "__cuda_ndarray__", False):
+    """The stream whose work produced a device array, or None for the default stream.
+
+    CuPy names it in ``__cuda_array_interface__`` (version 3). PyTorch exports version 2,
+    which names no stream, so for a tensor we take PyTorch's current stream on its
+    device: the stream PyTorch itself would run the next operation on.
+    """
+    if getattr(x, "__cuda_ndarray__", False):
         return None
-    return cai.get("stream")
+    cai = getattr(x, "__cuda_array_interface__", None)
+    stream = None if cai is None else cai.get("stream")
+    if stream is None and type(x).__module__.split(".")[0] == "torch":
+        import torch
+        stream = torch.cuda.current_stream(x.device).cuda_stream
+    return None if stream in LEGACY_DEFAULT_STREAMS else stream
 
 
 def as_numba_device(x):

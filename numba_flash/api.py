@@ -256,13 +256,13 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
         inputs, float64 for float64). NumPy in gives NumPy out; device in gives Numba
         device arrays out, without a host round trip.
 
-    Streams: device inputs from CuPy or PyTorch name their producer's current stream in
-    ``__cuda_array_interface__``; the kernel is launched on that stream, so it runs after
-    the work that produced the inputs and the results are ready for work queued on the
-    same stream afterwards, with no host synchronisation. (If q, k and v name different
-    streams, each is synchronised and the default stream is used.) Numba device arrays
-    name no stream: the kernel runs on the default stream. The output is allocated with
-    ``numba.cuda.device_array``.
+    Streams: with PyTorch tensors the kernel runs on PyTorch's current stream; with CuPy
+    arrays on the stream their ``__cuda_array_interface__`` names (CuPy's current stream
+    when they were exported). So it runs after the work that produced the inputs, and the
+    results are ready for work queued on that stream afterwards, with no host
+    synchronisation. (If q, k and v name different streams, each is synchronised and the
+    default stream is used.) Numba device arrays run on the default stream. Outputs are
+    allocated with ``numba.cuda.device_array``.
     """
     return _forward(q, k, v, causal, scale)
 

@@ -199,11 +199,6 @@ def test_torch_inputs(layout):
 
 
 @GPU_ONLY
-@pytest.mark.xfail(strict=True, reason=(
-    "numba_flash bug: PyTorch's __cuda_array_interface__ is version 2 and names no stream, so "
-    "_arrays.producer_stream() returns None, api._launch_stream() picks stream 0 and the kernel runs on "
-    "the legacy default stream, unordered with PyTorch's current (non-blocking) stream; as_numba_device "
-    "uses sync=False, so nothing waits for the producer. Seen on an H200: out all 0, lse = log(Nk)."))
 def test_torch_inputs_on_side_stream():
     """Inputs produced on a non-default PyTorch stream: the kernel must run after them.
 
