@@ -349,6 +349,18 @@ def validate_forward(cfg, arrays, refs):
 
 
 # --------------------------------------------------------------------------- timing
+def _time_between(start, end, call):
+    """(device ms, host ms) of ``call()`` between two CUDA events (Numba's or PyTorch's)."""
+    start.record()
+    t0 = time.perf_counter()
+    result = call()   # kept alive until the end event: no free inside the timed region
+    host = time.perf_counter() - t0
+    end.record()
+    end.synchronize()
+    del result
+    return start.elapsed_time(end), 1e3 * host
+
+
 class NumbaEvents:
     """CUDA events on the default stream, through Numba."""
     name = "numba.cuda.event"
@@ -357,15 +369,7 @@ class NumbaEvents:
         cuda.synchronize()
 
     def time(self, call):
-        start, end = cuda.event(timing=True), cuda.event(timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        result = call()   # kept alive until the end event: no free inside the timed region
-        host = time.perf_counter() - t0
-        end.record()
-        end.synchronize()
-        del result
-        return start.elapsed_time(end), 1e3 * host
+        return _time_between(cuda.event(timing=True), cuda.event(timing=True), call)
 
 
 class TorchEvents:
@@ -379,16 +383,8 @@ class TorchEvents:
         self.torch.cuda.synchronize()
 
     def time(self, call):
-        start = self.torch.cuda.Event(enable_timing=True)
-        end = self.torch.cuda.Event(enable_timing=True)
-        start.record()
-        t0 = time.perf_counter()
-        result = call()   # kept alive until the end event: no free inside the timed region
-        host = time.perf_counter() - t0
-        end.record()
-        end.synchronize()
-        del result
-        return start.elapsed_time(end), 1e3 * host
+        return _time_between(self.torch.cuda.Event(enable_timing=True),
+                             self.torch.cuda.Event(enable_timing=True), call)
 
 
 class WallClock:

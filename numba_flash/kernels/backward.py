@@ -121,6 +121,11 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, u
         b1 = b // B2
         b2 = b - b1 * B2
         d0 = cuda.blockIdx.y * DO
+        # Operand roles (a compile-time choice): rows own the accumulators.
+        if DKDV:
+            ra, rb, ca, cb = k, v, q, dout
+        else:
+            ra, rb, ca, cb = q, dout, k, v
         if DKDV:
             n_rows, n_cols = Nk, Nq
             r0 = bt * R                 # early key tiles have the most visible queries: first
@@ -164,12 +169,8 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, u
                 row_delta[i] = y
 
         if TILE_MODE:                   # row operands stay in shared memory throughout
-            if DKDV:
-                copy_tile(smem, RA_OFF, QS, k, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
-                copy_tile(smem, RB_OFF, QS, v, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
-            else:
-                copy_tile(smem, RA_OFF, QS, q, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
-                copy_tile(smem, RB_OFF, QS, dout, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
+            copy_tile(smem, RA_OFF, QS, ra, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
+            copy_tile(smem, RB_OFF, QS, rb, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
 
         for ct in range(c_start, c_end):
             c0 = ct * C
@@ -180,24 +181,14 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, u
             # ---- S = RA CAᵀ and dP = RB CBᵀ, over head-dim chunks ----------------------
             for kc in range(NKC):
                 if TILE_MODE:
-                    if DKDV:
-                        copy_tile(smem, CA_OFF, QS, q, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
-                        copy_tile(smem, CB_OFF, QS, dout, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
-                    else:
-                        copy_tile(smem, CA_OFF, QS, k, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
-                        copy_tile(smem, CB_OFF, QS, v, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
+                    copy_tile(smem, CA_OFF, QS, ca, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
+                    copy_tile(smem, CB_OFF, QS, cb, b1, b2, c0, C, 0, TILE_COLS, n_cols, tid)
                 else:
                     col = kc * DK
-                    if DKDV:
-                        copy_tile(smem, RA_OFF, QS, k, b1, b2, r0, R, col, DK, n_rows, tid)
-                        copy_tile(smem, RB_OFF, QS, v, b1, b2, r0, R, col, DK, n_rows, tid)
-                        copy_tile(smem, CA_OFF, QS, q, b1, b2, c0, C, col, DK, n_cols, tid)
-                        copy_tile(smem, CB_OFF, QS, dout, b1, b2, c0, C, col, DK, n_cols, tid)
-                    else:
-                        copy_tile(smem, RA_OFF, QS, q, b1, b2, r0, R, col, DK, n_rows, tid)
-                        copy_tile(smem, RB_OFF, QS, dout, b1, b2, r0, R, col, DK, n_rows, tid)
-                        copy_tile(smem, CA_OFF, QS, k, b1, b2, c0, C, col, DK, n_cols, tid)
-                        copy_tile(smem, CB_OFF, QS, v, b1, b2, c0, C, col, DK, n_cols, tid)
+                    copy_tile(smem, RA_OFF, QS, ra, b1, b2, r0, R, col, DK, n_rows, tid)
+                    copy_tile(smem, RB_OFF, QS, rb, b1, b2, r0, R, col, DK, n_rows, tid)
+                    copy_tile(smem, CA_OFF, QS, ca, b1, b2, c0, C, col, DK, n_cols, tid)
+                    copy_tile(smem, CB_OFF, QS, cb, b1, b2, c0, C, col, DK, n_cols, tid)
                 ops.cp_async_commit()
                 ops.cp_async_wait(0)
                 cuda.syncthreads()      # tiles written before any thread reads them
@@ -235,11 +226,9 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, u
                     else:
                         smem[P1_OFF + (r * TM + i) * PS + c + CG * j] = ds
             if not TILE_MODE:           # the DO-wide slices the second products read
+                copy_tile(smem, SA_OFF, DO, ca, b1, b2, c0, C, d0, DO, n_cols, tid)
                 if DKDV:
-                    copy_tile(smem, SA_OFF, DO, q, b1, b2, c0, C, d0, DO, n_cols, tid)
-                    copy_tile(smem, SB_OFF, DO, dout, b1, b2, c0, C, d0, DO, n_cols, tid)
-                else:
-                    copy_tile(smem, SA_OFF, DO, k, b1, b2, c0, C, d0, DO, n_cols, tid)
+                    copy_tile(smem, SB_OFF, DO, cb, b1, b2, c0, C, d0, DO, n_cols, tid)
                 ops.cp_async_commit()
                 ops.cp_async_wait(0)
             cuda.syncthreads()          # P / dS tiles (and slices) complete before the products
