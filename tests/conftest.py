@@ -55,6 +55,24 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", f"ignore::{cls.__module__}.{cls.__qualname__}")
 
 
+def pytest_collection_finish(session):
+    """Start the slow PTX compiles of test_ptx.py in the background right away, if selected."""
+    if session.config.option.collectonly:
+        return
+    for item in session.items:
+        mod = getattr(item, "module", None)
+        if mod is not None and mod.__name__ == "test_ptx" and hasattr(mod, "start_runs"):
+            mod.start_runs()
+            break
+
+
+def pytest_sessionfinish(session):
+    import sys
+    mod = sys.modules.get("test_ptx")
+    if mod is not None and hasattr(mod, "stop_runs"):
+        mod.stop_runs()
+
+
 def pytest_report_header(config):
     return (f"numba_flash: {'GPU' if ON_GPU else 'CUDA simulator'}; "
             f"hypothesis profile {settings._current_profile}")
@@ -166,7 +184,7 @@ def check_forward(out, lse, q, k, v, causal, scale, oracle=None):
     """
     q, k, v = (np.asarray(x) for x in (q, k, v))
     dtype = q.dtype
-    lead, nq, nk, d = q.shape[:-2], q.shape[-2], k.shape[-2], q.shape[-1]
+    lead, nq, d = q.shape[:-2], q.shape[-2], q.shape[-1]
     assert isinstance(out, np.ndarray) and isinstance(lse, np.ndarray)
     assert out.dtype == dtype and lse.dtype == dtype
     assert out.shape == lead + (nq, d)

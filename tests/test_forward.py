@@ -192,6 +192,23 @@ def test_edge_examples_are_at_tile_edges():
         assert all(sim_cost(math.prod(c.lead), c.nq, c.nk, c.d, c.dtype) <= 60 for c in EDGE_EXAMPLES)
 
 
+_TS = registry.forward_tiling("float32", 4)
+
+
+@pytest.mark.parametrize("offset", range(-_TS.BN + 1, _TS.BN + 1))
+def test_causal_diagonal_offsets(offset):
+    """Causal with Nk - Nq at every residue modulo the key tile: the diagonal crosses the
+    key tiles at every position, and the last key a full query tile may see
+    (``q0 + BM - 1 + Nk - Nq``) lands on every position of its key tile."""
+    dtype = DTYPES[offset % 2]
+    t = registry.forward_tiling(dtype, 4)
+    nq = t.BM + 1                      # one full query tile and one single-row tile
+    case = Case((), nq, nq + offset, 4, dtype, causal=True, seed=100 + offset)
+    q, k, v = case.inputs()
+    out, lse = _run(case, q, k, v, on_device=False)
+    check_forward(out, lse, q, k, v, True, None)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_attention_is_attention_fwd_out(dtype):
     case = Case((2,), 9, 7, 6, dtype, causal=True, seed=21)
