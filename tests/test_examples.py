@@ -1,0 +1,27 @@
+"""Every example runs, as a user would run it, and succeeds (the examples assert their own results).
+
+Without a GPU the examples choose tiny sizes for the simulator themselves.
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
+
+
+def test_examples_exist():
+    assert EXAMPLES, "no examples found"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_runs(path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.stdout.strip(), f"{path.name} printed nothing"
