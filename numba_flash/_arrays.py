@@ -56,8 +56,9 @@ def as_numba_device(x):
     if hasattr(x, "__cuda_array_interface__"):
         return cuda.as_cuda_array(x, sync=False)
     # DLPack-only producers: read pointer, shape and strides, then view through the CAI.
+    # No stream is exchanged (stream_ptr=-1): their pending work must be finished first.
     from cuda.core.utils import StridedMemoryView
-    view = StridedMemoryView(x, stream_ptr=-1)
+    view = StridedMemoryView.from_dlpack(x, stream_ptr=-1)   # strides in elements, or None
     itemsize = np.dtype(view.dtype).itemsize
     strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
     desc = {"shape": tuple(view.shape), "strides": strides, "typestr": np.dtype(view.dtype).str,
