@@ -8,6 +8,12 @@ implementations with the same semantics:
 
 ``SIMULATOR`` (from ``_runtime``) picks one at import time, so kernels call
 ``ops.ld_shared_x4(...)`` and run unchanged in both modes.
+
+Operations: 128-bit accesses (``ld_shared_x4``, ``ld_global_x4``, ``st_shared_x4``);
+asynchronous copies (``cp_async16`` from 4-D and ``cp_async16_2d`` from 2-D arrays,
+``cp_async_commit``, ``cp_async_wait``); tensor cores (``tf32_round``,
+``mma_tf32_m16n8k8``, emulated in the simulator by a warp rendezvous, as ``warp`` does
+for shuffles).
 """
 from llvmlite import ir
 from numba import cuda, types
@@ -102,6 +108,133 @@ if not SIMULATOR:
             return ctx.get_dummy_value()
         return types.void(n), codegen
 
+    @intrinsic
+    def ld_global_x4(typingctx, ary, row, col):
+        """``(a[r, c], a[r, c+1], a[r, c+2], a[r, c+3])`` of a 2-D float32 global array as one
+        ``ld.global.v4.f32`` (128 bits).
+
+        The caller guarantees a 16-byte aligned address (``c % 4 == 0``, rows a multiple of
+        16 bytes long, 16-byte aligned base); nothing checks it.
+        """
+        if not (isinstance(ary, types.Array) and ary.ndim == 2 and ary.dtype == types.float32
+                and isinstance(row, types.Integer) and isinstance(col, types.Integer)):
+            return None
+        rty = types.UniTuple(types.float32, 4)
+
+        def codegen(ctx, builder, sig, args):
+            p = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:3], args[1:3])
+            vec = ir.VectorType(ir.FloatType(), 4)
+            p = builder.addrspacecast(p, ir.PointerType(ir.FloatType(), 1))
+            v = builder.load(builder.bitcast(p, ir.PointerType(vec, 1)), align=16)
+            return ctx.make_tuple(builder, rty, [builder.extract_element(v, ir.IntType(32)(i)) for i in range(4)])
+
+        return rty(ary, row, col), codegen
+
+    @intrinsic
+    def st_shared_x4(typingctx, ary, idx, x0, x1, x2, x3):
+        """``a[i:i+4] = (x0, x1, x2, x3)`` into a 1-D float32 shared array as one ``st.shared.v4.f32``.
+
+        The caller guarantees ``i % 4 == 0`` and a 16-byte aligned array base; nothing checks it.
+        """
+        if not (isinstance(ary, types.Array) and ary.ndim == 1 and ary.dtype == types.float32
+                and isinstance(idx, types.Integer)
+                and all(isinstance(x, (types.Float, types.Integer)) for x in (x0, x1, x2, x3))):
+            return None
+
+        def codegen(ctx, builder, sig, args):
+            p = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
+            vec = ir.VectorType(ir.FloatType(), 4)
+            v = ir.Constant(vec, ir.Undefined)
+            for i in range(4):
+                x = ctx.cast(builder, args[2 + i], sig.args[2 + i], types.float32)
+                v = builder.insert_element(v, x, ir.IntType(32)(i))
+            p = builder.addrspacecast(p, ir.PointerType(ir.FloatType(), 3))
+            builder.store(v, builder.bitcast(p, ir.PointerType(vec, 3)), align=16)
+            return ctx.get_dummy_value()
+
+        return types.void(ary, idx, x0, x1, x2, x3), codegen
+
+    @intrinsic
+    def cp_async16_2d(typingctx, dst, dst_idx, src, row, col, src_bytes):
+        """``cp_async16`` from a 2-D global array: ``src[row, col:...] -> dst[dst_idx:...]``.
+
+        Same contract as ``cp_async16``: 16-byte aligned addresses, ``src_bytes`` 0 or 16
+        (0 writes zeros; keep the source address valid anyway), complete at ``cp_async_wait``.
+        """
+        if not (isinstance(dst, types.Array) and dst.ndim == 1 and isinstance(src, types.Array)
+                and src.ndim == 2):
+            return None
+
+        def codegen(ctx, builder, sig, args):
+            d = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
+            d = builder.ptrtoint(builder.addrspacecast(d, ir.PointerType(d.type.pointee, 3)), ir.IntType(32))
+            g = _elem_ptr(ctx, builder, sig.args[2], args[2], sig.args[3:5], args[3:5])
+            g = builder.ptrtoint(builder.addrspacecast(g, ir.PointerType(g.type.pointee, 1)), ir.IntType(64))
+            n = ctx.cast(builder, args[5], sig.args[5], types.uint32)
+            fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
+            asm = ir.InlineAsm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [d, g, n])
+            return ctx.get_dummy_value()
+
+        return types.void(dst, dst_idx, src, row, col, src_bytes), codegen
+
+    @intrinsic
+    def tf32_round(typingctx, x):
+        """``x`` rounded to TF32 (8-bit exponent, 10-bit mantissa; nearest, ties away from zero)
+        by ``cvt.rna.tf32.f32``, returned as a float32 whose low 13 mantissa bits are zero."""
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(ctx, builder, sig, args):
+            f = ctx.cast(builder, args[0], sig.args[0], types.float32)
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.FloatType()]), "cvt.rna.tf32.f32 $0, $1;",
+                               "=r,f")
+            return builder.bitcast(builder.call(asm, [f]), ir.FloatType())
+
+        return types.float32(x), codegen
+
+    @intrinsic
+    def mma_tf32_m16n8k8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        """One warp-wide ``D = A·B + C`` on tensor cores, ``A`` 16×8 (TF32), ``B`` 8×8 (TF32),
+        ``C``/``D`` 16×8 (float32): ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32``.
+
+        All 32 lanes call it together (convergent, full warp). Each lane passes its fragments
+        and gets its four elements of D. With ``g = lane >> 2`` and ``t = lane & 3`` (PTX ISA,
+        "Matrix Fragments for mma.m16n8k8", .tf32)::
+
+                 A (16×8, row-major)            B (8×8, "col")            C, D (16×8)
+                 k: 0..3     4..7               n: 0 .. 7                 n: 2t   2t+1
+            row g    a0        a2           k=t     b0 (n = g)       row g     c0    c1
+            row g+8  a1        a3           k=t+4   b1 (n = g)       row g+8   c2    c3
+                   (col t)  (col t+4)
+
+            a0 = A[g, t]    a1 = A[g+8, t]    a2 = A[g, t+4]    a3 = A[g+8, t+4]
+            b0 = B[t, g]    b1 = B[t+4, g]
+            c0 = C[g, 2t]   c1 = C[g, 2t+1]   c2 = C[g+8, 2t]   c3 = C[g+8, 2t+1]
+
+        Pass A and B values already rounded with ``tf32_round``: the tensor core reads only
+        the TF32 bits of each operand. (Layout from the PTX ISA; the m16n8k16 bf16 layout of
+        the same family was checked on an H200, this one has not been run on hardware yet.)
+        """
+        if not all(isinstance(x, types.Float) for x in (a0, a1, a2, a3, b0, b1, c0, c1, c2, c3)):
+            return None
+        rty = types.UniTuple(types.float32, 4)
+
+        def codegen(ctx, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            vals = [ctx.cast(builder, a, t, types.float32) for a, t in zip(args, sig.args)]
+            ops_in = [builder.bitcast(x, i32) for x in vals[:6]] + vals[6:]
+            fty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+            asm = ir.InlineAsm(
+                fty, "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 "
+                     "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+            res = builder.call(asm, ops_in)
+            return ctx.make_tuple(builder, rty, [builder.extract_value(res, i) for i in range(4)])
+
+        return rty(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+
 else:
     def ld_shared_x4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
@@ -134,3 +267,55 @@ else:
         while len(st.groups) > n:
             for dst, i, vals in st.groups.pop(0):
                 dst[i:i + len(vals)] = vals
+
+
+    def ld_global_x4(a, row, col):
+        return a[row, col], a[row, col + 1], a[row, col + 2], a[row, col + 3]
+
+    def st_shared_x4(a, i, x0, x1, x2, x3):
+        a[i], a[i + 1], a[i + 2], a[i + 3] = x0, x1, x2, x3
+
+    def cp_async16_2d(dst, dst_idx, src, row, col, src_bytes):
+        n = 16 // dst.itemsize
+        k = int(src_bytes) // dst.itemsize
+        vals = [src[row, col + e] if e < k else 0 for e in range(n)]
+        _groups().open.append((dst, int(dst_idx), vals))
+
+    import numpy as _np
+
+    def tf32_round(x):
+        # Round the float32 bit pattern to 10 mantissa bits: add half of the dropped
+        # 13 bits to the magnitude, then clear them (ties away from zero, like .rna).
+        b = _np.float32(x).view(_np.uint32)
+        if (b & _np.uint32(0x7F800000)) == _np.uint32(0x7F800000):   # inf, nan: unchanged
+            return _np.float32(x)
+        return ((b + _np.uint32(0x1000)) & _np.uint32(0xFFFFE000)).view(_np.float32)
+
+    import struct as _struct
+
+    def _tf32_bits(x):
+        """What the tensor core reads of an operand: its TF32 bits (the low 13 are ignored)."""
+        bits = _struct.unpack("<I", _struct.pack("<f", x))[0] & 0xFFFFE000
+        return _struct.unpack("<f", _struct.pack("<I", bits))[0]
+
+    def mma_tf32_m16n8k8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+        # Every lane publishes its A and B fragments (as the tensor core reads them) at a
+        # warp rendezvous, then computes its own four elements of D = A·B + C from the
+        # lanes that hold rows g, g+8 of A and columns 2t, 2t+1 of B (layout: see the
+        # compiled version's docstring). Sums in float64, rounded once to float32.
+        from . import warp
+        mine = tuple(_tf32_bits(x) for x in (a0, a1, a2, a3, b0, b1))
+        lane, frags = warp._exchange(warp.FULL_MASK, mine)
+        g, t = lane >> 2, lane & 3
+        rows = frags[4 * g:4 * g + 4]            # lane 4g + j holds A[g, j], A[g+8, j], A[g, j+4], A[g+8, j+4]
+        a_g = [f[0] for f in rows] + [f[2] for f in rows]          # A[g, 0..7]
+        a_g8 = [f[1] for f in rows] + [f[3] for f in rows]         # A[g+8, 0..7]
+        b = []
+        for n in (2 * t, 2 * t + 1):             # lane 4n + j holds B[j, n], B[j+4, n]
+            cols = frags[4 * n:4 * n + 4]
+            b.append([f[4] for f in cols] + [f[5] for f in cols])  # B[0..7, n]
+
+        def dot(x, y):
+            return sum(xi * yi for xi, yi in zip(x, y))
+        return (_np.float32(float(c0) + dot(a_g, b[0])), _np.float32(float(c1) + dot(a_g, b[1])),
+                _np.float32(float(c2) + dot(a_g8, b[0])), _np.float32(float(c3) + dot(a_g8, b[1])))
