@@ -57,6 +57,20 @@ if not SIMULATOR:
         """Four consecutive elements as scalar loads (any dtype; no alignment needed)."""
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
+    def _cp_async16_codegen(ctx, builder, sig, args):
+        """``cp.async.cg.shared.global [dst + dst_idx], [&src[indices...]], 16, src_bytes``;
+        arguments: dst, dst_idx, src, one index per dim of src, src_bytes."""
+        d = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
+        d = builder.ptrtoint(builder.addrspacecast(d, ir.PointerType(d.type.pointee, 3)), ir.IntType(32))
+        g = _elem_ptr(ctx, builder, sig.args[2], args[2], sig.args[3:-1], args[3:-1])
+        g = builder.ptrtoint(builder.addrspacecast(g, ir.PointerType(g.type.pointee, 1)), ir.IntType(64))
+        n = ctx.cast(builder, args[-1], sig.args[-1], types.uint32)
+        fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
+        asm = ir.InlineAsm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                           side_effect=True)
+        builder.call(asm, [d, g, n])
+        return ctx.get_dummy_value()
+
     @intrinsic
     def cp_async16(typingctx, dst, dst_idx, src, i0, i1, i2, i3, src_bytes):
         """Asynchronous 16-byte copy ``src[i0, i1, i2, i3:...] -> dst[dst_idx:...]`` (``cp.async.cg``).
@@ -70,19 +84,7 @@ if not SIMULATOR:
                 and src.ndim == 4):
             return None
 
-        def codegen(ctx, builder, sig, args):
-            d = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
-            d = builder.ptrtoint(builder.addrspacecast(d, ir.PointerType(d.type.pointee, 3)), ir.IntType(32))
-            g = _elem_ptr(ctx, builder, sig.args[2], args[2], sig.args[3:7], args[3:7])
-            g = builder.ptrtoint(builder.addrspacecast(g, ir.PointerType(g.type.pointee, 1)), ir.IntType(64))
-            n = ctx.cast(builder, args[7], sig.args[7], types.uint32)
-            fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
-            asm = ir.InlineAsm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [d, g, n])
-            return ctx.get_dummy_value()
-
-        return types.void(dst, dst_idx, src, i0, i1, i2, i3, src_bytes), codegen
+        return types.void(dst, dst_idx, src, i0, i1, i2, i3, src_bytes), _cp_async16_codegen
 
     @intrinsic
     def cp_async_commit(typingctx):
@@ -165,19 +167,7 @@ if not SIMULATOR:
                 and src.ndim == 2):
             return None
 
-        def codegen(ctx, builder, sig, args):
-            d = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
-            d = builder.ptrtoint(builder.addrspacecast(d, ir.PointerType(d.type.pointee, 3)), ir.IntType(32))
-            g = _elem_ptr(ctx, builder, sig.args[2], args[2], sig.args[3:5], args[3:5])
-            g = builder.ptrtoint(builder.addrspacecast(g, ir.PointerType(g.type.pointee, 1)), ir.IntType(64))
-            n = ctx.cast(builder, args[5], sig.args[5], types.uint32)
-            fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
-            asm = ir.InlineAsm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [d, g, n])
-            return ctx.get_dummy_value()
-
-        return types.void(dst, dst_idx, src, row, col, src_bytes), codegen
+        return types.void(dst, dst_idx, src, row, col, src_bytes), _cp_async16_codegen
 
     @intrinsic
     def tf32_round(typingctx, x):

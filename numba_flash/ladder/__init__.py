@@ -8,6 +8,10 @@ and differs from the previous rung by one idea (``diff k03_*.py k04_*.py``)::
     >>> for rung in RUNGS:
     ...     out = rung(q, k, v)        # 2-D float32, NumPy in -> NumPy out
 
+The repetition between neighbouring rungs is deliberate: each file stands alone so
+that a learner can read it top to bottom and ``diff`` it against the one before; the
+production kernels, by contrast, share their building blocks (``kernels/tiles.py``).
+
 ``RUNGS`` is the one list: the tests, ``python bench.py ladder``, the tour example and
 the tables of docs/ladder.md are generated from it. The production kernels live in
 ``numba_flash.kernels``; these are deliberately simpler.
