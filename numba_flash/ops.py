@@ -32,6 +32,18 @@ def _elem_ptr(ctx, builder, aryty, ary, idxtys, idxs):
 if not SIMULATOR:
     from numba.cuda.extending import intrinsic
 
+    def _ld_f32x4_codegen(addrspace):
+        """Codegen of a 128-bit float32 load from ``ary[indices...]`` in ``addrspace``
+        (1 global, 3 shared); arguments: the array, then one index per dim."""
+        def codegen(ctx, builder, sig, args):
+            p = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:], args[1:])
+            vec = ir.VectorType(ir.FloatType(), 4)
+            p = builder.addrspacecast(p, ir.PointerType(ir.FloatType(), addrspace))
+            v = builder.load(builder.bitcast(p, ir.PointerType(vec, addrspace)), align=16)
+            return ctx.make_tuple(builder, sig.return_type,
+                                  [builder.extract_element(v, ir.IntType(32)(i)) for i in range(4)])
+        return codegen
+
     @intrinsic
     def ld_shared_x4(typingctx, ary, idx):
         """``(a[i], a[i+1], a[i+2], a[i+3])`` of a 1-D float32 shared array as one ``ld.shared.v4.f32``.
@@ -43,14 +55,7 @@ if not SIMULATOR:
             return None
         rty = types.UniTuple(types.float32, 4)
 
-        def codegen(ctx, builder, sig, args):
-            p = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
-            vec = ir.VectorType(ir.FloatType(), 4)
-            p = builder.addrspacecast(p, ir.PointerType(ir.FloatType(), 3))
-            v = builder.load(builder.bitcast(p, ir.PointerType(vec, 3)), align=16)
-            return ctx.make_tuple(builder, rty, [builder.extract_element(v, ir.IntType(32)(i)) for i in range(4)])
-
-        return rty(ary, idx), codegen
+        return rty(ary, idx), _ld_f32x4_codegen(3)
 
     @cuda.jit(device=True, inline="always")
     def ld_x4(a, i):
@@ -123,14 +128,7 @@ if not SIMULATOR:
             return None
         rty = types.UniTuple(types.float32, 4)
 
-        def codegen(ctx, builder, sig, args):
-            p = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:3], args[1:3])
-            vec = ir.VectorType(ir.FloatType(), 4)
-            p = builder.addrspacecast(p, ir.PointerType(ir.FloatType(), 1))
-            v = builder.load(builder.bitcast(p, ir.PointerType(vec, 1)), align=16)
-            return ctx.make_tuple(builder, rty, [builder.extract_element(v, ir.IntType(32)(i)) for i in range(4)])
-
-        return rty(ary, row, col), codegen
+        return rty(ary, row, col), _ld_f32x4_codegen(1)
 
     @intrinsic
     def st_shared_x4(typingctx, ary, idx, x0, x1, x2, x3):
