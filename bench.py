@@ -78,6 +78,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import ml_dtypes
 import numpy as np
 
 import numba_flash  # first: decides GPU vs simulator before numba is imported
@@ -116,7 +117,9 @@ DEFAULT_SHAPES = ("anchors", "seed")
 QUICK_SHAPES = [Shape(4, 16, 4096, 4096, 128), SHAPE_SETS["seed"][0]]
 CAUSAL = (False, True)
 
-TOLERANCE = {"float32": 2e-4, "float64": 1e-10}   # max abs error vs the float64 oracle (out and lse)
+# max abs error vs the float64 oracle (out and lse); 16-bit: about four units in the last place
+# of the largest outputs (|out| < 2 for these standard-normal inputs), the output's own rounding
+TOLERANCE = {"float32": 2e-4, "float64": 1e-10, "float16": 4e-3, "bfloat16": 3e-2}
 VALIDATE_ROWS = 512          # query rows checked per leading index (first and last half of them)
 FULL_CHECK_HEADS = 4         # check every leading index when B·H is at most this
 SEED = 0
@@ -127,8 +130,15 @@ TINY_REPEATS = 2             # --tiny: the simulator takes ~1 s a call, and its 
 MAX_REPEATS = 1000           # stop here even if --min-time is not reached
 L2_FLUSH_BYTES = 256 << 20   # written between repeats: > 4x the H200's 60 MB L2
 
-# Peers: PyTorch SDPA backends. JSON key -> (table label, torch.nn.attention.SDPBackend member).
-PEERS = {"sdpa_efficient": ("eff", "EFFICIENT_ATTENTION"), "sdpa_math": ("math", "MATH")}
+# Peers: PyTorch SDPA backends. JSON key -> (table label, torch.nn.attention.SDPBackend member),
+# and the dtypes each is timed for (FlashAttention-2 and cuDNN take only 16-bit inputs; MATH on
+# 16-bit inputs would only measure its O(N^2) score matrices).
+PEERS = {"sdpa_flash": ("flash", "FLASH_ATTENTION"), "sdpa_cudnn": ("cudnn", "CUDNN_ATTENTION"),
+         "sdpa_efficient": ("eff", "EFFICIENT_ATTENTION"), "sdpa_math": ("math", "MATH")}
+PEER_DTYPES = {"sdpa_flash": registry.LOW_DTYPES, "sdpa_cudnn": registry.LOW_DTYPES,
+               "sdpa_efficient": registry.DTYPES + registry.LOW_DTYPES, "sdpa_math": registry.DTYPES}
+NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16),
+             "float32": np.dtype(np.float32), "float64": np.dtype(np.float64)}
 
 # Backward mode
 BWD_TOLERANCE = {"float32": 3e-4, "float64": 1e-9}   # per gradient: max abs err <= tol · max(1, max|oracle|)
@@ -259,7 +269,7 @@ def random_arrays(sizes, dtype: str, kind: str, torch=None, seed=SEED):
         tdt = getattr(torch, dtype)
         return tuple(torch.randn(sz, generator=gen, device="cuda", dtype=tdt) for sz in sizes)
     rng = np.random.default_rng(seed)
-    host = tuple(rng.standard_normal(sz, dtype=np.dtype(dtype)) for sz in sizes)
+    host = tuple(rng.standard_normal(sz).astype(NP_DTYPES[dtype]) for sz in sizes)
     return host if kind == "numpy" else tuple(cuda.to_device(a) for a in host)
 
 
@@ -269,6 +279,8 @@ def to_host(x):
         return x
     if hasattr(x, "copy_to_host"):
         return x.copy_to_host()
+    if str(x.dtype) == "torch.bfloat16":     # NumPy has no bfloat16 of its own
+        return x.detach().float().cpu().numpy().astype(NP_DTYPES["bfloat16"])
     return x.detach().cpu().numpy()
 
 
@@ -571,7 +583,8 @@ def add_peers(rec, cfg, bench, time_peer):
     """Fill ``rec["peers"]``: ``time_peer(name)`` for each SDPA backend, or why it was not run."""
     reason = peer_unavailable(bench, cfg)
     for name in PEERS:
-        peer = {"error": reason} if reason else time_peer(name)
+        why = reason or (None if cfg["dtype"] in PEER_DTYPES[name] else f"not run for {cfg['dtype']}")
+        peer = {"error": why} if why else time_peer(name)
         peer["backend"] = PEERS[name][1]
         peer["ratio"] = ratio(rec["ours"], peer)
         rec["peers"][name] = peer
@@ -728,7 +741,8 @@ def kernel_record(cfg, use_async):
 
 def out_lse_mib(cfg):
     s = cfg["shape"]
-    return s.B * s.H * s.Nq * (s.d + 1) * np.dtype(cfg["dtype"]).itemsize / MIB
+    lse_bytes = 4 if cfg["dtype"] in registry.LOW_DTYPES else NP_DTYPES[cfg["dtype"]].itemsize
+    return s.B * s.H * s.Nq * (s.d * NP_DTYPES[cfg["dtype"]].itemsize + lse_bytes) / MIB
 
 
 def time_ours(cfg, arrays, bench):
@@ -914,6 +928,9 @@ def time_backward_row(cfg, val, refs, bench):
 
 
 def run_backward(args):
+    low = [dt for dt in args.dtype if dt not in registry.DTYPES]
+    if low:
+        sys.exit(f"bench.py backward: no {', '.join(low)} backward yet; choose from {', '.join(registry.DTYPES)}")
     settings = {"tolerance": BWD_TOLERANCE, "tolerance_kind": "per gradient: max abs err <= tol * max(1, max|ref|)",
                 "validation": {"leading_index": list(BWD_LEAD), "full_inputs_up_to_n": BWD_FULL_N,
                                "else_separate_problem_n": BWD_VALIDATE_N},
@@ -1198,8 +1215,10 @@ def _common_options():
     p.add_argument("--shapes", type=_csv_choice([k for k in SHAPE_SETS if k != "tiny"]),
                    default=list(DEFAULT_SHAPES),
                    help=f"shape sets, comma-separated (default: {','.join(DEFAULT_SHAPES)})")
-    p.add_argument("--dtype", type=_csv_choice(registry.DTYPES), default=["float32"],
-                   help="dtypes, comma-separated, from " + ", ".join(registry.DTYPES) + " (default: float32)")
+    dtypes = registry.DTYPES + registry.LOW_DTYPES
+    p.add_argument("--dtype", type=_csv_choice(dtypes), default=["float32"],
+                   help="dtypes, comma-separated, from " + ", ".join(dtypes) + " (default: float32; "
+                        "float16 and bfloat16: forward only)")
     p.add_argument("--quick", action="store_true", help="only " + ", ".join(map(str, QUICK_SHAPES)))
     p.add_argument("--tiny", action="store_true",
                    help="simulator-sized shapes, few repeats: a smoke test (works without a GPU)")

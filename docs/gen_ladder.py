@@ -50,7 +50,7 @@ FRAGMENTS = {
         ("the pipeline over head-dim chunks", "for d0 in range(0, d, DK):", "slot = 1 - slot")],
     8: [("3×TF32: three tensor-core products per fp32 product", "def split(x):",
          "return big, ops.tf32_round(x - big)"),
-        ("", "def mma3(", "return ops.mma_tf32_m16n8k8(ah[0]"),
+        ("", "def mma3(", "return c0 + t0, c1 + t1"),
         ("the fragment layout, from ops.mma_tf32_m16n8k8's docstring", "A (16×8, row-major)",
          "c0 = C[g, 2t]", "numba_flash/ops.py"),
         ("S = Q_i K_jᵀ, one m16n8k8 per 8 keys and 8 head-dim columns",

@@ -8,7 +8,9 @@
 """
 from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulator before numba loads
 from . import reference
+from ._arrays import to_device
 from .api import attention, attention_bwd, attention_fwd
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_fwd", "attention_bwd", "reference", "SIMULATOR", "SimulatorWarning"]
+__all__ = ["attention", "attention_fwd", "attention_bwd", "reference", "to_device", "SIMULATOR",
+           "SimulatorWarning"]

@@ -12,9 +12,28 @@ if not SIMULATOR:
     from numba.cuda.cudadrv.devicearray import DeviceNDArray
 
 
+def _is_torch(x):
+    return type(x).__module__.split(".")[0] == "torch"
+
+
+def logical_dtype(x):
+    """The element type as NumPy spells it (bfloat16 is ``ml_dtypes.bfloat16``), or, for a
+    PyTorch dtype NumPy has no name for, the PyTorch name (a str)."""
+    if _is_torch(x):
+        import ml_dtypes
+        name = str(x.dtype).replace("torch.", "")
+        try:
+            return np.dtype(getattr(ml_dtypes, name, name))
+        except TypeError:
+            return name
+    return np.dtype(x.dtype)
+
+
 def is_device_array(x):
     """True for Numba device arrays and anything exporting ``__cuda_array_interface__``
     or a CUDA DLPack capsule (CuPy, PyTorch, JAX)."""
+    if _is_torch(x):              # (a bfloat16 tensor's __cuda_array_interface__ raises TypeError)
+        return bool(getattr(x, "is_cuda", False))
     if cuda.is_cuda_array(x) if hasattr(cuda, "is_cuda_array") else False:
         return True
     if getattr(x, "__cuda_ndarray__", False):       # Numba (and simulator) device arrays
@@ -40,11 +59,12 @@ def producer_stream(x):
     """
     if getattr(x, "__cuda_ndarray__", False):
         return None
-    cai = getattr(x, "__cuda_array_interface__", None)
-    stream = None if cai is None else cai.get("stream")
-    if stream is None and type(x).__module__.split(".")[0] == "torch":
+    if _is_torch(x):
         import torch
         stream = torch.cuda.current_stream(x.device).cuda_stream
+    else:
+        cai = getattr(x, "__cuda_array_interface__", None)
+        stream = None if cai is None else cai.get("stream")
     return None if stream in LEGACY_DEFAULT_STREAMS else stream
 
 
@@ -53,6 +73,9 @@ def as_numba_device(x):
     ``api`` orders the launch after the producer's stream instead)."""
     if getattr(x, "__cuda_ndarray__", False):
         return x
+    if _is_torch(x) and str(x.dtype) == "torch.bfloat16":
+        import torch
+        x = x.view(torch.int16)   # PyTorch exports no bfloat16 array interface: pass the bits
     if hasattr(x, "__cuda_array_interface__"):
         return cuda.as_cuda_array(x, sync=False)
     # DLPack-only producers: read pointer, shape and strides, then view through the CAI.
@@ -92,8 +115,30 @@ def strided_view(ary, shape, strides):
     return DeviceNDArray(tuple(shape), tuple(strides), ary.dtype, gpu_data=ary.gpu_data)
 
 
-def device_empty(shape, dtype, fill=None):
-    """A new C-contiguous device array, optionally filled on the host first (tests use NaN)."""
+def retyped(ary, dtype):
+    """The same device memory, shape and strides, read as another dtype of the same size
+    (float16/bfloat16 <-> their uint16 bits)."""
+    dtype = np.dtype(dtype)
+    assert dtype.itemsize == ary.dtype.itemsize
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(ary._ary.view(dtype))
+    return DeviceNDArray(tuple(ary.shape), tuple(ary.strides), dtype, gpu_data=ary.gpu_data)
+
+
+def to_device(x, stream=0):
+    """``numba.cuda.to_device`` that also takes ``ml_dtypes.bfloat16`` arrays (Numba's host
+    copies cannot read that dtype's buffer: the bits are copied as uint16 and viewed back)."""
+    x = np.asarray(x)
+    if x.dtype.kind == "V" and x.dtype.itemsize == 2:       # bfloat16 and other 2-byte ml_dtypes
+        return retyped(cuda.to_device(np.ascontiguousarray(x).view(np.uint16), stream=stream), x.dtype)
+    return cuda.to_device(x, stream=stream)
+
+
+def device_empty(shape, dtype, fill=None, storage=None):
+    """A new C-contiguous device array, optionally filled on the host first (tests use NaN).
+    ``storage``: allocate as this same-size dtype instead (the fill is converted in ``dtype``)."""
     if fill is None:
-        return cuda.device_array(shape, dtype=dtype)
-    return cuda.to_device(np.full(shape, fill, dtype=dtype))
+        return cuda.device_array(shape, dtype=storage or dtype)
+    host = np.full(shape, fill, dtype=dtype)
+    return cuda.to_device(host if storage is None else host.view(storage))

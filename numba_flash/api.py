@@ -9,7 +9,7 @@ from .kernels.forward import LOG2E
 from .launch import launch
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-_LOW_PRECISION = ("float16", "bfloat16")
+LOW_PRECISION = ("float16", "bfloat16")    # tensor-core forward; no backward yet
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 MAX_LEN = 2**31 - 1
@@ -27,7 +27,7 @@ class _Inputs:
     ``dout`` and ``out`` (shaped like q) and ``lse`` (shaped like q without d).
     """
 
-    def __init__(self, arrays, causal, scale):
+    def __init__(self, arrays, causal, scale, low_precision=False):
         names = list(arrays)
         values = list(arrays.values())
         if not isinstance(causal, (bool, np.bool_)):
@@ -39,18 +39,26 @@ class _Inputs:
             raise TypeError(f"{', '.join(names)} must all be NumPy arrays or all be CUDA device arrays; "
                             f"{desc}. Move them to the same side first (numba.cuda.to_device or .copy_to_host()).")
         self.on_device = kinds[0] == "device"
+        dtypes = [_arrays.logical_dtype(a) for a in values]
+        for n, dt in zip(names, dtypes):
+            _check_dtype(dt, n, low_precision)
+        if len(set(dtypes)) > 1:
+            desc = ", ".join(f"{n}.dtype={dt}" for n, dt in zip(names, dtypes))
+            raise TypeError(f"{', '.join(names)} must have the same dtype, got {desc}. Cast them to one "
+                            "dtype first.")
+        self.dtype = dtypes[0]
+        self.low = self.dtype.name in LOW_PRECISION
+        # 16-bit floats travel as their uint16 bits: the kernels only move and convert them.
+        self.storage = np.dtype(np.uint16) if self.low else self.dtype
+        self.acc_dtype = np.dtype(np.float32) if self.low else self.dtype
         self.stream = 0
         if self.on_device:
             self.stream = _launch_stream(values)
             values = [_arrays.as_numba_device(a) for a in values]
-        dtypes = [np.dtype(a.dtype) for a in values]
-        for n, dt in zip(names, dtypes):
-            _check_dtype(dt, n)
-        if len(set(dtypes)) > 1:
-            desc = ", ".join(f"{n}.dtype={dt}" for n, dt in zip(names, dtypes))
-            raise TypeError(f"{', '.join(names)} must have the same dtype, got {desc}. Cast them to one "
-                            "dtype (float32 or float64) first.")
-        self.dtype = dtypes[0]
+            if self.low:
+                values = [_arrays.retyped(a, np.uint16) for a in values]
+        elif self.low:
+            values = [a.view(np.uint16) for a in values]
         # tuple(): the simulator's device-array shapes do not support negative indices
         shapes = {n: tuple(a.shape) for n, a in zip(names, values)}
         q, k, v = shapes["q"], shapes["k"], shapes["v"]
@@ -75,6 +83,11 @@ class _Inputs:
                              f"attention_fwd), got {shapes['lse']}.")
         if self.d < 1:
             raise ValueError(f"the head dim d must be at least 1, got q {q}.")
+        if self.low and not registry.VARIANTS["forward_mma"].head_dims(self.d):
+            raise ValueError(f"{self.dtype.name} attention needs a head dim d that is a multiple of 8 and at "
+                             f"most {registry.MMA_MAX_D}, got d={self.d} (q {q}). Zero-pad q, k and v along "
+                             f"d to a multiple of 8 (pass scale=1/sqrt({self.d}) to keep the softmax "
+                             "unchanged), or use float32.")
         if self.nq > MAX_LEN or self.nk > MAX_LEN:
             raise ValueError(f"sequence lengths must be below 2**31, got Nq={self.nq}, Nk={self.nk}.")
         self.scale = _check_scale(scale, self.d)
@@ -89,15 +102,20 @@ class _Inputs:
         from numba import cuda
         return cuda.to_device(np.ascontiguousarray(x))
 
-    def empty_like(self, shape):
-        """A new device array for an output, poisoned first in the test-suite."""
-        return _arrays.device_empty(shape, self.dtype, _POISON)
+    def empty_like(self, shape, dtype=None):
+        """A new device array for an output (in the input dtype, as stored: 16-bit floats as
+        uint16 bits; or in ``dtype``), poisoned first in the test-suite."""
+        if dtype is not None:
+            return _arrays.device_empty(shape, dtype, _POISON)
+        return _arrays.device_empty(shape, self.dtype, _POISON, None if not self.low else self.storage)
 
     def result(self, *arrays):
-        """NumPy in -> NumPy out; device in -> device arrays out."""
+        """NumPy in -> NumPy out; device in -> device arrays out (16-bit bits back in their dtype)."""
         if self.on_device:
-            return arrays
-        return tuple(a.copy_to_host() for a in arrays)
+            return tuple(_arrays.retyped(a, self.dtype) if self.low and a.dtype == self.storage else a
+                         for a in arrays)
+        return tuple(a.copy_to_host().view(self.dtype) if self.low and a.dtype == self.storage
+                     else a.copy_to_host() for a in arrays)
 
     @property
     def empty(self):
@@ -128,13 +146,16 @@ def _kind(x, name):
                     f"got {type(x).__name__}. Wrap lists with np.asarray.")
 
 
-def _check_dtype(dt, name):
+def _check_dtype(dt, name, low_precision):
     if dt in SUPPORTED_DTYPES:
         return
-    if dt.name in _LOW_PRECISION:
-        raise TypeError(f"{name} has dtype {dt.name}, which is not supported yet: float16 and bfloat16 "
-                        "need the tensor-core kernels. Use float32 (e.g. q.astype(np.float32)) for now.")
-    raise TypeError(f"{name} has dtype {dt}; expected float32 or float64.")
+    if isinstance(dt, np.dtype) and dt.name in LOW_PRECISION:
+        if low_precision:
+            return
+        raise TypeError(f"{name} has dtype {dt.name}: the backward supports float32 and float64 only so "
+                        "far. Cast the inputs to float32 for the backward (e.g. x.astype(np.float32)).")
+    expected = "float32, float64, float16 or bfloat16" if low_precision else "float32 or float64"
+    raise TypeError(f"{name} has dtype {dt}; expected {expected}.")
 
 
 def _check_scale(scale, d):
@@ -203,17 +224,30 @@ def _grid(inp, rows, b, rows_per_block, cols_per_block):
 
 
 # --------------------------------------------------------------------------- forward
+def _contiguous_copy(x, stream):
+    """A C-contiguous device copy of a device array, made on the device."""
+    kern = registry.specialisation("copy_rows", "uint16", 0).kernel()
+    dst = _arrays.device_empty(tuple(x.shape), x.dtype)
+    for s4, d4 in _kernel_views([x, dst]):
+        b1, b2, n, d = s4.shape
+        if b1 * b2 * n * d:
+            launch(kern, -(-n * d // kern.threads) * b1 * b2, kern.threads, 0, (s4, d4), stream)
+    return dst
+
+
 def _forward(q, k, v, causal, scale):
-    inp = _Inputs({"q": q, "k": k, "v": v}, causal, scale)
+    inp = _Inputs({"q": q, "k": k, "v": v}, causal, scale, low_precision=True)
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
-    lse = inp.empty_like(inp.lead + (inp.nq,))
+    lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
     if inp.empty:
         return inp.result(out, lse)
     qd, kd, vd = (inp.device(n) for n in "qkv")
-    aligned = all(_arrays.rows_aligned16(a) for a in (qd, kd, vd))
-    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, aligned)
+    aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
+    if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
+        qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
+    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned))
     t, kern = spec.tiling, spec.kernel()
-    scale_log2 = inp.dtype.type(inp.scale * LOG2E)
+    scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
     for q4, k4, v4, o4, l4 in _kernel_views([qd, kd, vd, out, _unit_tail(lse)]):
         grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
         launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, _drop_tail(l4), scale_log2),
@@ -229,11 +263,14 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
 
     Args:
         q: ``(..., Nq, d)``; k, v: ``(..., Nk, d)``, identical leading dims (any number,
-            including none). float32 or float64, all the same dtype. NumPy arrays, or CUDA
+            including none). All one dtype: float32 or float64 (CUDA cores, any d), or
+            float16 or bfloat16 (tensor cores, ``mma.sync``; d a multiple of 8, at most
+            256; bfloat16 host arrays as ``ml_dtypes.bfloat16``). NumPy arrays, or CUDA
             device arrays (Numba, CuPy, PyTorch, JAX: anything with
             ``__cuda_array_interface__`` or CUDA DLPack). Any strides: NumPy inputs are
             copied to the device contiguously; device inputs are read in place through
-            their strides (no copy).
+            their strides (no copy), except 16-bit rows that are not contiguous and
+            16-byte aligned, which are first copied on the device.
         causal: mask future keys, aligned to the bottom-right corner when ``Nq != Nk``
             (as FlashAttention >= 2.1 and KV-cache decoding do): query ``i`` sees key
             ``j`` iff ``j <= i + Nk - Nq``. ``x`` = visible::
@@ -252,8 +289,9 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
 
     Returns:
         ``out (..., Nq, d)`` in the input dtype, and ``lse (..., Nq)``, the natural-log
-        log-sum-exp of the scaled visible scores per query row (float32 for float32
-        inputs, float64 for float64). NumPy in gives NumPy out; device in gives Numba
+        log-sum-exp of the scaled visible scores per query row (float64 for float64
+        inputs, float32 otherwise). 16-bit inputs: scores, softmax and accumulation
+        in float32, P rounded to the input dtype for the P·V product. NumPy in gives NumPy out; device in gives Numba
         device arrays out, without a host round trip.
 
     Streams: with PyTorch tensors the kernel runs on PyTorch's current stream; with CuPy

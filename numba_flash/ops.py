@@ -11,9 +11,27 @@ implementations with the same semantics:
 
 Operations: 128-bit accesses (``ld_shared_x4``, ``ld_global_x4``, ``st_shared_x4``);
 asynchronous copies (``cp_async16`` from 4-D and ``cp_async16_2d`` from 2-D arrays,
-``cp_async_commit``, ``cp_async_wait``); tensor cores (``tf32_round``,
-``mma_tf32_m16n8k8``, emulated in the simulator by a warp rendezvous, as ``warp`` does
-for shuffles).
+``cp_async_commit``, ``cp_async_wait``); tensor cores: TF32 (``tf32_round``,
+``mma_tf32_m16n8k8``) and 16-bit (``ldmatrix_x4``, ``ldmatrix_x4_trans``,
+``mma_bf16_m16n8k16``, ``mma_f16_m16n8k16``, ``pack_bf16x2``, ``pack_f16x2``), emulated
+in the simulator by a warp rendezvous, as ``warp`` does for shuffles.
+
+16-bit fragments. ``g = lane >> 2``, ``t = lane & 3``; a 32-bit register holds two
+16-bit values, the lower column (or row, for B) in its low half. For ``m16n8k16``
+(PTX ISA, "Matrix Fragments for mma.m16n8k16 with floating point type"; checked on an
+H200)::
+
+     A (16×16, row-major)         B (16×8, "col": B[k, n])       C, D (16×8, float32)
+     a0 = A[g,   2t : 2t+2]       b0 = B[2t   : 2t+2,  g]        c0, c1 = C[g,   2t : 2t+2]
+     a1 = A[g+8, 2t : 2t+2]       b1 = B[2t+8 : 2t+10, g]        c2, c3 = C[g+8, 2t : 2t+2]
+     a2 = A[g,   2t+8 : 2t+10]
+     a3 = A[g+8, 2t+8 : 2t+10]
+
+``ldmatrix_x4`` loads four 8×8 16-bit matrices from shared memory; lane ``8i + r``
+supplies the address of row ``r`` of matrix ``i`` (16 contiguous bytes), and register
+``i`` of lane ``4g + t`` receives ``M_i[g, 2t : 2t+2]`` (``.trans``: ``M_iᵀ[g, 2t : 2t+2]``,
+i.e. ``M_i[2t, g]`` and ``M_i[2t+1, g]``). So the C fragment of one ``mma`` is, packed in
+pairs, the A fragment of the next: S = Q Kᵀ feeds O += P V with no data movement.
 """
 from llvmlite import ir
 from numba import cuda, types
@@ -223,6 +241,80 @@ if not SIMULATOR:
 
         return rty(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
 
+    def _ldmatrix(trans):
+        suffix = ".trans" if trans else ""
+
+        def ldmatrix(typingctx, ary, idx):
+            if not (isinstance(ary, types.Array) and ary.ndim == 1 and ary.dtype.bitwidth == 16
+                    and isinstance(idx, types.Integer)):
+                return None
+            rty = types.UniTuple(types.uint32, 4)
+
+            def codegen(ctx, builder, sig, args):
+                p = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:], args[1:])
+                p = builder.ptrtoint(builder.addrspacecast(p, ir.PointerType(p.type.pointee, 3)), ir.IntType(32))
+                i32 = ir.IntType(32)
+                asm = ir.InlineAsm(ir.FunctionType(ir.LiteralStructType([i32] * 4), [i32]),
+                                   f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0, $1, $2, $3}}, [$4];",
+                                   "=r,=r,=r,=r,r,~{memory}", side_effect=True)
+                res = builder.call(asm, [p])
+                return ctx.make_tuple(builder, rty, [builder.extract_value(res, i) for i in range(4)])
+
+            return rty(ary, idx), codegen
+        ldmatrix.__doc__ = (f"Four 8×8 16-bit matrices from a 1-D shared array (``ldmatrix...x4{suffix}``): "
+                            "``idx`` is this lane's row start (16-byte aligned); see the module docstring.")
+        return intrinsic(ldmatrix)
+
+    ldmatrix_x4 = _ldmatrix(False)
+    ldmatrix_x4_trans = _ldmatrix(True)
+
+    def _mma_m16n8k16(ab):
+        def mma(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            if not (all(isinstance(x, types.Integer) for x in (a0, a1, a2, a3, b0, b1))
+                    and all(isinstance(x, types.Float) for x in (c0, c1, c2, c3))):
+                return None
+            rty = types.UniTuple(types.float32, 4)
+
+            def codegen(ctx, builder, sig, args):
+                f32, i32 = ir.FloatType(), ir.IntType(32)
+                ins = ([ctx.cast(builder, a, t, types.uint32) for a, t in zip(args[:6], sig.args[:6])]
+                       + [ctx.cast(builder, a, t, types.float32) for a, t in zip(args[6:], sig.args[6:])])
+                fty = ir.FunctionType(ir.LiteralStructType([f32] * 4), [i32] * 6 + [f32] * 4)
+                asm = ir.InlineAsm(
+                    fty, f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 "
+                         "{$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, {$10, $11, $12, $13};",
+                    "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f")
+                res = builder.call(asm, ins)
+                return ctx.make_tuple(builder, rty, [builder.extract_value(res, i) for i in range(4)])
+
+            return rty(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3), codegen
+        mma.__doc__ = (f"Warp-wide ``D = A·B + C``, A 16×16 and B 16×8 in {ab} (packed pairs, uint32), "
+                       f"C and D 16×8 float32: ``mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32``. "
+                       "All 32 lanes call it together; fragments: see the module docstring.")
+        return intrinsic(mma)
+
+    mma_bf16_m16n8k16 = _mma_m16n8k16("bf16")
+    mma_f16_m16n8k16 = _mma_m16n8k16("f16")
+
+    def _pack(kind):
+        def pack(typingctx, lo, hi):
+            if not (isinstance(lo, types.Float) and isinstance(hi, types.Float)):
+                return None
+
+            def codegen(ctx, builder, sig, args):
+                lo_, hi_ = (ctx.cast(builder, a, t, types.float32) for a, t in zip(args, sig.args))
+                f32 = ir.FloatType()
+                asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [f32, f32]),
+                                   f"cvt.rn.{kind}x2.f32 $0, $1, $2;", "=r,f,f")
+                return builder.call(asm, [hi_, lo_])     # PTX puts its first source in the upper half
+            return types.uint32(lo, hi), codegen
+        pack.__doc__ = (f"``(lo, hi)`` rounded to nearest-even {kind} and packed into one uint32, ``lo`` in "
+                        f"bits 0-15 (``cvt.rn.{kind}x2.f32``).")
+        return intrinsic(pack)
+
+    pack_bf16x2 = _pack("bf16")
+    pack_f16x2 = _pack("f16")
+
 else:
     def ld_shared_x4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
@@ -307,3 +399,79 @@ else:
             return sum(xi * yi for xi, yi in zip(x, y))
         return (_np.float32(float(c0) + dot(a_g, b[0])), _np.float32(float(c1) + dot(a_g, b[1])),
                 _np.float32(float(c2) + dot(a_g8, b[0])), _np.float32(float(c3) + dot(a_g8, b[1])))
+
+
+    # ---------------------------------------------------------------- 16-bit tensor cores
+    def _bf16_bits(x):
+        """Nearest-even bfloat16 bit pattern of a float32 value (NaN stays NaN)."""
+        b = int(_np.float32(x).view(_np.uint32))
+        if (b & 0x7F800000) == 0x7F800000 and b & 0x7FFFFF:
+            return (b >> 16) | 0x40
+        return ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) & 0xFFFF
+
+    def _f16_bits(x):
+        return int(_np.float16(_np.float32(x)).view(_np.uint16))
+
+    def pack_bf16x2(lo, hi):
+        return _np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+    def pack_f16x2(lo, hi):
+        return _np.uint32(_f16_bits(lo) | (_f16_bits(hi) << 16))
+
+    def _unpack(kind, reg):
+        reg = int(reg)
+        halves = (reg & 0xFFFF, reg >> 16)
+        if kind == "bf16":
+            return [float(_np.uint32(h << 16).view(_np.float32)) for h in halves]
+        return [float(_np.uint16(h).view(_np.float16)) for h in halves]
+
+    def _ldmatrix_sim(trans):
+        def ldmatrix(ary, idx):
+            # Lane 8i + r names row r of matrix i; lane 4g + t receives M_i[g, 2t:2t+2]
+            # (.trans: M_i[2t, g], M_i[2t+1, g]), the lower one in the low half.
+            from . import warp
+            lane, starts = warp._exchange(warp.FULL_MASK, int(idx))
+            g, t = lane >> 2, lane & 3
+            regs = []
+            for i in range(4):
+                if trans:
+                    lo, hi = ary[starts[8 * i + 2 * t] + g], ary[starts[8 * i + 2 * t + 1] + g]
+                else:
+                    row = starts[8 * i + g]
+                    lo, hi = ary[row + 2 * t], ary[row + 2 * t + 1]
+                regs.append(_np.uint32(int(lo) | (int(hi) << 16)))
+            return tuple(regs)
+        return ldmatrix
+
+    ldmatrix_x4 = _ldmatrix_sim(False)
+    ldmatrix_x4_trans = _ldmatrix_sim(True)
+
+    def _mma_m16n8k16_sim(kind):
+        def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
+            # Every lane publishes its fragments; lane 4g + t then forms rows g, g+8 of A
+            # and columns 2t, 2t+1 of B from the lanes that hold them (module docstring)
+            # and sums in float64, rounding once to float32.
+            from . import warp
+            lane, frags = warp._exchange(warp.FULL_MASK, (a0, a1, a2, a3, b0, b1))
+            g, t = lane >> 2, lane & 3
+
+            def a_row(r):          # A[r, 0..15]
+                quad = frags[4 * (r % 8):4 * (r % 8) + 4]
+                lo, hi = (0, 2) if r < 8 else (1, 3)
+                return ([x for f in quad for x in _unpack(kind, f[lo])]
+                        + [x for f in quad for x in _unpack(kind, f[hi])])
+
+            def b_col(n):          # B[0..15, n]
+                quad = frags[4 * n:4 * n + 4]
+                return ([x for f in quad for x in _unpack(kind, f[4])]
+                        + [x for f in quad for x in _unpack(kind, f[5])])
+
+            def dot(x, y):
+                return sum(xi * yi for xi, yi in zip(x, y))
+            ag, ag8, bn0, bn1 = a_row(g), a_row(g + 8), b_col(2 * t), b_col(2 * t + 1)
+            return (_np.float32(float(c0) + dot(ag, bn0)), _np.float32(float(c1) + dot(ag, bn1)),
+                    _np.float32(float(c2) + dot(ag8, bn0)), _np.float32(float(c3) + dot(ag8, bn1)))
+        return mma
+
+    mma_bf16_m16n8k16 = _mma_m16n8k16_sim("bf16")
+    mma_f16_m16n8k16 = _mma_m16n8k16_sim("f16")

@@ -12,11 +12,16 @@ import numpy as np
 from ._runtime import SIMULATOR
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
+from .kernels.copy import make_copy4
 from .kernels.forward import Tiling, make_forward, smem_words
+from .kernels.forward_mma import MmaTiling, make_forward_mma
+from .kernels.forward_mma import smem_elements as mma_smem_elements
 
 # Head dims the GPU suite, the PTX tests and the benchmark exercise (any other d works too).
 HEAD_DIMS = (32, 64, 96, 128, 256, 1024)
-DTYPES = ("float32", "float64")
+DTYPES = ("float32", "float64")            # CUDA-core kernels (forward and backward)
+LOW_DTYPES = ("float16", "bfloat16")       # tensor-core forward
+MMA_MAX_D = 256                            # tensor-core forward: d a multiple of 8, at most this
 
 
 def _round_up(x, m):
@@ -54,6 +59,30 @@ def forward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tili
             return Tiling(TM=4, TN=4, CG=16, RG=16, DK=_round_up(d, 8), DO=64)
         return Tiling(TM=4, TN=2, CG=16, RG=16, DK=64, DO=64)
     raise KeyError(dtype_name)
+
+
+def mma_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> MmaTiling:
+    """Tile shape of the tensor-core forward (float16, bfloat16; d a multiple of 8, <= 256).
+
+    Each warp owns ``16 · MT`` query rows. The rules (a sweep on the H200, bfloat16,
+    (4, 16 or 32, 4096, d), docs/performance.md):
+
+    * d <= 64: 8 warps × 32 rows (256 query rows) × 64-key tiles; Q's fragments stay in
+      registers (136 TFLOP/s; 4 warps × 16 rows: 105).
+    * d <= 128: 8 warps × 16 rows (128 query rows) × 64-key tiles, Q in registers (160;
+      4 warps: 140; 128-key tiles: 96). Two row blocks per warp do not fit the registers.
+    * d <= 256: 8 warps × 16 rows × 32-key tiles; Q re-read from shared memory per tile,
+      the registers go to the 16 × 256 output accumulators (159; 4 warps: 145).
+    * In the simulator: one warp × 16-key tiles, so tiny shapes cross tile edges (the
+      other branches are tested there with explicit tilings).
+    """
+    if simulator:
+        return MmaTiling(WARPS=1, BN=16, Q_IN_REGS=d <= 32)
+    if d <= 64:
+        return MmaTiling(WARPS=8, BN=64, Q_IN_REGS=True, MT=2)
+    if d <= 128:
+        return MmaTiling(WARPS=8, BN=64, Q_IN_REGS=True)
+    return MmaTiling(WARPS=8, BN=32, Q_IN_REGS=False)
 
 
 def backward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tiling:
@@ -97,11 +126,18 @@ class Variant:
     build: object           # Specialisation -> kernel
     smem_words: object      # (d, tiling) -> int
     signature: object       # (dtype, layout) -> numba signature string
+    dtypes: tuple = DTYPES
+    head_dims: object = lambda d: True   # d -> whether this variant supports it
 
 
 def _sig_forward(dt, layout):
     a = _a4(dt, layout)
     return f"void({a}, {a}, {a}, {dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt})"
+
+
+def _sig_forward_mma(dt, layout):
+    a = _a4("uint16", layout)
+    return f"void({a}, {a}, {a}, uint16[:, :, :, ::1], float32[:, :, ::1], float32)"
 
 
 def _sig_backward(dt, layout):
@@ -113,6 +149,9 @@ VARIANTS = {v.name: v for v in (
     Variant("forward_simt", "FlashAttention-2 forward on CUDA cores", forward_tiling,
             lambda s: make_forward(s.dtype, s.d, s.tiling, s.causal, s.use_async),
             smem_words, _sig_forward),
+    Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
+            lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.causal),
+            mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.causal, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward),
@@ -122,6 +161,9 @@ VARIANTS = {v.name: v for v in (
     Variant("backward_delta", "backward pre-pass: delta = rowsum(dO ∘ O)", lambda dt, d, sim: None,
             lambda s: make_delta(s.dtype), lambda d, t: 0,
             lambda dt, layout: f"void({_a4(dt, layout)}, {_a4(dt, layout)}, {dt}[:, :, ::1])"),
+    Variant("copy_rows", "strided -> contiguous copy of 16-bit inputs the tensor cores cannot read in place",
+            lambda dt, d, sim: None, lambda s: make_copy4(), lambda d, t: 0,
+            lambda dt, layout: f"void({_a4('uint16', 'A')}, {_a4('uint16', 'C')})", ("uint16",)),
 )}
 
 
@@ -142,7 +184,8 @@ class Specialisation:
 
     @property
     def smem_bytes(self):
-        return VARIANTS[self.variant].smem_words(self.d, self.tiling) * np.dtype(self.dtype).itemsize
+        itemsize = 2 if self.dtype in LOW_DTYPES else np.dtype(self.dtype).itemsize
+        return VARIANTS[self.variant].smem_words(self.d, self.tiling) * itemsize
 
     def kernel(self):
         return VARIANTS[self.variant].build(self)
@@ -154,7 +197,8 @@ class Specialisation:
 
 def async_possible(dtype_name: str, d: int):
     """cp.async moves 16 bytes: rows of d elements must be a whole number of them."""
-    return d % (16 // np.dtype(dtype_name).itemsize) == 0
+    itemsize = 2 if dtype_name in LOW_DTYPES else np.dtype(dtype_name).itemsize
+    return d % (16 // itemsize) == 0
 
 
 def specialisation(variant: str, dtype_name: str, d: int, causal: bool = False, use_async: bool = False,
@@ -168,7 +212,25 @@ def specialisation(variant: str, dtype_name: str, d: int, causal: bool = False, 
 
 
 def forward_specialisation(dtype_name, d, causal, use_async, simulator=SIMULATOR):
+    """The forward kernel for these inputs: tensor cores for 16-bit dtypes (which always
+    load with cp.async: the API gives them aligned rows), CUDA cores otherwise."""
+    if dtype_name in LOW_DTYPES:
+        return specialisation("forward_mma", dtype_name, d, causal, True, simulator)
     return specialisation("forward_simt", dtype_name, d, causal, use_async, simulator)
+
+
+MMA_FAST_DIMS = (64, 128)   # the tensor-core fast paths, checked one by one
+
+
+def _shape_key(t, d):
+    """What distinguishes compiled kernel shapes of one variant beyond the loop bounds.
+    (The tensor-core kernel unrolls its head-dim loops completely, so its fast-path head
+    dims are distinct shapes of their own.)"""
+    if t is None:
+        return (t,)
+    if isinstance(t, MmaTiling):
+        return (t, d if d in MMA_FAST_DIMS else None)
+    return (t.TM, t.TN, t.CG, t.RG, d <= t.DK, d <= t.DO)
 
 
 def specialisations(simulator: bool = False):
@@ -180,15 +242,15 @@ def specialisations(simulator: bool = False):
     ``HEAD_DIMS`` that produces it.
     """
     seen = set()
-    for variant in VARIANTS:
-        for dt in DTYPES:
+    for variant, v in VARIANTS.items():
+        for dt in v.dtypes:
             for d in HEAD_DIMS:
+                if not v.head_dims(d):
+                    continue
                 for causal in (False, True):
-                    for use_async in (True, False):
+                    for use_async in (True, False) if variant != "forward_mma" else (True,):
                         spec = specialisation(variant, dt, d, causal, use_async, simulator)
-                        t = spec.tiling
-                        key = (variant, dt, spec.causal, spec.use_async) + (
-                            () if t is None else (t.TM, t.TN, t.CG, t.RG, d <= t.DK, d <= t.DO))
+                        key = (variant, dt, spec.causal, spec.use_async) + _shape_key(spec.tiling, d)
                         if key not in seen:
                             seen.add(key)
                             yield spec

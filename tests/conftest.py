@@ -225,3 +225,12 @@ def bits(x):
     """The raw bytes of an array, for bitwise comparisons."""
     x = np.ascontiguousarray(x)
     return x.dtype, x.shape, x.tobytes()
+
+
+def pytest_runtest_logreport(report):
+    """With ``NUMBA_FLASH_FAILURE_LOG=<path>``, append each failure's report to that file as it
+    happens (a run cut short by a time limit still leaves its failures behind)."""
+    path = os.environ.get("NUMBA_FLASH_FAILURE_LOG")
+    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):   # once, not per process
+        with open(path, "a") as f:
+            f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")

@@ -78,10 +78,10 @@ def test_mixed_dtypes(qkv, i):
 @pytest.mark.parametrize("dtype", [np.int32, np.int64, np.uint8, np.bool_, np.complex64, np.complex128, object])
 def test_unsupported_dtype(qkv, i, dtype):
     args = [x.astype(dtype) for x in qkv]          # all the same dtype: the dtype itself is wrong
-    with pytest.raises(TypeError, match=r"q has dtype .*expected float32 or float64"):
+    with pytest.raises(TypeError, match=r"q has dtype .*expected float32, float64, float16 or bfloat16"):
         numba_flash.attention_fwd(*args)
     args = _with(qkv, i, qkv[i].astype(dtype))     # only one wrong: that one is named
-    with pytest.raises(TypeError, match=rf"{NAMES[i]} has dtype .*expected float32 or float64"):
+    with pytest.raises(TypeError, match=rf"{NAMES[i]} has dtype .*expected float32, float64, float16 or bfloat16"):
         numba_flash.attention_fwd(*args)
 
 
@@ -92,25 +92,24 @@ def test_unsupported_dtype_on_device(qkv):
 
 
 def _low_precision_dtypes():
-    dts = [pytest.param(np.dtype(np.float16), id="float16")]
-    try:
-        import ml_dtypes
-    except ImportError:
-        dts.append(pytest.param(None, id="bfloat16", marks=pytest.mark.skip(reason="ml_dtypes not installed")))
-    else:
-        dts.append(pytest.param(np.dtype(ml_dtypes.bfloat16), id="bfloat16"))
-    return dts
+    import ml_dtypes
+    return [pytest.param(np.dtype(np.float16), id="float16"), pytest.param(np.dtype(ml_dtypes.bfloat16), id="bfloat16")]
 
 
 @pytest.mark.parametrize("i", range(3), ids=NAMES)
 @pytest.mark.parametrize("dtype", _low_precision_dtypes())
-def test_low_precision_not_supported_yet(qkv, i, dtype):
-    args = [x.astype(dtype) for x in qkv]
-    with pytest.raises(TypeError, match=rf"q has dtype {dtype.name}, which is not supported yet"):
-        numba_flash.attention_fwd(*args)
+def test_low_precision_mixed_with_float32(qkv, i, dtype):
+    """One 16-bit input among float32 ones: no silent cast, a TypeError naming the dtypes."""
     args = _with(qkv, i, qkv[i].astype(dtype))
-    with pytest.raises(TypeError, match=rf"{NAMES[i]} has dtype {dtype.name}, which is not supported yet"):
+    with pytest.raises(TypeError, match=rf"must have the same dtype.*{NAMES[i]}.dtype={dtype.name}"):
         numba_flash.attention(*args)
+
+
+@pytest.mark.parametrize("dtype", _low_precision_dtypes())
+def test_low_precision_backward_not_supported_yet(qkv, dtype):
+    q, k, v = (x.astype(dtype) for x in qkv)
+    with pytest.raises(TypeError, match=rf"q has dtype {dtype.name}: the backward supports float32"):
+        numba_flash.attention_bwd(q, q, k, v, q, np.zeros(q.shape[:-1], np.float32))
 
 
 # --------------------------------------------------------------------------- shapes

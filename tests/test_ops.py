@@ -1,13 +1,18 @@
-"""numba_flash.ops: the TF32 tensor-core operations, compiled (on a GPU) or emulated.
+"""numba_flash.ops: the TF32 and 16-bit tensor-core operations, compiled (on a GPU) or emulated.
 
-Each test is a small kernel that builds its fragments from the layout drawn in
-``ops.mma_tf32_m16n8k8``'s docstring, so in the simulator it checks that the emulation
-implements that layout, and on a GPU that the hardware does.
+Each test is a small one-warp kernel checked against a NumPy model of the PTX
+instruction. The mma kernels build their fragments from the layouts drawn in
+``ops.mma_tf32_m16n8k8``'s docstring and in the module docstring of ``ops`` (16-bit),
+so in the simulator they check that the emulation implements those layouts, and on a
+GPU that the hardware does. Inputs are distinct random values, so that a wrong index
+cannot pass, and outputs are poisoned before each launch.
 """
+import ml_dtypes
 import numpy as np
 import pytest
 
 import numba_flash  # noqa: F401  (before numba: decides the simulator)
+import numba
 from numba import cuda
 from numba_flash import ops
 from numba_flash.launch import launch
@@ -59,5 +64,133 @@ def test_mma_tf32_m16n8k8_fragment_layout(seed):
     c = rng.standard_normal((16, 8)).astype(np.float32)
     d = np.full((16, 8), np.nan, np.float32)
     launch(_mma_kernel, 1, 32, 0, (a, b, c, d))
+    want = a.astype(np.float64) @ b.astype(np.float64) + c
+    np.testing.assert_allclose(d, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+# --------------------------------------------------------------------------- 16-bit operations
+POISON32 = 0xFFFFFFFF      # no register the tests expect: it would hold two 0xFFFF halves
+DTYPES = {"bf16": ml_dtypes.bfloat16, "f16": np.float16}
+
+
+def bits16(x, kind):
+    """NumPy model of cvt.rn: nearest-even ``kind`` bit patterns (uint16) of float32 values."""
+    with np.errstate(over="ignore"):
+        return np.asarray(x, np.float32).astype(DTYPES[kind]).view(np.uint16)
+
+
+def _pack_kernel(pack):
+    @cuda.jit
+    def kern(lo, hi, out):
+        for i in range(cuda.threadIdx.x, lo.shape[0], 32):
+            out[i] = pack(lo[i], hi[i])
+    return kern
+
+
+PACK = {"bf16": _pack_kernel(ops.pack_bf16x2), "f16": _pack_kernel(ops.pack_f16x2)}
+
+
+@pytest.mark.filterwarnings("ignore:overflow encountered in cast")   # the simulator, rounding to inf
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_pack_x2(kind):
+    special = np.array([
+        1 + 2**-8, -(1 + 2**-8), 1 + 3 * 2**-8, 2**-20 * (1 + 2**-8),     # bf16 ties (7-bit mantissa)
+        1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, -(2**-25), 3 * 2**-25,  # f16 ties (10 bits; subnormal)
+        65520.0, np.finfo(np.float32).max,                                 # ties / rounding to inf
+        0.0, -0.0, np.inf, -np.inf, 1.0, -3.5], np.float32)
+    rng = np.random.default_rng(0)
+    lo = np.concatenate([special, (rng.standard_normal(47) * 100).astype(np.float32)])
+    hi = rng.permutation(lo)
+    out = np.full(lo.shape, POISON32, np.uint32)
+    launch(PACK[kind], 1, 32, 0, (lo, hi, out))
+    want = bits16(lo, kind).astype(np.uint32) | (bits16(hi, kind).astype(np.uint32) << 16)
+    np.testing.assert_array_equal(out, want)
+
+
+ROW = 24                   # shared row stride in elements (48 bytes): rows start 16-byte aligned
+
+
+def _ldmatrix_kernel(load):
+    @cuda.jit
+    def kern(src, starts, out):
+        sm = cuda.shared.array(0, numba.uint16)
+        lane = cuda.threadIdx.x
+        for i in range(lane, src.shape[0], 32):
+            sm[i] = src[i]
+        cuda.syncthreads()
+        r0, r1, r2, r3 = load(sm, starts[lane])
+        out[lane, 0] = r0
+        out[lane, 1] = r1
+        out[lane, 2] = r2
+        out[lane, 3] = r3
+    return kern
+
+
+LDMATRIX = {False: _ldmatrix_kernel(ops.ldmatrix_x4), True: _ldmatrix_kernel(ops.ldmatrix_x4_trans)}
+
+
+def ldmatrix_model(src, starts, trans):
+    """NumPy model of ldmatrix.x4(.trans): lane 8i + r gives the start of row r of matrix i;
+    register i of lane 4g + t holds M_i[g, 2t], M_i[g, 2t+1] (.trans: M_i[2t, g], M_i[2t+1, g])."""
+    m = src[starts.reshape(4, 8, 1) + np.arange(8)]          # m[i, r, c] = M_i[r, c]
+    if trans:
+        m = m.transpose(0, 2, 1)
+    lane = np.arange(32)
+    g, t = lane >> 2, lane & 3
+    lo, hi = m[:, g, 2 * t].T, m[:, g, 2 * t + 1].T          # (32 lanes, 4 registers)
+    return lo.astype(np.uint32) | (hi.astype(np.uint32) << 16)
+
+
+@pytest.mark.parametrize("trans", [False, True])
+def test_ldmatrix_x4(trans):
+    rng = np.random.default_rng(1)
+    src = rng.permutation(0xFFFF)[:32 * ROW].astype(np.uint16)    # distinct, never 0xFFFF
+    starts = (rng.permutation(32) * ROW + 8 * rng.integers(0, 3, 32)).astype(np.int32)
+    out = np.full((32, 4), POISON32, np.uint32)
+    launch(LDMATRIX[trans], 1, 32, src.nbytes, (src, starts, out))
+    np.testing.assert_array_equal(out, ldmatrix_model(src, starts, trans))
+
+
+@cuda.jit(device=True, inline="always")
+def _pair(lo, hi):
+    return numba.uint32(lo) | (numba.uint32(hi) << 16)
+
+
+def _mma16_kernel(mma):
+    @cuda.jit
+    def kern(a, b, c, d):          # a (16, 16), b (16, 8): uint16 bit patterns; c, d float32
+        lane = cuda.threadIdx.x
+        g, t = lane >> 2, lane & 3
+        r0, r1, r2, r3 = mma(
+            _pair(a[g, 2 * t], a[g, 2 * t + 1]), _pair(a[g + 8, 2 * t], a[g + 8, 2 * t + 1]),
+            _pair(a[g, 2 * t + 8], a[g, 2 * t + 9]), _pair(a[g + 8, 2 * t + 8], a[g + 8, 2 * t + 9]),
+            _pair(b[2 * t, g], b[2 * t + 1, g]), _pair(b[2 * t + 8, g], b[2 * t + 9, g]),
+            c[g, 2 * t], c[g, 2 * t + 1], c[g + 8, 2 * t], c[g + 8, 2 * t + 1])
+        d[g, 2 * t] = r0
+        d[g, 2 * t + 1] = r1
+        d[g + 8, 2 * t] = r2
+        d[g + 8, 2 * t + 1] = r3
+    return kern
+
+
+MMA16 = {"bf16": _mma16_kernel(ops.mma_bf16_m16n8k16), "f16": _mma16_kernel(ops.mma_f16_m16n8k16)}
+
+
+def distinct16(rng, kind, n):
+    """``n`` distinct random ``kind`` values with magnitudes in [1/16, 4)."""
+    v = np.arange(2**16, dtype=np.uint16).view(DTYPES[kind])
+    m = np.abs(v.astype(np.float32))
+    return rng.choice(v[(m >= 1 / 16) & (m < 4)], n, replace=False)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("kind", ["bf16", "f16"])
+def test_mma_m16n8k16_fragment_layout(kind, seed):
+    rng = np.random.default_rng(seed)
+    v = distinct16(rng, kind, 16 * 16 + 16 * 8)
+    a, b = v[:256].reshape(16, 16), v[256:].reshape(16, 8)
+    c = rng.standard_normal((16, 8)).astype(np.float32)
+    d = np.full((16, 8), np.nan, np.float32)
+    launch(MMA16[kind], 1, 32, 0, (a.view(np.uint16), b.view(np.uint16), c, d))
     want = a.astype(np.float64) @ b.astype(np.float64) + c
     np.testing.assert_allclose(d, want, rtol=0, atol=1e-5 * np.abs(want).max())

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 900
 EXPECTED = {s.name for s in registry.specialisations()}
 FORWARD = "forward_simt"
+MMA = "forward_mma"
 
 
 def _layout_a_filters():
@@ -95,8 +96,8 @@ def _check_row(r):
     name, bad = r["name"], []
     if r["local"] != 0:
         bad.append(f"{r['local']} .local references (register spills or local arrays)")
-    if r["dtype"] == "float32" and r["f64"] != 0:
-        bad.append(f"{r['f64']} .f64 instructions in a float32 kernel")
+    if r["dtype"] != "float64" and r["f64"] != 0:
+        bad.append(f"{r['f64']} .f64 instructions in a {r['dtype']} kernel")
     if name.endswith("/async") and r["cp.async"] == 0:
         bad.append("an /async kernel without cp.async")
     if name.endswith("/plain") and r["cp.async"] != 0:
@@ -106,6 +107,10 @@ def _check_row(r):
             bad.append("no shfl.sync (row max and row sum are warp shuffles)")
         if r["dtype"] == "float32" and r["ld.shared.v4"] == 0:
             bad.append("no ld.shared.v4 (128-bit shared loads) in a float32 kernel")
+    if name.startswith(MMA + "/"):
+        for feature in ("mma.sync", "ldmatrix", "cp.async", "shfl.sync"):
+            if r[feature] == 0:
+                bad.append(f"no {feature} in the tensor-core forward")
     return [f"{name}: {b}" for b in bad]
 
 
@@ -130,6 +135,14 @@ def test_forward_ptx_is_covered():
     assert {s.dtype for s in fwd} == {"float32", "float64"}
     assert {s.causal for s in fwd} == {False, True}
     assert {s.use_async for s in fwd} == {False, True}
+
+
+def test_tensor_core_ptx_is_covered():
+    """Both 16-bit dtypes, both masks, and each fast-path head dim get their own PTX check."""
+    mma = [s for s in registry.specialisations() if s.variant == MMA]
+    assert {s.dtype for s in mma} == set(registry.LOW_DTYPES)
+    assert {s.causal for s in mma} == {False, True}
+    assert set(registry.MMA_FAST_DIMS) <= {s.d for s in mma}
 
 
 @pytest.mark.parametrize("dtype", sorted(ONLY_A))

@@ -1,0 +1,35 @@
+"""Device-side copy of a strided 4-D array into a contiguous one.
+
+The tensor-core forward reads rows with 16-byte ``cp.async``; inputs whose rows are
+not contiguous and 16-byte aligned (a transposed view, an odd offset) are first copied
+with this kernel, on the device and on the launch stream.
+"""
+import functools
+
+from numba import cuda
+
+THREADS = 256
+
+
+@functools.lru_cache(maxsize=None)
+def make_copy4():
+    """``dst[b1, b2, r, c] = src[b1, b2, r, c]``; launch with
+    ``grid = ceil(N · D / THREADS) · B1 · B2``, ``block = THREADS``."""
+
+    @cuda.jit
+    def copy4(src, dst):
+        B2 = src.shape[1]
+        N = src.shape[2]
+        D = src.shape[3]
+        per_b = (N * D + THREADS - 1) // THREADS
+        b = cuda.blockIdx.x // per_b
+        i = (cuda.blockIdx.x - b * per_b) * THREADS + cuda.threadIdx.x
+        b1 = b // B2
+        b2 = b - b1 * B2
+        if i < N * D:
+            r = i // D
+            c = i - r * D
+            dst[b1, b2, r, c] = src[b1, b2, r, c]
+
+    copy4.threads = THREADS
+    return copy4

@@ -1,0 +1,302 @@
+"""Fused FlashAttention-2 forward on tensor cores (float16 and bfloat16).
+
+One thread block of ``WARPS`` warps computes ``BM = 16 · WARPS`` query rows for one
+leading index; warp ``w`` owns rows ``16w … 16w + 15``, the M extent of one
+``mma.m16n8k16``. K/V tiles of ``BN`` keys stream through a two-slot ring in shared
+memory: tile ``j + 1`` is in flight (``cp.async``) while tile ``j`` is used.
+
+    for each K/V tile j:                                      (log2 units)
+        S    = Q Kjᵀ · scale · log2 e          mma, fp32 accumulators (16 × BN per warp)
+        m'   = max(m, rowmax S);  P = exp2(S − m');  l = l · exp2(m − m') + rowsum P
+        O    = O · exp2(m − m') + P Vj        P rounded to the input dtype, fp32 accumulators
+    O /= l;  lse = (m + log2 l) · ln 2
+
+Fragments (see ``numba_flash.ops``): Q is read once from shared memory with
+``ldmatrix`` into A fragments; K tiles give the B fragments of S = Q Kᵀ by plain
+``ldmatrix`` (a K row is a column of Kᵀ), V tiles give those of P V by
+``ldmatrix.trans``. The S accumulators of two neighbouring 8-key blocks, packed in
+pairs, are exactly the A fragment of P for 16 keys, so P never leaves registers.
+A lane holds rows ``g`` and ``g + 8`` of its warp's 16, columns ``2t, 2t + 1`` of each
+8-column block: row max and row sum need two butterfly shuffles (over the ``t`` lanes).
+
+Shared rows are ``DP + 8`` elements (``DP`` = d rounded up to 16; columns past d are
+zero-filled): rows 16 bytes apart in bank space, so the eight row addresses of one
+``ldmatrix`` matrix, and the 16-byte ``cp.async`` stores, hit distinct banks.
+
+Causal masking and tile skipping follow the CUDA-core forward (bottom-right aligned);
+rows and keys past the ends are zero-filled on load and masked to ``-inf``.
+"""
+import dataclasses
+import functools
+import math
+
+import numba
+from numba import cuda
+
+from .. import ops, warp
+from .._runtime import SIMULATOR
+from .forward import LN2
+
+ROW_PAD = 8          # elements of padding per shared row (16 bytes)
+E16 = 8              # 16-bit elements per 16-byte cp.async
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaTiling:
+    """Compile-time shape of one tensor-core forward specialisation."""
+    WARPS: int        # warps per block
+    BN: int           # keys per K/V tile (multiple of 16)
+    Q_IN_REGS: bool   # keep Q's A fragments in registers (else re-read them per tile)
+    MT: int = 1       # 16-row blocks per warp: each K/V fragment read from shared memory feeds MT mma
+
+    @property
+    def BM(self):
+        return 16 * self.MT * self.WARPS
+
+    @property
+    def threads(self):
+        return 32 * self.WARPS
+
+    # the launch helpers size the grid with these (as for the CUDA-core ``Tiling``)
+    @property
+    def DO(self):
+        return 1 << 30    # the whole head dim in one block
+
+
+def padded_dim(d):
+    return -(-d // 16) * 16
+
+
+def smem_elements(d, t: MmaTiling):
+    """Q tile plus two K and two V slots, rows of ``DP + ROW_PAD`` 16-bit elements."""
+    return (t.BM + 4 * t.BN) * (padded_dim(d) + ROW_PAD)
+
+
+@functools.lru_cache(maxsize=None)
+def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
+    """Build the tensor-core forward kernel for one (dtype, head dim, tiling, causal).
+
+    Kernel arguments: ``q (B1, B2, Nq, D)``, ``k, v (B1, B2, Nk, D)`` as ``uint16`` views
+    of the float16/bfloat16 data (unit inner stride, 16-byte aligned rows; ``D`` a
+    multiple of 8), ``out (B1, B2, Nq, D)`` (``uint16`` view), ``lse (B1, B2, Nq)``
+    float32, ``scale_log2`` float32. Launch with ``grid = (ceil(Nq / BM) · B1 · B2, 1)``,
+    ``block = 32 · WARPS``, ``smem_elements(D, t) · 2`` bytes of dynamic shared memory.
+    """
+    assert dtype_name in ("float16", "bfloat16") and D % 8 == 0
+    mma = ops.mma_bf16_m16n8k16 if dtype_name == "bfloat16" else ops.mma_f16_m16n8k16
+    pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
+    WARPS, BN, BM, NT, MT = t.WARPS, t.BN, t.BM, t.threads, t.MT
+    WR = 16 * MT                       # query rows per warp
+    H = 2 * MT                         # query rows per lane
+    assert BN % 16 == 0
+    DP = padded_dim(D)
+    RS = DP + ROW_PAD                  # shared row stride, elements
+    KC = DP // 16                      # k16 steps of S = Q Kᵀ
+    NB = BN // 8                       # 8-key blocks of S
+    ND = DP // 8                       # 8-column blocks of O
+    CPR = DP // E16                    # 16-byte chunks per row
+    K_OFF = BM * RS                    # Q tile first, then the two K slots, then the two V slots
+    V_OFF = K_OFF + 2 * BN * RS
+    SLOT = BN * RS
+    assert V_OFF + 2 * SLOT == smem_elements(D, t)
+    Q_IN_REGS = t.Q_IN_REGS
+    ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
+    ALIGN = None if SIMULATOR else 16
+    JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+
+    def device(f):
+        return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
+
+    @device
+    def copy_rows(smem, off, src, b1, b2, row0, NROWS, n_lim, tid):
+        """smem[off + r·RS + c] = src[b1, b2, row0 + r, c] (r < NROWS, c < DP), zero outside,
+        by 16-byte ``cp.async`` (complete at ``cp_async_wait``)."""
+        for it in range(-(-NROWS * CPR // NT)):
+            ch = tid + it * NT
+            if ch < NROWS * CPR:
+                r = ch // CPR
+                c = (ch - r * CPR) * E16
+                ok = row0 + r < n_lim and c < D
+                # a zero-byte copy still needs a valid address: point it at element 0
+                ops.cp_async16(smem, off + r * RS + c, src, b1, b2, row0 + r if ok else 0, c if ok else 0,
+                               16 if ok else 0)
+
+    @device
+    def q_fragment(smem, kc, lane, warp_row):
+        """A fragment of Q rows ``warp_row … +15``, columns ``16 kc … +15``."""
+        return ops.ldmatrix_x4(smem, (warp_row + (lane & 15)) * RS + 16 * kc + 8 * (lane >> 4))
+
+    @cuda.jit(**JIT)
+    def forward(q, k, v, out, lse, scale_log2):
+        Nq = q.shape[2]
+        Nk = k.shape[2]
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        w = tid >> 5
+        g = lane >> 2
+        tq = lane & 3
+        n_qt = (Nq + BM - 1) // BM
+        B2 = q.shape[1]
+        B = q.shape[0] * B2
+        qt = n_qt - 1 - cuda.blockIdx.x // B    # heaviest (causal: last) query tiles first
+        b = cuda.blockIdx.x - (cuda.blockIdx.x // B) * B
+        b1 = b // B2
+        b2 = b - b1 * B2
+        q0 = qt * BM
+        diag = Nk - Nq                 # key j visible to query i iff j <= i + diag
+        warp_row = WR * w              # this warp's first row in the tile
+        # This lane's rows: q0 + warp_row + 16·mt + g + 8·half, indexed h = 2·mt + half;
+        # in the accumulators, half 0 is elements 0, 1 and half 1 is elements 2, 3.
+
+        smem = cuda.shared.array(0, numba.uint16, alignment=ALIGN)
+        s = cuda.local.array((MT, NB, 4), numba.float32)
+        o = cuda.local.array((MT, ND, 4), numba.float32)
+        m = cuda.local.array(H, numba.float32)
+        l = cuda.local.array(H, numba.float32)
+        mu = cuda.local.array(H, numba.float32)
+        qf = cuda.local.array((MT, KC if Q_IN_REGS else 1, 4), numba.uint32)
+        qa = cuda.local.array((MT, 4), numba.uint32)
+        pa = cuda.local.array((MT, 4), numba.uint32)
+        for mt in range(MT):
+            for n in range(ND):
+                for e in range(4):
+                    o[mt, n, e] = ZERO
+        for h in range(H):
+            m[h] = NEG_INF
+            l[h] = ZERO
+
+        kv_end = Nk
+        if causal:
+            kv_end = min(Nk, q0 + BM + diag)   # keys past this are invisible to the whole tile
+        n_kt = (max(kv_end, 0) + BN - 1) // BN
+
+        copy_rows(smem, 0, q, b1, b2, q0, BM, Nq, tid)
+        if n_kt > 0:
+            copy_rows(smem, K_OFF, k, b1, b2, 0, BN, Nk, tid)
+            copy_rows(smem, V_OFF, v, b1, b2, 0, BN, Nk, tid)
+        ops.cp_async_commit()
+
+        for kt in range(n_kt):
+            k0 = kt * BN
+            slot = (kt & 1) * SLOT
+            ops.cp_async_wait(0)
+            cuda.syncthreads()          # tile kt landed for all; every warp is done with kt - 1
+            if kt + 1 < n_kt:           # the other slot held tile kt - 1: refill it
+                copy_rows(smem, K_OFF + SLOT - slot, k, b1, b2, k0 + BN, BN, Nk, tid)
+                copy_rows(smem, V_OFF + SLOT - slot, v, b1, b2, k0 + BN, BN, Nk, tid)
+                ops.cp_async_commit()
+            if Q_IN_REGS and kt == 0:
+                for mt in range(MT):
+                    for kc in range(KC):
+                        qf[mt, kc, 0], qf[mt, kc, 1], qf[mt, kc, 2], qf[mt, kc, 3] = q_fragment(
+                            smem, kc, lane, warp_row + 16 * mt)
+
+            # ---- S = Q Kᵀ: each K fragment feeds MT row blocks --------------------------------
+            for mt in range(MT):
+                for n in range(NB):
+                    for e in range(4):
+                        s[mt, n, e] = ZERO
+            for kc in range(KC):
+                for mt in range(MT):
+                    if Q_IN_REGS:
+                        for e in range(4):
+                            qa[mt, e] = qf[mt, kc, e]
+                    else:
+                        qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3] = q_fragment(smem, kc, lane,
+                                                                                warp_row + 16 * mt)
+                for n2 in range(NB // 2):
+                    # keys 16·n2 … +15 of the tile, head-dim columns 16·kc … +15
+                    kb0, kb1, kb2, kb3 = ops.ldmatrix_x4(
+                        smem, K_OFF + slot + (16 * n2 + (lane & 7) + 8 * (lane >> 4)) * RS
+                        + 16 * kc + 8 * ((lane >> 3) & 1))
+                    n = 2 * n2
+                    for mt in range(MT):
+                        s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3] = mma(
+                            qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb0, kb1,
+                            s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3])
+                        s[mt, n + 1, 0], s[mt, n + 1, 1], s[mt, n + 1, 2], s[mt, n + 1, 3] = mma(
+                            qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb2, kb3,
+                            s[mt, n + 1, 0], s[mt, n + 1, 1], s[mt, n + 1, 2], s[mt, n + 1, 3])
+
+            # ---- online softmax, per row h ----------------------------------------------------
+            needs_mask = k0 + BN > Nk
+            if causal:
+                needs_mask = needs_mask or k0 + BN - 1 > q0 + diag
+            for h in range(H):
+                mt = h >> 1
+                e0 = 2 * (h & 1)
+                row = q0 + warp_row + 16 * mt + g + 8 * (h & 1)
+                mx = NEG_INF
+                for n in range(NB):
+                    for e in range(e0, e0 + 2):
+                        x = s[mt, n, e] * scale_log2
+                        if needs_mask:
+                            key = k0 + 8 * n + 2 * tq + (e & 1)
+                            if key >= Nk or (causal and key > row + diag):
+                                x = NEG_INF
+                        s[mt, n, e] = x
+                        mx = max(mx, x)
+                for off in (1, 2):
+                    mx = max(mx, warp.shfl_xor_sync(warp.FULL_MASK, mx, off))
+                m_new = max(m[h], mx)
+                # a row with no visible key yet keeps m = -inf: exponentiate against 0 instead
+                mu[h] = ZERO if m_new == NEG_INF else m_new
+                alpha = math.exp2(m[h] - mu[h])
+                m[h] = m_new
+                rs = ZERO
+                for n in range(NB):
+                    for e in range(e0, e0 + 2):
+                        p = math.exp2(s[mt, n, e] - mu[h])
+                        s[mt, n, e] = p
+                        rs += p
+                l[h] = l[h] * alpha + rs
+                for n in range(ND):
+                    o[mt, n, e0] *= alpha
+                    o[mt, n, e0 + 1] *= alpha
+
+            # ---- O += P V: P's A fragments are the packed S accumulators ----------------------
+            for kc in range(NB // 2):
+                n = 2 * kc
+                for mt in range(MT):
+                    pa[mt, 0] = pack(s[mt, n, 0], s[mt, n, 1])
+                    pa[mt, 1] = pack(s[mt, n, 2], s[mt, n, 3])
+                    pa[mt, 2] = pack(s[mt, n + 1, 0], s[mt, n + 1, 1])
+                    pa[mt, 3] = pack(s[mt, n + 1, 2], s[mt, n + 1, 3])
+                for d2 in range(ND // 2):
+                    # keys 16·kc … +15, head-dim columns 16·d2 … +15, transposed
+                    vb0, vb1, vb2, vb3 = ops.ldmatrix_x4_trans(
+                        smem, V_OFF + slot + (16 * kc + (lane & 7) + 8 * ((lane >> 3) & 1)) * RS
+                        + 16 * d2 + 8 * (lane >> 4))
+                    c = 2 * d2
+                    for mt in range(MT):
+                        o[mt, c, 0], o[mt, c, 1], o[mt, c, 2], o[mt, c, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], vb0, vb1,
+                            o[mt, c, 0], o[mt, c, 1], o[mt, c, 2], o[mt, c, 3])
+                        o[mt, c + 1, 0], o[mt, c + 1, 1], o[mt, c + 1, 2], o[mt, c + 1, 3] = mma(
+                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], vb2, vb3,
+                            o[mt, c + 1, 0], o[mt, c + 1, 1], o[mt, c + 1, 2], o[mt, c + 1, 3])
+
+        ops.cp_async_wait(0)            # nothing left in flight when the loop had no iteration
+
+        # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------------
+        for h in range(H):
+            mt = h >> 1
+            e0 = 2 * (h & 1)
+            row = q0 + warp_row + 16 * mt + g + 8 * (h & 1)
+            lh = l[h]
+            for off in (1, 2):
+                lh += warp.shfl_xor_sync(warp.FULL_MASK, lh, off)
+            inv = ZERO if lh == ZERO else numba.float32(1) / lh   # no visible key: 0, lse -inf
+            if row < Nq:
+                for n in range(ND):
+                    col = 8 * n + 2 * tq
+                    if col < D:
+                        bits = pack(o[mt, n, e0] * inv, o[mt, n, e0 + 1] * inv)
+                        out[b1, b2, row, col] = numba.uint16(bits & 0xFFFF)
+                        out[b1, b2, row, col + 1] = numba.uint16(bits >> 16)
+                if tq == 0:
+                    lse[b1, b2, row] = NEG_INF if lh == ZERO else (m[h] + math.log2(lh)) * LN2_T
+
+    forward.tiling = t
+    forward.smem_bytes = smem_elements(D, t) * 2
+    return forward

@@ -1,0 +1,294 @@
+"""The tensor-core forward (float16, bfloat16) against the float64 oracle.
+
+Tolerance (FlashAttention's rule): ``max|out - oracle| <= 2 · max|baseline - oracle|``
+plus a floor, where the baseline is NumPy on the same 16-bit inputs with float32
+scores, softmax and accumulation, P rounded to the input dtype before P·V (a
+tensor-core P·V takes 16-bit operands) and the output rounded to the input dtype.
+The floor is one unit in the last place of max|v| in the input dtype (one output
+rounding), plus the float32 logit-rounding slack of the float32 tests (scores are
+accumulated in a different order than NumPy's). ``lse`` (float32) gets the float32 rule.
+"""
+import dataclasses
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import example, given, note, settings
+from hypothesis import strategies as st
+
+import numba_flash  # before numba: it decides whether the simulator is needed
+from numba_flash import reference, registry
+from numba_flash.kernels.forward_mma import MmaTiling
+from conftest import ON_GPU, SLACK_ULPS, U32, _max_abs, bits, host, rounding_sensitivity
+
+DTYPES = ("float16", "bfloat16")
+NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
+
+
+def baseline_fwd_low(q, k, v, causal, scale):
+    """What an ordinary 16-bit tensor-core attention gets: float32 scores and softmax,
+    P rounded to the input dtype, float32 P·V, output rounded to the input dtype."""
+    dt = q.dtype
+    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
+    sc = np.float32(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
+    s = np.matmul(q32, np.swapaxes(k32, -1, -2)) * sc
+    if causal:
+        s = np.where(reference.causal_mask(s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
+    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
+    m = np.where(np.isfinite(m), m, np.float32(0))
+    e = np.exp(s - m)
+    l = np.sum(e, axis=-1, keepdims=True)
+    visible = l > 0
+    p = (e / np.where(visible, l, np.float32(1))).astype(dt).astype(np.float32)
+    out = np.matmul(p, v32).astype(dt)
+    lse = (m + np.log(l, out=np.full_like(l, -np.inf), where=visible))[..., 0]
+    return out, lse
+
+
+def check_forward_low(out, lse, q, k, v, causal, scale):
+    """Assert ``(out, lse)`` from numba_flash against the oracle, by the module's rule."""
+    dt = q.dtype
+    lead, nq, d = q.shape[:-2], q.shape[-2], q.shape[-1]
+    assert isinstance(out, np.ndarray) and out.dtype == dt and out.shape == lead + (nq, d)
+    assert isinstance(lse, np.ndarray) and lse.dtype == np.float32 and lse.shape == lead + (nq,)
+    out64 = out.astype(np.float64)
+    assert not np.isnan(out64).any(), "NaN in out (an element the kernel never wrote?)"
+    assert not np.isnan(lse).any(), "NaN in lse (an element the kernel never wrote?)"
+    assert np.isfinite(out64).all() and not np.isposinf(lse).any()
+
+    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
+    ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
+    empty = np.isneginf(ref_lse)
+    np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse must be -inf exactly where no key is visible")
+    assert np.all(out64[empty] == 0), "rows with no visible key must be exactly 0"
+    fin = ~empty
+    base_out, base_lse = baseline_fwd_low(q, k, v, causal, scale)
+    sens_out, sens_lse = rounding_sensitivity(q64, k64, v64, causal, scale, ref_out, ref_lse)
+    ulp_v = float(ml_dtypes.finfo(dt).eps) * _max_abs(v64)
+    err_out = _max_abs(out64 - ref_out)
+    err_lse = _max_abs(lse[fin].astype(np.float64) - ref_lse[fin])
+    tol_out = 2 * _max_abs(base_out.astype(np.float64) - ref_out) + ulp_v + SLACK_ULPS * U32 * sens_out
+    tol_lse = (2 * _max_abs(base_lse[fin].astype(np.float64) - ref_lse[fin])
+               + 1e-6 * max(1.0, _max_abs(ref_lse[fin])) + SLACK_ULPS * U32 * sens_lse)
+    assert err_out <= tol_out, f"out: max error {err_out:.3e} > tolerance {tol_out:.3e}"
+    assert err_lse <= tol_lse, f"lse: max error {err_lse:.3e} > tolerance {tol_lse:.3e}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    lead: tuple
+    nq: int
+    nk: int
+    d: int
+    dtype: str = "bfloat16"
+    causal: bool = False
+    scale: float = None
+    magnitude: float = 1.0
+    seed: int = 0
+    device: bool = False     # also run with Numba device arrays in and out
+
+    def inputs(self):
+        rng = np.random.default_rng(self.seed)
+        return tuple((rng.standard_normal(self.lead + (n, self.d)) * self.magnitude).astype(NP_DTYPES[self.dtype])
+                     for n in (self.nq, self.nk, self.nk))
+
+
+def _run(case, q, k, v, on_device):
+    if on_device:
+        q, k, v = (numba_flash.to_device(x) for x in (q, k, v))
+    out, lse = numba_flash.attention_fwd(q, k, v, causal=case.causal, scale=case.scale)
+    if on_device:
+        assert not isinstance(out, np.ndarray) and out.dtype == NP_DTYPES[case.dtype]
+        out, lse = host(out), host(lse)
+    return out, lse
+
+
+_T = registry.mma_tiling("bfloat16", 16)
+BM, BN = _T.BM, _T.BN
+if ON_GPU:
+    # Each new (dtype, d, causal) is a JIT compile of a few seconds: a few head dims here
+    # (one per tiling rule and its edges); GPU_SHAPES below and the PTX checks cover others.
+    N_MAX, D_VALUES, MAX_EXAMPLES = 600, (16, 64, 72, 128, 136, 256), None
+else:
+    N_MAX, D_VALUES, MAX_EXAMPLES = 3 * BN + 2, (8, 16, 24, 32, 48, 64), 12
+
+
+def sim_fits(batch, nq, nk, d):
+    """About 2 s of simulator time at most: blocks × K/V tiles × head-dim steps."""
+    return ON_GPU or batch * -(-nq // BM) * -(-nk // BN) * (d // 8 + 2) <= 60
+
+
+@st.composite
+def cases(draw):
+    lead = tuple(draw(st.lists(st.integers(1, 3), max_size=2)))
+    d = draw(st.sampled_from(D_VALUES))
+    nq = draw(st.integers(1, N_MAX))
+    nk = draw(st.integers(1, N_MAX))
+    while not sim_fits(math.prod(lead), nq, nk, d):
+        nq, nk = max(1, nq * 2 // 3), max(1, nk * 2 // 3)
+    return Case(lead=lead, nq=nq, nk=nk, d=d, dtype=draw(st.sampled_from(DTYPES)), causal=draw(st.booleans()),
+                scale=draw(st.none() | st.floats(0.05, 2.0)),
+                magnitude=draw(st.sampled_from([1.0, 4.0]) | st.floats(1.0, 8.0)),
+                seed=draw(st.integers(0, 2**32 - 1)), device=draw(st.integers(0, 3)) == 0)
+
+
+EDGE_EXAMPLES = [
+    Case((), BM - 1, 5, 16, "bfloat16", seed=1), Case((), BM + 1, 5, 8, "float16", causal=True, seed=2),
+    Case((), 5, BN - 1, 24, "float16", seed=3), Case((), 5, BN, 16, "bfloat16", causal=True, seed=4),
+    Case((), 3, BN + 1, 16, "bfloat16", causal=True, seed=5, device=True),
+    Case((), BM + 1, BM + 1, 16, "float16", causal=True, seed=6),            # diagonal across tiles
+    Case((), 2 * BM + 3, 3, 8, "bfloat16", causal=True, seed=7),             # Nq > Nk: empty rows, tiles
+    Case((2,), 4, 2 * BN + 3, 8, "float16", causal=True, seed=8),            # Nq < Nk: bottom-right
+    Case((2, 2), 5, 6, 40, "bfloat16", scale=0.7, magnitude=6.0, seed=9, device=True),
+    Case((), 1, 1, 8, "float16", seed=10),
+]
+
+
+def _with_examples(f):
+    for c in reversed(EDGE_EXAMPLES):
+        f = example(case=c)(f)
+    return f
+
+
+@settings(max_examples=MAX_EXAMPLES) if MAX_EXAMPLES else (lambda f: f)
+@_with_examples
+@given(case=cases())
+def test_forward_mma_matches_oracle(case):
+    note(repr(case))
+    q, k, v = case.inputs()
+    out, lse = _run(case, q, k, v, on_device=False)
+    check_forward_low(out, lse, q, k, v, case.causal, case.scale)
+    if case.device:
+        dout, dlse = _run(case, q, k, v, on_device=True)
+        assert bits(dout) == bits(out) and bits(dlse) == bits(lse)
+
+
+@pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
+                                    MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
+def test_every_tiling_branch(tiling, monkeypatch):
+    """Each compile-time branch of the kernel (Q fragments kept or re-read, several warps, two
+    16-row blocks per warp) against the oracle, whichever tilings the registry picks."""
+    v = registry.VARIANTS["forward_mma"]
+    monkeypatch.setitem(registry.VARIANTS, "forward_mma", dataclasses.replace(v, tiling=lambda dt, d, sim: tiling))
+    for dtype, causal in (("bfloat16", True), ("float16", False)):
+        case = Case((2,), tiling.BM + 3, tiling.BN + 5, 24, dtype, causal=causal, magnitude=2.0, seed=tiling.BM)
+        q, k, v = case.inputs()
+        out, lse = _run(case, q, k, v, on_device=False)
+        check_forward_low(out, lse, q, k, v, causal, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_strided_device_inputs_are_copied(dtype):
+    """A device view whose rows are not contiguous (every other element of the last axis)
+    is copied on the device first; the result equals that of contiguous inputs."""
+    case = Case((2,), BM + 2, BN + 3, 16, dtype, causal=True, seed=31)
+    q, k, v = case.inputs()
+    wide = np.repeat(k, 2, axis=-1)                     # k[..., c] == wide[..., 2c]
+    kd = numba_flash.to_device(wide)[:, :, ::2]
+    out, lse = numba_flash.attention_fwd(numba_flash.to_device(q), kd, numba_flash.to_device(v), causal=True)
+    ref_out, ref_lse = numba_flash.attention_fwd(q, k, v, causal=True)
+    assert bits(host(out)) == bits(ref_out) and bits(host(lse)) == bits(ref_lse)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_deterministic(dtype):
+    case = Case((2,), BM + 3, 2 * BN + 1, 24, dtype, causal=True, magnitude=3.0, seed=32)
+    q, k, v = case.inputs()
+    first, second = _run(case, q, k, v, False), _run(case, q, k, v, False)
+    assert bits(first[0]) == bits(second[0]) and bits(first[1]) == bits(second[1])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_inputs(dtype):
+    q, k, v = Case((2,), 0, 5, 8, dtype).inputs()
+    out, lse = numba_flash.attention_fwd(q, k, v)
+    assert out.shape == (2, 0, 8) and out.dtype == NP_DTYPES[dtype] and lse.dtype == np.float32
+    q, k, v = Case((2,), 3, 0, 8, dtype).inputs()
+    out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+    assert np.all(out.astype(np.float32) == 0) and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize("d", [12, 4, 264])
+def test_head_dim_limits(d):
+    q, k, v = Case((), 3, 3, d, "float16").inputs()
+    with pytest.raises(ValueError, match=r"multiple of 8 and at most 256.*d=" + str(d)):
+        numba_flash.attention(q, k, v)
+
+
+def test_low_precision_backward_is_refused():
+    q, k, v = Case((), 3, 3, 8, "bfloat16").inputs()
+    out, lse = numba_flash.attention_fwd(q, k, v)
+    with pytest.raises(TypeError, match="backward supports float32 and float64"):
+        numba_flash.attention_bwd(out, q, k, v, out, lse)
+
+
+def test_mixed_16_bit_dtypes_are_refused():
+    q, k, v = Case((), 3, 3, 8, "bfloat16").inputs()
+    with pytest.raises(TypeError, match="same dtype"):
+        numba_flash.attention(q, k.astype(np.float16), v)
+
+
+# --------------------------------------------------------------------------- GPU only
+GPU_SHAPES = [
+    # (lead, Nq, Nk, d, dtype, causal)
+    ((2, 4), 1024, 1024, 64, "bfloat16", False),
+    ((1, 2), 4096, 4096, 128, "bfloat16", True),
+    ((1, 1), 8192, 8192, 128, "float16", True),
+    ((1, 1), 8192, 8192, 64, "bfloat16", False),
+    ((2,), 1000, 3000, 96, "float16", True),       # Nq < Nk, causal
+    ((2,), 3000, 1000, 128, "bfloat16", True),     # Nq > Nk: leading rows see nothing
+    ((2,), 2048, 2048, 256, "bfloat16", True),
+    ((2,), 1500, 1200, 256, "float16", False),
+    ((2,), 777, 1333, 16, "float16", False),
+    ((2,), 1200, 1500, 200, "bfloat16", True),
+]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU-sized shapes: too slow for the CUDA simulator")
+@pytest.mark.parametrize("lead,nq,nk,d,dtype,causal", GPU_SHAPES,
+                         ids=[f"{'x'.join(map(str, s[0]))}-{s[1]}x{s[2]}-d{s[3]}-{s[4]}-{'causal' if s[5] else 'full'}"
+                              for s in GPU_SHAPES])
+def test_gpu_large_shapes(lead, nq, nk, d, dtype, causal):
+    """Large shapes, checked row block by row block on the GPU with torch (float64 oracle and
+    the 16-bit baseline of this module); then a second run must be bitwise identical."""
+    torch = pytest.importorskip("torch")
+    tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+    g = torch.Generator(device="cuda").manual_seed(nq + 7 * nk + d)
+    q, k, v = (torch.randn(lead + (n, d), generator=g, device="cuda").to(tdt) for n in (nq, nk, nk))
+    out, lse = numba_flash.attention_fwd(q, k, v, causal=causal)
+    out2, lse2 = numba_flash.attention_fwd(q, k, v, causal=causal)
+    o = _as_torch(out, torch).view(tdt)
+    l = torch.as_tensor(lse, device="cuda")
+    assert torch.equal(_as_torch(out2, torch), _as_torch(out, torch)) and torch.equal(
+        torch.as_tensor(lse2, device="cuda"), l), "two runs differ"
+    sc = 1.0 / math.sqrt(d)
+    qf, kf, vf = (x.reshape(-1, x.shape[-2], d) for x in (q, k, v))
+    of, lf = o.reshape(-1, nq, d).double(), l.reshape(-1, nq).double()
+    err = base = 0.0
+    for b in range(qf.shape[0]):
+        for r0 in range(0, nq, 1024):
+            r1 = min(nq, r0 + 1024)
+            vis = (torch.arange(nk, device="cuda")[None, :] <= torch.arange(r0, r1, device="cuda")[:, None] + nk - nq)
+            s = (qf[b, r0:r1].double() @ kf[b].double().T) * sc
+            s32 = (qf[b, r0:r1].float() @ kf[b].float().T) * sc
+            if causal:
+                s, s32 = s.masked_fill(~vis, -math.inf), s32.masked_fill(~vis, -math.inf)
+            p, p32 = torch.softmax(s, -1).nan_to_num(0.0), torch.softmax(s32, -1).nan_to_num(0.0)
+            ref = p @ vf[b].double()
+            bl = (p32.to(tdt).float() @ vf[b].float()).to(tdt).double()
+            err = max(err, float((of[b, r0:r1] - ref).abs().max()))
+            base = max(base, float((bl - ref).abs().max()))
+            rl = torch.logsumexp(s, -1)
+            fin = torch.isfinite(rl)
+            assert torch.equal(torch.isneginf(lf[b, r0:r1]), ~fin)
+            assert torch.all(of[b, r0:r1][~fin] == 0)
+            if fin.any():   # float32 scores: lse within float32 rounding of a d-term dot product
+                assert float((lf[b, r0:r1][fin] - rl[fin]).abs().max()) < 1e-4 * max(1.0, float(rl[fin].abs().max()))
+    tol = 2 * base + float(torch.finfo(tdt).eps) * float(vf.abs().max())
+    assert err <= tol, (err, base, tol)
+
+
+def _as_torch(out, torch):
+    """A 16-bit numba_flash output as a torch tensor of its raw bits (int16)."""
+    return torch.as_tensor(out.view(np.int16), device="cuda")
