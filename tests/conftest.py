@@ -9,6 +9,7 @@ Profiles (``HYPOTHESIS_PROFILE`` picks one; ``ci`` is the default):
 ``ON_GPU`` is True when kernels run on a real GPU rather than in Numba's CUDA
 simulator; tests use it to choose problem sizes.
 """
+import dataclasses
 import importlib
 import math
 import os
@@ -93,21 +94,44 @@ def on_gpu():
 
 
 # --------------------------------------------------------------------------- helpers
+def np_dtype(name):
+    """NumPy dtype of a dtype name, bfloat16 included (``ml_dtypes.bfloat16``)."""
+    if name == "bfloat16":
+        import ml_dtypes
+        return np.dtype(ml_dtypes.bfloat16)
+    return np.dtype(name)
+
+
 def make_qkv(seed, lead, nq, nk, d, dtype, magnitude=1.0):
     """Standard-normal q (lead + (nq, d)), k, v (lead + (nk, d)) times ``magnitude``, in ``dtype``."""
     rng = np.random.default_rng(seed)
     q = rng.standard_normal(tuple(lead) + (nq, d)) * magnitude
     k = rng.standard_normal(tuple(lead) + (nk, d)) * magnitude
     v = rng.standard_normal(tuple(lead) + (nk, d)) * magnitude
-    return tuple(x.astype(dtype) for x in (q, k, v))
+    return tuple(x.astype(np_dtype(dtype)) for x in (q, k, v))
 
 
-def baseline_fwd32(q, k, v, causal, scale):
-    """Plain float32 NumPy attention: what an ordinary float32 implementation gets.
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One attention problem of the property tests (inputs drawn by ``make_qkv``)."""
+    lead: tuple
+    nq: int
+    nk: int
+    d: int
+    dtype: str = "float32"
+    causal: bool = False
+    scale: float = None
+    magnitude: float = 1.0
+    seed: int = 0
+    device: bool = False     # also run with Numba device arrays in and out
 
-    Returns (out, lse) in float32; rows that see no key get out = 0, lse = -inf.
-    """
-    q32, k32, v32 = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
+    def inputs(self):
+        return make_qkv(self.seed, self.lead, self.nq, self.nk, self.d, self.dtype, self.magnitude)
+
+
+def softmax32(q32, k32, causal, scale):
+    """Plain float32 softmax of the scaled scores: ``(p, m, l, visible)``, with ``m`` the
+    row max, ``l`` the row sum of ``exp(s - m)`` and rows that see no key giving p = 0."""
     d = q32.shape[-1]
     sc = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
     s = np.matmul(q32, np.swapaxes(k32, -1, -2)) * sc
@@ -118,7 +142,16 @@ def baseline_fwd32(q, k, v, causal, scale):
     e = np.exp(s - m)
     l = np.sum(e, axis=-1, keepdims=True)
     visible = l > 0
-    p = e / np.where(visible, l, np.float32(1))
+    return e / np.where(visible, l, np.float32(1)), m, l, visible
+
+
+def baseline_fwd32(q, k, v, causal, scale):
+    """Plain float32 NumPy attention: what an ordinary float32 implementation gets.
+
+    Returns (out, lse) in float32; rows that see no key get out = 0, lse = -inf.
+    """
+    q32, k32, v32 = (np.asarray(x, dtype=np.float32) for x in (q, k, v))
+    p, m, l, visible = softmax32(q32, k32, causal, scale)
     out = np.matmul(p, v32)
     log_l = np.log(l, out=np.full_like(l, -np.inf), where=visible)
     lse = (m + log_l)[..., 0]

@@ -8,7 +8,6 @@ The oracle's backward is itself checked against finite differences in
   logits (as in the forward tests, scaled by the gradient's size).
 * float64: 1e-10 relative to max(1, max|oracle gradient|).
 """
-import dataclasses
 import math
 
 import numpy as np
@@ -19,25 +18,17 @@ from hypothesis import strategies as st
 import numba_flash
 from numba import cuda
 from numba_flash import reference, registry
+import conftest
 from conftest import ON_GPU, bits, host, make_qkv
 
 DTYPES = ("float32", "float64")
 
 
-@dataclasses.dataclass(frozen=True)
-class Case:
-    lead: tuple
-    nq: int
-    nk: int
-    d: int
-    dtype: str = "float32"
-    causal: bool = False
-    scale: float = None
-    magnitude: float = 1.0
-    seed: int = 0
+class Case(conftest.Case):
+    """A backward problem: ``inputs()`` adds the incoming gradient ``dout``."""
 
     def inputs(self):
-        q, k, v = make_qkv(self.seed, self.lead, self.nq, self.nk, self.d, self.dtype, self.magnitude)
+        q, k, v = super().inputs()
         dout = np.random.default_rng(self.seed + 1).standard_normal(q.shape).astype(self.dtype)
         return q, k, v, dout
 

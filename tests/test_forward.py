@@ -3,7 +3,6 @@
 In the simulator every case is kept small (see ``sim_cost``); on a GPU the shapes
 are larger and ``test_gpu_large_shapes`` adds FlashAttention-sized problems.
 """
-import dataclasses
 import math
 
 import numpy as np
@@ -14,7 +13,7 @@ from hypothesis import strategies as st
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
 from numba_flash import registry
-from conftest import (ON_GPU, SLACK_ULPS, U32, U64, baseline_fwd32, bits, check_forward, host, make_qkv,
+from conftest import (ON_GPU, SLACK_ULPS, U32, U64, Case, baseline_fwd32, bits, check_forward, host, make_qkv,
                       rounding_sensitivity)
 from numba_flash import reference
 
@@ -22,23 +21,6 @@ DTYPES = ("float32", "float64")
 
 
 # --------------------------------------------------------------------------- cases
-@dataclasses.dataclass(frozen=True)
-class Case:
-    lead: tuple
-    nq: int
-    nk: int
-    d: int
-    dtype: str = "float32"
-    causal: bool = False
-    scale: float = None
-    magnitude: float = 1.0
-    seed: int = 0
-    device: bool = False     # also run with Numba device arrays in and out
-
-    def inputs(self):
-        return make_qkv(self.seed, self.lead, self.nq, self.nk, self.d, self.dtype, self.magnitude)
-
-
 def sim_cost(batch, nq, nk, d, dtype):
     """Rough cost of one launch in the simulator, in units of ~15 ms: blocks × (K/V tiles ×
     (head-dim chunks + P·V) + epilogue), from the simulator's tiling."""

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba_flash import reference, registry
 from numba_flash.kernels.forward_mma import MmaTiling
-from conftest import ON_GPU, SLACK_ULPS, U32, _max_abs, bits, host, rounding_sensitivity
+from conftest import ON_GPU, SLACK_ULPS, U32, Case, _max_abs, bits, host, rounding_sensitivity, softmax32
 
 DTYPES = ("float16", "bfloat16")
 NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -31,17 +31,8 @@ def baseline_fwd_low(q, k, v, causal, scale):
     P rounded to the input dtype, float32 P·V, output rounded to the input dtype."""
     dt = q.dtype
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
-    sc = np.float32(1.0 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    s = np.matmul(q32, np.swapaxes(k32, -1, -2)) * sc
-    if causal:
-        s = np.where(reference.causal_mask(s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
-    m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
-    m = np.where(np.isfinite(m), m, np.float32(0))
-    e = np.exp(s - m)
-    l = np.sum(e, axis=-1, keepdims=True)
-    visible = l > 0
-    p = (e / np.where(visible, l, np.float32(1))).astype(dt).astype(np.float32)
-    out = np.matmul(p, v32).astype(dt)
+    p, m, l, visible = softmax32(q32, k32, causal, scale)
+    out = np.matmul(p.astype(dt).astype(np.float32), v32).astype(dt)
     lse = (m + np.log(l, out=np.full_like(l, -np.inf), where=visible))[..., 0]
     return out, lse
 
@@ -73,25 +64,6 @@ def check_forward_low(out, lse, q, k, v, causal, scale):
                + 1e-6 * max(1.0, _max_abs(ref_lse[fin])) + SLACK_ULPS * U32 * sens_lse)
     assert err_out <= tol_out, f"out: max error {err_out:.3e} > tolerance {tol_out:.3e}"
     assert err_lse <= tol_lse, f"lse: max error {err_lse:.3e} > tolerance {tol_lse:.3e}"
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-    lead: tuple
-    nq: int
-    nk: int
-    d: int
-    dtype: str = "bfloat16"
-    causal: bool = False
-    scale: float = None
-    magnitude: float = 1.0
-    seed: int = 0
-    device: bool = False     # also run with Numba device arrays in and out
-
-    def inputs(self):
-        rng = np.random.default_rng(self.seed)
-        return tuple((rng.standard_normal(self.lead + (n, self.d)) * self.magnitude).astype(NP_DTYPES[self.dtype])
-                     for n in (self.nq, self.nk, self.nk))
 
 
 def _run(case, q, k, v, on_device):

@@ -122,6 +122,15 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
                                16 if ok else 0)
 
     @device
+    def mma_pair(acc, mt, n, a0, a1, a2, a3, b0, b1, b2, b3):
+        """``acc[mt, n] += A·B₀`` and ``acc[mt, n + 1] += A·B₁``: one A fragment against the
+        two 8-column B fragments (``b0, b1`` and ``b2, b3``) of one ``ldmatrix_x4``."""
+        acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3] = mma(
+            a0, a1, a2, a3, b0, b1, acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3])
+        acc[mt, n + 1, 0], acc[mt, n + 1, 1], acc[mt, n + 1, 2], acc[mt, n + 1, 3] = mma(
+            a0, a1, a2, a3, b2, b3, acc[mt, n + 1, 0], acc[mt, n + 1, 1], acc[mt, n + 1, 2], acc[mt, n + 1, 3])
+
+    @device
     def q_fragment(smem, kc, lane, warp_row):
         """A fragment of Q rows ``warp_row … +15``, columns ``16 kc … +15``."""
         return ops.ldmatrix_x4(smem, (warp_row + (lane & 15)) * RS + 16 * kc + 8 * (lane >> 4))
@@ -209,14 +218,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
                     kb0, kb1, kb2, kb3 = ops.ldmatrix_x4(
                         smem, K_OFF + slot + (16 * n2 + (lane & 7) + 8 * (lane >> 4)) * RS
                         + 16 * kc + 8 * ((lane >> 3) & 1))
-                    n = 2 * n2
                     for mt in range(MT):
-                        s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3] = mma(
-                            qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb0, kb1,
-                            s[mt, n, 0], s[mt, n, 1], s[mt, n, 2], s[mt, n, 3])
-                        s[mt, n + 1, 0], s[mt, n + 1, 1], s[mt, n + 1, 2], s[mt, n + 1, 3] = mma(
-                            qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb2, kb3,
-                            s[mt, n + 1, 0], s[mt, n + 1, 1], s[mt, n + 1, 2], s[mt, n + 1, 3])
+                        mma_pair(s, mt, 2 * n2, qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb0, kb1, kb2, kb3)
 
             # ---- online softmax, per row h ----------------------------------------------------
             needs_mask = k0 + BN > Nk
@@ -267,14 +270,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
                     vb0, vb1, vb2, vb3 = ops.ldmatrix_x4_trans(
                         smem, V_OFF + slot + (16 * kc + (lane & 7) + 8 * ((lane >> 3) & 1)) * RS
                         + 16 * d2 + 8 * (lane >> 4))
-                    c = 2 * d2
                     for mt in range(MT):
-                        o[mt, c, 0], o[mt, c, 1], o[mt, c, 2], o[mt, c, 3] = mma(
-                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], vb0, vb1,
-                            o[mt, c, 0], o[mt, c, 1], o[mt, c, 2], o[mt, c, 3])
-                        o[mt, c + 1, 0], o[mt, c + 1, 1], o[mt, c + 1, 2], o[mt, c + 1, 3] = mma(
-                            pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], vb2, vb3,
-                            o[mt, c + 1, 0], o[mt, c + 1, 1], o[mt, c + 1, 2], o[mt, c + 1, 3])
+                        mma_pair(o, mt, 2 * d2, pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], vb0, vb1, vb2, vb3)
 
         ops.cp_async_wait(0)            # nothing left in flight when the loop had no iteration
 
