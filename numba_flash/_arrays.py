@@ -68,25 +68,29 @@ def producer_stream(x):
     return None if stream in LEGACY_DEFAULT_STREAMS else stream
 
 
-def as_numba_device(x):
+def as_numba_device(x, dtype=None):
     """A Numba device array viewing the same device memory (no copy, no synchronisation:
-    ``api`` orders the launch after the producer's stream instead)."""
+    ``api`` orders the launch after the producer's stream instead), read as ``dtype`` (of
+    the same size) if given: 16-bit floats go to the kernels as their uint16 bits."""
     if getattr(x, "__cuda_ndarray__", False):
-        return x
+        return x if dtype is None else retyped(x, dtype)
     if _is_torch(x) and str(x.dtype) == "torch.bfloat16":
         import torch
         x = x.view(torch.int16)   # PyTorch exports no bfloat16 array interface: pass the bits
     if hasattr(x, "__cuda_array_interface__"):
-        return cuda.as_cuda_array(x, sync=False)
-    # DLPack-only producers: read pointer, shape and strides, then view through the CAI.
-    # No stream is exchanged (stream_ptr=-1): their pending work must be finished first.
-    from cuda.core.utils import StridedMemoryView
-    view = StridedMemoryView.from_dlpack(x, stream_ptr=-1)   # strides in elements, or None
-    itemsize = np.dtype(view.dtype).itemsize
-    strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
-    desc = {"shape": tuple(view.shape), "strides": strides, "typestr": np.dtype(view.dtype).str,
-            "data": (int(view.ptr), False), "version": 3}
-    return cuda.from_cuda_array_interface(desc, owner=x)
+        desc = x.__cuda_array_interface__
+    else:
+        # DLPack-only producers: read pointer, shape and strides, then view through the CAI.
+        # No stream is exchanged (stream_ptr=-1): their pending work must be finished first.
+        from cuda.core.utils import StridedMemoryView
+        view = StridedMemoryView.from_dlpack(x, stream_ptr=-1)   # strides in elements, or None
+        itemsize = np.dtype(view.dtype).itemsize
+        strides = None if view.strides is None else tuple(s * itemsize for s in view.strides)
+        desc = {"shape": tuple(view.shape), "strides": strides, "typestr": np.dtype(view.dtype).str,
+                "data": (int(view.ptr), False), "version": 3}
+    if dtype is not None:
+        desc = dict(desc, typestr=np.dtype(dtype).str)
+    return cuda.from_cuda_array_interface(desc, owner=x, sync=False)
 
 
 def device_pointer(ary):

@@ -54,9 +54,7 @@ class _Inputs:
         self.stream = 0
         if self.on_device:
             self.stream = _launch_stream(values)
-            values = [_arrays.as_numba_device(a) for a in values]
-            if self.low:
-                values = [_arrays.retyped(a, np.uint16) for a in values]
+            values = [_arrays.as_numba_device(a, self.storage if self.low else None) for a in values]
         elif self.low:
             values = [a.view(np.uint16) for a in values]
         # tuple(): the simulator's device-array shapes do not support negative indices
@@ -171,6 +169,19 @@ def _check_scale(scale, d):
 
 # --------------------------------------------------------------------------- views
 def _kernel_views(arrays):
+    """The arrays as the kernels take them, per launch: matrices ``(..., N, d)`` (the first
+    array is one) as 4-D ``(B1, B2, N, d)`` views, per-row arrays ``(..., N)`` (lse,
+    delta) as 3-D ``(B1, B2, N)`` views. Arrays with exactly two leading dims are passed
+    as they are (no new view objects: each costs host time per call)."""
+    lead = len(tuple(arrays[0].shape)) - 2
+    if lead == 2:
+        return [tuple(arrays)]
+    is_row = [len(tuple(a.shape)) == lead + 1 for a in arrays]
+    mats = [_unit_tail(a) if r else a for a, r in zip(arrays, is_row)]
+    return [tuple(_drop_tail(v) if r else v for v, r in zip(views, is_row)) for views in _fold(mats)]
+
+
+def _fold(arrays):
     """4-D ``(B1, B2, N, d)`` views of arrays that share their leading dims, per launch.
 
     The leading dims are folded into at most two strided dims, merging a dim into its
@@ -201,7 +212,7 @@ def _kernel_views(arrays):
     index = (0,) * first
     launches = []
     for i in range(lead[first]):
-        launches += _kernel_views([a[index + (i,)] for a in arrays])
+        launches += _fold([a[index + (i,)] for a in arrays])
     return launches
 
 
@@ -248,9 +259,9 @@ def _forward(q, k, v, causal, scale):
     spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned))
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
-    for q4, k4, v4, o4, l4 in _kernel_views([qd, kd, vd, out, _unit_tail(lse)]):
+    for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
         grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
-        launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, _drop_tail(l4), scale_log2),
+        launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
                inp.stream)
     return inp.result(out, lse)
 
@@ -341,11 +352,9 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
     t = spec["backward_dkdv_simt"].tiling
     rows = t.RG * t.TM
     scale_t, scale_log2 = inp.dtype.type(inp.scale), inp.dtype.type(inp.scale * LOG2E)
-    views = _kernel_views([dev["q"], dev["k"], dev["v"], dev["dout"], dev["out"], _unit_tail(dev["lse"]),
-                           _unit_tail(delta), dq, dk, dv])
-    for q4, k4, v4, do4, o4, l4, dl4, dq4, dk4, dv4 in views:
+    views = _kernel_views([dev["q"], dev["k"], dev["v"], dev["dout"], dev["out"], dev["lse"], delta, dq, dk, dv])
+    for q4, k4, v4, do4, o4, l3, dl3, dq4, dk4, dv4 in views:
         b = q4.shape[0] * q4.shape[1]
-        l3, dl3 = _drop_tail(l4), _drop_tail(dl4)
         if inp.nq:
             launch(k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
                    (do4, o4, dl3), inp.stream)
