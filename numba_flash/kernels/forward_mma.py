@@ -1,9 +1,10 @@
 """Fused FlashAttention-2 forward on tensor cores (float16 and bfloat16).
 
-One thread block of ``WARPS`` warps computes ``BM = 16 · WARPS`` query rows for one
-leading index; warp ``w`` owns rows ``16w … 16w + 15``, the M extent of one
-``mma.m16n8k16``. K/V tiles of ``BN`` keys stream through a two-slot ring in shared
-memory: tile ``j + 1`` is in flight (``cp.async``) while tile ``j`` is used.
+One thread block of ``WARPS`` warps computes ``BM = 16 · MT · WARPS`` query rows for one
+leading index; warp ``w`` owns ``MT`` blocks of 16 rows (16 is the M extent of one
+``mma.m16n8k16``), so each K or V fragment it reads from shared memory feeds ``MT``
+``mma``. K/V tiles of ``BN`` keys stream through a two-slot ring in shared memory: tile
+``j + 1`` is in flight (``cp.async``) while tile ``j`` is used.
 
     for each K/V tile j:                                      (log2 units)
         S    = Q Kjᵀ · scale · log2 e          mma, fp32 accumulators (16 × BN per warp)
@@ -16,8 +17,9 @@ Fragments (see ``numba_flash.ops``): Q is read once from shared memory with
 ``ldmatrix`` (a K row is a column of Kᵀ), V tiles give those of P V by
 ``ldmatrix.trans``. The S accumulators of two neighbouring 8-key blocks, packed in
 pairs, are exactly the A fragment of P for 16 keys, so P never leaves registers.
-A lane holds rows ``g`` and ``g + 8`` of its warp's 16, columns ``2t, 2t + 1`` of each
-8-column block: row max and row sum need two butterfly shuffles (over the ``t`` lanes).
+A lane holds rows ``g`` and ``g + 8`` of each of its warp's 16-row blocks, columns
+``2t, 2t + 1`` of each 8-column block: row max and row sum need two butterfly shuffles
+(over the ``t`` lanes).
 
 Shared rows are ``DP + 8`` elements (``DP`` = d rounded up to 16; columns past d are
 zero-filled): rows 16 bytes apart in bank space, so the eight row addresses of one
