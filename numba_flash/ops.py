@@ -378,11 +378,21 @@ else:
         bits = _struct.unpack("<I", _struct.pack("<f", x))[0] & 0xFFFFE000
         return _struct.unpack("<f", _struct.pack("<I", bits))[0]
 
+    def _acc_rz(c, x, y):
+        """``c + Σ x·y`` summed in float64, then rounded toward zero to float32: the tensor
+        core's fp32 accumulation truncates, and an emulation that rounds to nearest hides
+        the bias that follows (measured on an H200: docs/ladder.md, rung 8)."""
+        total = float(c) + sum(xi * yi for xi, yi in zip(x, y))
+        f = _np.float32(total)
+        if abs(float(f)) > abs(total):
+            f = _np.nextafter(f, _np.float32(0))
+        return f
+
     def mma_tf32_m16n8k8(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         # Every lane publishes its A and B fragments (as the tensor core reads them) at a
         # warp rendezvous, then computes its own four elements of D = A·B + C from the
         # lanes that hold rows g, g+8 of A and columns 2t, 2t+1 of B (layout: see the
-        # compiled version's docstring). Sums in float64, rounded once to float32.
+        # compiled version's docstring). Exact sum, truncated to float32 (_acc_rz).
         from . import warp
         mine = tuple(_tf32_bits(x) for x in (a0, a1, a2, a3, b0, b1))
         lane, frags = warp._exchange(warp.FULL_MASK, mine)
@@ -395,10 +405,7 @@ else:
             cols = frags[4 * n:4 * n + 4]
             b.append([f[4] for f in cols] + [f[5] for f in cols])  # B[0..7, n]
 
-        def dot(x, y):
-            return sum(xi * yi for xi, yi in zip(x, y))
-        return (_np.float32(float(c0) + dot(a_g, b[0])), _np.float32(float(c1) + dot(a_g, b[1])),
-                _np.float32(float(c2) + dot(a_g8, b[0])), _np.float32(float(c3) + dot(a_g8, b[1])))
+        return (_acc_rz(c0, a_g, b[0]), _acc_rz(c1, a_g, b[1]), _acc_rz(c2, a_g8, b[0]), _acc_rz(c3, a_g8, b[1]))
 
 
     # ---------------------------------------------------------------- 16-bit tensor cores
@@ -450,7 +457,7 @@ else:
         def mma(a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
             # Every lane publishes its fragments; lane 4g + t then forms rows g, g+8 of A
             # and columns 2t, 2t+1 of B from the lanes that hold them (module docstring)
-            # and sums in float64, rounding once to float32.
+            # and sums exactly, truncating to float32 (_acc_rz).
             from . import warp
             lane, frags = warp._exchange(warp.FULL_MASK, (a0, a1, a2, a3, b0, b1))
             g, t = lane >> 2, lane & 3
@@ -466,11 +473,8 @@ else:
                 return ([x for f in quad for x in _unpack(kind, f[4])]
                         + [x for f in quad for x in _unpack(kind, f[5])])
 
-            def dot(x, y):
-                return sum(xi * yi for xi, yi in zip(x, y))
             ag, ag8, bn0, bn1 = a_row(g), a_row(g + 8), b_col(2 * t), b_col(2 * t + 1)
-            return (_np.float32(float(c0) + dot(ag, bn0)), _np.float32(float(c1) + dot(ag, bn1)),
-                    _np.float32(float(c2) + dot(ag8, bn0)), _np.float32(float(c3) + dot(ag8, bn1)))
+            return _acc_rz(c0, ag, bn0), _acc_rz(c1, ag, bn1), _acc_rz(c2, ag8, bn0), _acc_rz(c3, ag8, bn1)
         return mma
 
     mma_bf16_m16n8k16 = _mma_m16n8k16_sim("bf16")
