@@ -19,7 +19,9 @@ Every mode does the same four things, in this order:
    (input checks, kernel lookup, output allocation, launch) is *included*: each repeat
    is synchronised, L2 is flushed, then CUDA events bracket one call. Warm-up calls keep
    the JIT compile out; the median of at least ``--repeats`` repeats and ``--min-time``
-   seconds is reported. The peers (``torch.nn.functional.scaled_dot_product_attention``
+   seconds is reported. The kernels alone (the launches ``api.plan_forward`` /
+   ``plan_backward`` prepare for the same call) are timed the same way, so the table shows
+   how much of each call is host work. The peers (``torch.nn.functional.scaled_dot_product_attention``
    with the EFFICIENT_ATTENTION and MATH backends, same input tensors) are timed the
    same way with ``torch.cuda.Event``; a peer that is unsupported or runs out of memory
    is reported as "—".
@@ -82,7 +84,8 @@ import ml_dtypes
 import numpy as np
 
 import numba_flash  # first: decides GPU vs simulator before numba is imported
-from numba_flash import SIMULATOR, _arrays, reference, registry
+from numba_flash import SIMULATOR, _arrays, api, reference, registry
+from numba_flash.launch import launch
 
 from numba import cuda  # noqa: E402  (after numba_flash, see above)
 
@@ -530,14 +533,20 @@ def spec_record(spec, s: Shape, rows):
             "grid": [-(-rows // t.BM) * s.B * s.H, -(-s.d // t.DO)]}
 
 
-def time_numba(call, bench, flops):
-    """``measure`` one call of ours, then its peak extra device memory; errors go in the record."""
+def time_numba(call, plan, bench, flops):
+    """``measure`` one call of ours, then its kernels alone (``plan()`` gives the launches
+    the call makes: ``api.plan_forward`` / ``plan_backward``), then its peak extra device
+    memory; errors go in the record."""
     try:
         rec = measure(call, bench.events, bench)
+        _, launches = plan()
+        kernels = measure(lambda: [launch(*args) for args in launches], bench.events, bench)
+        rec["kernel_ms_median"] = kernels["ms_median"]
         rec["extra_mib"] = numba_extra_mib(call)
     except Exception as exc:  # noqa: BLE001 - reported in the row
         return {"error": f"{type(exc).__name__}: {exc}"}
     rec["tflops"] = flops / (rec["ms_median"] * 1e-3) / 1e12
+    rec["kernel_tflops"] = flops / (rec["kernel_ms_median"] * 1e-3) / 1e12
     return rec
 
 
@@ -722,6 +731,9 @@ def common_notes(doc, call, flops):
         "TFLOP/s (> 1: ours faster). Peers: torch SDPA "
         + (", ".join(f"{PEERS[n][0]} = {b}" for n, b in s["peers"].items()) or "not run")
         + ", same tensors; '—' = unsupported, out of memory or not run.",
+        "kernel ms: the same call's kernel launches alone, prepared once (api.plan_forward / plan_backward: "
+        "input checks, output allocation and views excluded; Numba's per-launch argument handling included). "
+        "ours ms − kernel ms is the host time the call adds.",
     ]
 
 
@@ -748,7 +760,8 @@ def out_lse_mib(cfg):
 def time_ours(cfg, arrays, bench):
     q, k, v = arrays
     call = lambda: numba_flash.attention_fwd(q, k, v, causal=cfg["causal"])  # noqa: E731
-    return time_numba(call, bench, forward_flops(cfg["shape"], cfg["causal"]))
+    plan = lambda: api.plan_forward(q, k, v, causal=cfg["causal"])  # noqa: E731
+    return time_numba(call, plan, bench, forward_flops(cfg["shape"], cfg["causal"]))
 
 
 def time_peer(name, cfg, arrays, bench, refs):
@@ -892,7 +905,8 @@ def time_backward_ours(cfg, q, k, v, dout, bench):
     except Exception as exc:  # noqa: BLE001 - reported in the row
         return {"error": f"forward failed: {type(exc).__name__}: {exc}"}
     call = lambda: numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
-    return time_numba(call, bench, backward_flops(cfg["shape"], causal))
+    plan = lambda: api.plan_backward(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
+    return time_numba(call, plan, bench, backward_flops(cfg["shape"], causal))
 
 
 def time_backward_peer(name, cfg, q, k, v, dout, bench, refs):
@@ -1144,7 +1158,8 @@ def make_columns(theory_header, theory_key):
          ("causal", 6, lambda r: "yes" if r["causal"] else "no"),
          ("dtype", 7, lambda r: r["dtype"]),
          ("ours ms", 9, lambda r: _fmt(r["ours"].get("ms_median"), ".3f")),
-         ("ours TF/s", 9, lambda r: _fmt(r["ours"].get("tflops"), ".2f"))]
+         ("ours TF/s", 9, lambda r: _fmt(r["ours"].get("tflops"), ".2f")),
+         ("kernel ms", 9, lambda r: _fmt(r["ours"].get("kernel_ms_median"), ".3f"))]
         + [(f"{lbl} TF/s", 9, _peer(n, "tflops", ".2f")) for n, (lbl, _) in PEERS.items()]
         + [(f"ours/{lbl}", 9, _peer(n, "ratio", ".2f")) for n, (lbl, _) in PEERS.items()]
         + [("extra MiB", 9, lambda r: _fmt(r["ours"].get("extra_mib"), ".1f")),

@@ -246,24 +246,35 @@ def _contiguous_copy(x, stream):
     return dst
 
 
-def _forward(q, k, v, causal, scale):
+def plan_forward(q, k, v, causal=False, scale=None):
+    """Everything :func:`attention_fwd` does before its kernel launches: returns
+    ``(result, launches)``, where ``result()`` gives what ``attention_fwd`` returns once
+    the launches have run and each launch is a tuple of :func:`numba_flash.launch.launch`'s
+    arguments. ``bench.py`` uses it to time the kernels alone, next to the whole call."""
     inp = _Inputs({"q": q, "k": k, "v": v}, causal, scale, low_precision=True)
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
     lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
-    if inp.empty:
-        return inp.result(out, lse)
-    qd, kd, vd = (inp.device(n) for n in "qkv")
-    aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
-    if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
-        qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
-    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned))
-    t, kern = spec.tiling, spec.kernel()
-    scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
-    for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
-        grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
-        launch(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
-               inp.stream)
-    return inp.result(out, lse)
+    launches = []
+    if not inp.empty:
+        qd, kd, vd = (inp.device(n) for n in "qkv")
+        aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
+        if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
+            qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
+        spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned))
+        t, kern = spec.tiling, spec.kernel()
+        scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
+        for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
+            grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
+            launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
+                             inp.stream))
+    return (lambda: inp.result(out, lse)), launches
+
+
+def _run(plan):
+    result, launches = plan
+    for args in launches:
+        launch(*args)
+    return result()
 
 
 def attention_fwd(q, k, v, *, causal=False, scale=None):
@@ -313,12 +324,12 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
     default stream is used.) Numba device arrays run on the default stream. Outputs are
     allocated with ``numba.cuda.device_array``.
     """
-    return _forward(q, k, v, causal, scale)
+    return _run(plan_forward(q, k, v, causal, scale))
 
 
 def attention(q, k, v, *, causal=False, scale=None):
     """Exact attention ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_fwd`."""
-    return _forward(q, k, v, causal, scale)[0]
+    return _run(plan_forward(q, k, v, causal, scale))[0]
 
 
 # --------------------------------------------------------------------------- backward
@@ -337,12 +348,19 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
     The result is deterministic: no atomics, every gradient element is written by
     exactly one thread, so equal inputs give bitwise-equal gradients.
     """
+    return _run(plan_backward(dout, q, k, v, out, lse, causal, scale))
+
+
+def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None):
+    """:func:`attention_bwd` up to its kernel launches; see :func:`plan_forward`."""
     inp = _Inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, causal, scale)
     dq = inp.empty_like(inp.lead + (inp.nq, inp.d))
     dk = inp.empty_like(inp.lead + (inp.nk, inp.d))
     dv = inp.empty_like(inp.lead + (inp.nk, inp.d))
+    launches = []
+    result = lambda: inp.result(dq, dk, dv)  # noqa: E731
     if inp.batch == 0 or inp.nq + inp.nk == 0:
-        return inp.result(dq, dk, dv)
+        return result, launches
     dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
     delta = inp.empty_like(inp.lead + (inp.nq,))
     aligned = all(_arrays.rows_aligned16(dev[n]) for n in ("q", "k", "v", "dout"))
@@ -356,13 +374,14 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
     for q4, k4, v4, do4, o4, l3, dl3, dq4, dk4, dv4 in views:
         b = q4.shape[0] * q4.shape[1]
         if inp.nq:
-            launch(k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
-                   (do4, o4, dl3), inp.stream)
+            launches.append((k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
+                             (do4, o4, dl3), inp.stream))
         if inp.nk:
-            launch(k_dkdv, _grid(inp, inp.nk, b, rows, t.DO), t.RG * t.CG,
-                   spec["backward_dkdv_simt"].smem_bytes,
-                   (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t), inp.stream)
+            launches.append((k_dkdv, _grid(inp, inp.nk, b, rows, t.DO), t.RG * t.CG,
+                             spec["backward_dkdv_simt"].smem_bytes,
+                             (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t), inp.stream))
         if inp.nq:
-            launch(k_dq, _grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG, spec["backward_dq_simt"].smem_bytes,
-                   (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t), inp.stream)
-    return inp.result(dq, dk, dv)
+            launches.append((k_dq, _grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG,
+                             spec["backward_dq_simt"].smem_bytes,
+                             (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t), inp.stream))
+    return result, launches
