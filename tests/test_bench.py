@@ -55,6 +55,7 @@ def test_tiny_json_has_valid_rows(tiny_run):
         assert 0 <= v["max_abs_err"] <= v["tolerance"] == bench.TOLERANCE[r["dtype"]]
         ours = r["ours"]
         assert ours["ms_median"] > 0 and ours["tflops"] > 0 and ours["repeats"] >= 1
+        assert ours["kernel_ms_median"] > 0 and ours["kernel_tflops"] > 0
         assert set(ours["tiling"]) == {"TM", "TN", "CG", "RG", "DK", "DO"}
         assert isinstance(ours["use_async"], bool)
         assert r["flops"] == bench.forward_flops(bench.Shape(**r["shape"]), r["causal"])
@@ -152,6 +153,7 @@ def test_tiny_backward_run_has_valid_rows(tiny_backward_run):
         assert r["flops"] == pytest.approx(2.5 * bench.forward_flops(shape, r["causal"]))
         ours = r["ours"]
         assert ours["ms_median"] > 0 and ours["tflops"] > 0 and ours["repeats"] >= 1
+        assert ours["kernel_ms_median"] > 0 and ours["kernel_tflops"] > 0
         assert set(ours["kernels"]) == {"backward_dkdv_simt", "backward_dq_simt"}
         for k in ours["kernels"].values():
             assert set(k["tiling"]) == {"TM", "TN", "CG", "RG", "DK", "DO"}
