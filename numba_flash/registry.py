@@ -28,6 +28,11 @@ def _round_up(x, m):
     return -(-x // m) * m
 
 
+def itemsize(dtype_name: str) -> int:
+    """Bytes per element (bfloat16 has no NumPy name of its own)."""
+    return 2 if dtype_name in LOW_DTYPES else np.dtype(dtype_name).itemsize
+
+
 def forward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tiling:
     """Tile shape of the CUDA-core forward for this dtype and head dim.
 
@@ -184,8 +189,7 @@ class Specialisation:
 
     @property
     def smem_bytes(self):
-        itemsize = 2 if self.dtype in LOW_DTYPES else np.dtype(self.dtype).itemsize
-        return VARIANTS[self.variant].smem_words(self.d, self.tiling) * itemsize
+        return VARIANTS[self.variant].smem_words(self.d, self.tiling) * itemsize(self.dtype)
 
     def kernel(self):
         return VARIANTS[self.variant].build(self)
@@ -197,8 +201,7 @@ class Specialisation:
 
 def async_possible(dtype_name: str, d: int):
     """cp.async moves 16 bytes: rows of d elements must be a whole number of them."""
-    itemsize = 2 if dtype_name in LOW_DTYPES else np.dtype(dtype_name).itemsize
-    return d % (16 // itemsize) == 0
+    return d % (16 // itemsize(dtype_name)) == 0
 
 
 def specialisation(variant: str, dtype_name: str, d: int, causal: bool = False, use_async: bool = False,
