@@ -3,6 +3,10 @@
 >>> import numpy as np, numba_flash
 >>> q = k = v = np.random.default_rng(0).standard_normal((2, 8, 100, 64), dtype=np.float32)
 >>> out = numba_flash.attention(q, k, v, causal=True)        # (2, 8, 100, 64), float32
+>>> out16 = numba_flash.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
+
+float32 and float64 run on CUDA cores (forward and backward); float16 and bfloat16
+(``ml_dtypes.bfloat16`` on the host) run on tensor cores (forward).
 
 ``numba_flash.reference`` is the float64 NumPy oracle with the same semantics.
 """
