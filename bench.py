@@ -533,20 +533,22 @@ def spec_record(spec, s: Shape, rows):
             "grid": [-(-rows // t.BM) * s.B * s.H, -(-s.d // t.DO)]}
 
 
-def time_numba(call, plan, bench, flops):
-    """``measure`` one call of ours, then its kernels alone (``plan()`` gives the launches
-    the call makes: ``api.plan_forward`` / ``plan_backward``), then its peak extra device
-    memory; errors go in the record."""
+def time_numba(call, bench, flops, plan=None):
+    """``measure`` one call of ours, then, given ``plan`` (``plan()`` returns the launches
+    the call makes: ``api.plan_forward`` / ``plan_backward``), its kernels alone, then its
+    peak extra device memory; errors go in the record."""
     try:
         rec = measure(call, bench.events, bench)
-        _, launches = plan()
-        kernels = measure(lambda: [launch(*args) for args in launches], bench.events, bench)
-        rec["kernel_ms_median"] = kernels["ms_median"]
+        if plan is not None:
+            _, launches = plan()
+            rec["kernel_ms_median"] = measure(lambda: [launch(*args) for args in launches],
+                                              bench.events, bench)["ms_median"]
         rec["extra_mib"] = numba_extra_mib(call)
     except Exception as exc:  # noqa: BLE001 - reported in the row
         return {"error": f"{type(exc).__name__}: {exc}"}
     rec["tflops"] = flops / (rec["ms_median"] * 1e-3) / 1e12
-    rec["kernel_tflops"] = flops / (rec["kernel_ms_median"] * 1e-3) / 1e12
+    if plan is not None:
+        rec["kernel_tflops"] = flops / (rec["kernel_ms_median"] * 1e-3) / 1e12
     return rec
 
 
@@ -761,7 +763,7 @@ def time_ours(cfg, arrays, bench):
     q, k, v = arrays
     call = lambda: numba_flash.attention_fwd(q, k, v, causal=cfg["causal"])  # noqa: E731
     plan = lambda: api.plan_forward(q, k, v, causal=cfg["causal"])  # noqa: E731
-    return time_numba(call, plan, bench, forward_flops(cfg["shape"], cfg["causal"]))
+    return time_numba(call, bench, forward_flops(cfg["shape"], cfg["causal"]), plan)
 
 
 def time_peer(name, cfg, arrays, bench, refs):
@@ -906,7 +908,7 @@ def time_backward_ours(cfg, q, k, v, dout, bench):
         return {"error": f"forward failed: {type(exc).__name__}: {exc}"}
     call = lambda: numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
     plan = lambda: api.plan_backward(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
-    return time_numba(call, plan, bench, backward_flops(cfg["shape"], causal))
+    return time_numba(call, bench, backward_flops(cfg["shape"], causal), plan)
 
 
 def time_backward_peer(name, cfg, q, k, v, dout, bench, refs):
