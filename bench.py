@@ -518,10 +518,24 @@ class Bench:
 
 
 # --------------------------------------------------------------------------- rows (all modes)
+def supported(dtype, s: Shape):
+    """Whether numba_flash takes this dtype at this head dim (16-bit: d a multiple of 8, <= 256)."""
+    return dtype not in registry.LOW_DTYPES or registry.VARIANTS["forward_mma"].head_dims(s.d)
+
+
 def mode_configs(args):
-    """Every (shape, causal, dtype) the options select, in table order."""
-    return [{"shape": s, "causal": c, "dtype": dt}
-            for dt in args.dtype for s in select_shapes(args) for c in CAUSAL]
+    """Every (shape, causal, dtype) the options select, in table order; combinations the
+    library does not support (a 16-bit dtype at the seed's d = 1024) are left out, said once."""
+    configs, skipped = [], []
+    for dt in args.dtype:
+        for s in select_shapes(args):
+            if not supported(dt, s):
+                skipped.append(f"{s} {dt}")
+                continue
+            configs += [{"shape": s, "causal": c, "dtype": dt} for c in CAUSAL]
+    if skipped:
+        print(f"Not run (unsupported head dim for the dtype): {', '.join(skipped)}", flush=True)
+    return configs
 
 
 def spec_record(spec, s: Shape, rows):
