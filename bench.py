@@ -472,7 +472,9 @@ def measure(call, events, bench):
 
 
 def numba_extra_mib(call):
-    """Drop in the driver's free device memory during one call (transients included), MiB.
+    """Peak extra device memory of one call (transients included), MiB: the peak growth of
+    numba_flash's memory pool (outputs and any device copies come from it) plus the drop
+    in the driver's free memory outside the pool.
 
     Inside ``defer_cleanup`` nothing Numba allocates during the call is freed before we
     read the free memory; the results are kept alive until then. None in the simulator.
@@ -484,12 +486,15 @@ def numba_extra_mib(call):
     free0 = ctx.get_memory_info()[0]
     if not math.isfinite(free0):   # the simulator reports inf
         return None
+    used0, _, reserved0 = _arrays.pool_usage()     # (resets the pool's peak)
     with cuda.defer_cleanup():
         result = call()
         cuda.synchronize()
         free1 = ctx.get_memory_info()[0]
+        _, peak, reserved1 = _arrays.pool_usage()
         del result
-    return (free0 - free1) / MIB
+    outside_pool = (free0 - free1) - (reserved1 - reserved0)
+    return (max(outside_pool, 0) + max(peak - used0, 0)) / MIB
 
 
 def torch_extra_mib(torch, call):

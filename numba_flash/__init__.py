@@ -12,9 +12,10 @@ float32 and float64 run on CUDA cores (forward and backward); float16 and bfloat
 """
 from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulator before numba loads
 from . import reference
-from ._arrays import to_device
+from ._arrays import release_cached_memory, to_device
 from .api import attention, attention_bwd, attention_fwd
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_fwd", "attention_bwd", "reference", "to_device", "SIMULATOR",
+__all__ = ["attention", "attention_fwd", "attention_bwd", "reference", "to_device",
+           "release_cached_memory", "SIMULATOR",
            "SimulatorWarning"]

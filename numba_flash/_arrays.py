@@ -97,7 +97,7 @@ def device_pointer(ary):
     """Address of the first element (the simulator's is the host buffer's)."""
     if SIMULATOR:
         return ary._ary.ctypes.data
-    return ary.__cuda_array_interface__["data"][0]
+    return ary.device_ctypes_pointer.value or 0
 
 
 def rows_aligned16(ary):
@@ -139,10 +139,123 @@ def to_device(x, stream=0):
     return cuda.to_device(x, stream=stream)
 
 
-def device_empty(shape, dtype, fill=None, storage=None):
-    """A new C-contiguous device array, optionally filled on the host first (tests use NaN).
-    ``storage``: allocate as this same-size dtype instead (the fill is converted in ``dtype``)."""
-    if fill is None:
-        return cuda.device_array(shape, dtype=storage or dtype)
-    host = np.full(shape, fill, dtype=dtype)
-    return cuda.to_device(host if storage is None else host.view(storage))
+def device_empty(shape, dtype, fill=None, storage=None, stream=0):
+    """A new C-contiguous device array, optionally filled from the host (tests use NaN).
+
+    ``storage``: allocate as this same-size dtype instead (the fill is converted in
+    ``dtype``). On a GPU the memory comes from this package's stream-ordered pool
+    (``_pool_alloc``), allocated on ``stream``.
+    """
+    dtype = np.dtype(dtype)
+    alloc = np.dtype(storage or dtype)
+    ary = None if SIMULATOR else _pool_array(tuple(shape), alloc, stream)
+    if ary is None:
+        ary = cuda.device_array(shape, dtype=alloc)
+    if fill is not None:
+        if not SIMULATOR and _stream_int(stream):
+            cuda.external_stream(_stream_int(stream)).synchronize()   # the allocation is ordered on it
+        host = np.full(shape, fill, dtype=dtype)
+        ary.copy_to_device(host if storage is None else host.view(storage))
+    return ary
+
+
+# ----------------------------------------------------------------- stream-ordered pool
+# Outputs are allocated with cuMemAllocFromPoolAsync from a memory pool this package
+# creates per device, and returned by cuMemFreeAsync on the same stream when their
+# Numba array is garbage-collected: no cudaMalloc / cudaFree (which synchronises the
+# device) per call. Like PyTorch's caching allocator, the pool keeps freed memory for
+# reuse; numba_flash.release_cached_memory() hands it back to the driver.
+_pools = {}
+
+
+def _stream_int(stream):
+    return int(stream.handle) if hasattr(stream, "handle") else int(stream or 0)
+
+
+def _pool_for(device_id):
+    from cuda.bindings import driver as cu
+    pool = _pools.get(device_id)
+    if pool is None:
+        props = cu.CUmemPoolProps()
+        props.allocType = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+        props.handleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_NONE
+        props.location.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+        props.location.id = device_id
+        err, pool = cu.cuMemPoolCreate(props)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            _pools[device_id] = False          # no pools on this device/driver: Numba allocates
+            return False
+        keep = cu.cuuint64_t(2**64 - 1)
+        cu.cuMemPoolSetAttribute(pool, cu.CUmemPool_attribute.CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, keep)
+        _pools[device_id] = pool
+    return pool
+
+
+def _free_async(ptr, stream):
+    try:
+        from cuda.bindings import driver as cu
+        cu.cuMemFreeAsync(ptr, stream)
+    except Exception:   # interpreter shutdown, or the stream is gone: nothing safe left to do
+        pass
+
+
+def _pool_array(shape, dtype, stream):
+    """A C-contiguous Numba device array from the pool, or None (empty, or no pool)."""
+    import functools
+    from cuda.bindings import driver as cu
+    from numba.cuda.cudadrv import devices
+    from numba.cuda.cudadrv.driver import MemoryPointer
+
+    nbytes = dtype.itemsize
+    for n in shape:
+        nbytes *= n
+    if nbytes == 0:
+        return None
+    ctx = devices.get_context()
+    pool = _pool_for(ctx.device.id)
+    if pool is False:
+        return None
+    handle = _stream_int(stream)
+    err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, handle)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return None                            # out of memory in the pool: let Numba try (and report)
+    mem = MemoryPointer(ctx, ptr, nbytes, finalizer=functools.partial(_free_async, int(ptr), handle))
+    return DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=mem)
+
+
+def _c_strides(shape, itemsize):
+    strides, s = [], itemsize
+    for n in reversed(shape):
+        strides.append(s)
+        s *= n
+    return tuple(reversed(strides))
+
+
+def pool_usage():
+    """(bytes in use now, peak bytes in use since the last reset, bytes reserved) of the current
+    device's pool; the peak is reset. (0, 0, 0) in the simulator or without a pool."""
+    if SIMULATOR:
+        return 0, 0, 0
+    from cuda.bindings import driver as cu
+    from numba.cuda.cudadrv import devices
+    pool = _pools.get(devices.get_context().device.id)
+    if not pool:
+        return 0, 0, 0
+    a = cu.CUmemPool_attribute
+    get = lambda attr: int(cu.cuMemPoolGetAttribute(pool, attr)[1])   # noqa: E731
+    used, high, reserved = (get(x) for x in (a.CU_MEMPOOL_ATTR_USED_MEM_CURRENT, a.CU_MEMPOOL_ATTR_USED_MEM_HIGH,
+                                             a.CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT))
+    cu.cuMemPoolSetAttribute(pool, a.CU_MEMPOOL_ATTR_USED_MEM_HIGH, cu.cuuint64_t(0))
+    return used, high, reserved
+
+
+def release_cached_memory():
+    """Hand the device memory numba_flash keeps for reuse (its pools' free blocks) back to
+    the driver. Outputs still alive are not affected."""
+    if SIMULATOR:
+        return
+    from cuda.bindings import driver as cu
+    cuda.synchronize()
+    for pool in _pools.values():
+        if pool:
+            cu.cuMemPoolTrimTo(pool, 0)

@@ -104,8 +104,9 @@ class _Inputs:
         """A new device array for an output (in the input dtype, as stored: 16-bit floats as
         uint16 bits; or in ``dtype``), poisoned first in the test-suite."""
         if dtype is not None:
-            return _arrays.device_empty(shape, dtype, _POISON)
-        return _arrays.device_empty(shape, self.dtype, _POISON, None if not self.low else self.storage)
+            return _arrays.device_empty(shape, dtype, _POISON, stream=self.stream)
+        return _arrays.device_empty(shape, self.dtype, _POISON, None if not self.low else self.storage,
+                                    self.stream)
 
     def result(self, *arrays):
         """NumPy in -> NumPy out; device in -> device arrays out (16-bit bits back in their dtype)."""
@@ -120,6 +121,9 @@ class _Inputs:
         return self.batch == 0 or self.nq == 0
 
 
+_STREAMS = {}
+
+
 def _launch_stream(arrays):
     """Launch on the producer's stream when all inputs name the same one (CuPy, PyTorch);
     otherwise wait for each named stream and launch on the default stream."""
@@ -129,7 +133,10 @@ def _launch_stream(arrays):
     if not streams:
         return 0
     if len(streams) == 1:
-        return cuda.external_stream(streams.pop())
+        handle = streams.pop()
+        if handle not in _STREAMS:     # Numba's wrapper of a stream it does not own: made once
+            _STREAMS[handle] = cuda.external_stream(handle)
+        return _STREAMS[handle]
     for handle in streams:
         cuda.external_stream(handle).synchronize()
     return 0
@@ -238,7 +245,7 @@ def _grid(inp, rows, b, rows_per_block, cols_per_block):
 def _contiguous_copy(x, stream):
     """A C-contiguous device copy of a device array, made on the device."""
     kern = registry.specialisation("copy_rows", "uint16", 0).kernel()
-    dst = _arrays.device_empty(tuple(x.shape), x.dtype)
+    dst = _arrays.device_empty(tuple(x.shape), x.dtype, stream=stream)
     for s4, d4 in _kernel_views([x, dst]):
         b1, b2, n, d = s4.shape
         if b1 * b2 * n * d:
@@ -322,7 +329,9 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
     results are ready for work queued on that stream afterwards, with no host
     synchronisation. (If q, k and v name different streams, each is synchronised and the
     default stream is used.) Numba device arrays run on the default stream. Outputs are
-    allocated with ``numba.cuda.device_array``.
+    allocated on that stream from numba_flash's memory pool, and returned to it on that
+    stream when garbage-collected (see :func:`numba_flash.release_cached_memory`): use
+    them on another stream only after synchronising with it, as with PyTorch tensors.
     """
     return _run(plan_forward(q, k, v, causal, scale))
 

@@ -1,11 +1,21 @@
-"""Kernel launch with dynamic shared memory above the 48 KiB default.
+"""Kernel launch: dynamic shared memory above 48 KiB, and a fast path for repeat launches.
 
 CUDA only lets a kernel use more than 48 KiB of dynamic shared memory after it opts
 in through ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``; Numba never does
 this itself, so we do it once per compiled kernel and device.
+
+Numba's ``kern[grid, block, stream, smem](*args)`` types every argument on every call
+(building a Numba type per array) before it looks the compiled kernel up; that is tens of
+microseconds per launch, as much as a small kernel runs. So the first launch of a kernel
+with given argument *types* goes through Numba (which compiles it, or loads it from the
+cache), and records the compiled function; later launches with arguments of the same
+types (dtype, ndim and layout, computed here exactly as Numba computes them) pass the
+same flattened parameters Numba would straight to ``cuLaunchKernel``.
 """
+import ctypes
 import sys
 
+import numpy as np
 from numba import cuda
 
 from ._runtime import SIMULATOR
@@ -16,6 +26,103 @@ DEFAULT_SMEM_LIMIT = 48 * 1024
 # faster there (measured: 6.0 s -> 0.9 s on a 32-thread, 8-block launch).
 SIM_SWITCH_INTERVAL_S = 2e-4
 _opted_in = {}
+# (dispatcher, context, argument types) -> [CUfunction, ctypes type per parameter, the most
+# dynamic shared memory it has been launched with (so opted in to)]
+_fast = {}
+
+# How Numba passes a scalar argument (numba.cuda.dispatcher._Kernel._prepare_args).
+_SCALAR_CTYPES = {np.float32: ctypes.c_float, np.float64: ctypes.c_double, int: ctypes.c_int64}
+
+
+def _layout(shape, strides, itemsize):
+    """Numba's array layout letter for a device array: 'C', 'F' or 'A' (the rule of
+    ``DeviceNDArray._numba_type_`` over ``dummyarray``'s contiguity flags)."""
+    size = 1
+    for n in shape:
+        size *= n
+    if size == 0:
+        return "C"
+    if 0 in strides:
+        return "A"                      # broadcast
+    expected = itemsize
+    c = True
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1:
+            if s != expected:
+                c = False
+                break
+            expected *= n
+    if c:
+        return "C"
+    expected = itemsize
+    for n, s in zip(shape, strides):
+        if n != 1:
+            if s != expected:
+                return "A"
+            expected *= n
+    return "F"
+
+
+def _arg_key(a):
+    """What determines a parameter's Numba type, or None if the fast path does not handle it."""
+    t = type(a)
+    if t in _SCALAR_CTYPES:
+        return t
+    if getattr(a, "__cuda_ndarray__", False) and not isinstance(a, np.ndarray):
+        shape, strides = a.shape, a.strides
+        return (a.dtype, len(shape), _layout(shape, strides, a.dtype.itemsize))
+    return None
+
+
+def _stream_handle(stream):
+    return int(stream.handle) if hasattr(stream, "handle") else int(stream or 0)
+
+
+def _context():
+    from cuda.bindings import driver as cu
+    err, ctx = cu.cuCtxGetCurrent()
+    return int(ctx) if err == cu.CUresult.CUDA_SUCCESS else None
+
+
+def _record(kern, key, args, smem_bytes):
+    """After a Numba launch: remember the compiled function for ``key``."""
+    from cuda.bindings import driver as cu
+    argtypes = tuple(kern.typeof_pyval(a) for a in args)
+    compiled = kern.overloads.get(argtypes)
+    if compiled is None:
+        return
+    handle = compiled._codelibrary.get_cufunc().handle
+    if isinstance(handle, cu.CUkernel):
+        err, handle = cu.cuKernelGetFunction(handle)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            return
+    ptypes = []
+    for k in key[2]:
+        if isinstance(k, tuple):     # meminfo, parent, nitems, itemsize, data, shape, strides
+            ptypes += [ctypes.c_int64] * (5 + 2 * k[1])
+        else:
+            ptypes.append(_SCALAR_CTYPES[k])
+    _fast[key] = [handle, tuple(ptypes), max(smem_bytes, DEFAULT_SMEM_LIMIT)]
+
+
+def _launch_fast(entry, grid, block, smem_bytes, args, stream):
+    from cuda.bindings import driver as cu
+    handle, ptypes, _ = entry
+    values = []
+    for a in args:
+        if type(a) in _SCALAR_CTYPES:
+            values.append(a)
+        else:
+            ptr = a.device_ctypes_pointer.value or 0
+            values += [0, 0, a.size, a.dtype.itemsize, ptr]
+            values += a.shape
+            values += a.strides
+    gx, gy, gz = (tuple(grid) + (1, 1))[:3] if isinstance(grid, tuple) else (grid, 1, 1)
+    bx, by, bz = (tuple(block) + (1, 1))[:3] if isinstance(block, tuple) else (block, 1, 1)
+    err, = cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem_bytes, _stream_handle(stream),
+                             (tuple(values), ptypes), 0)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
 
 def _allow_dynamic_smem(kern, nbytes):
@@ -37,21 +144,13 @@ def _allow_dynamic_smem(kern, nbytes):
             _opted_in[key] = nbytes
 
 
-def launch(kern, grid, block, smem_bytes, args, stream=0):
+def _launch_numba(kern, grid, block, smem_bytes, args, stream):
     """``kern[grid, block, stream, smem_bytes](*args)``, opting in to large shared memory when needed.
 
     The launch is tried first: once a kernel has opted in, this costs nothing extra.
     Launching with too much shared memory fails before anything runs, so the retry
     after opting in (which needs the compiled overload the failed launch produced) is safe.
     """
-    if SIMULATOR:
-        previous = sys.getswitchinterval()
-        sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
-        try:
-            kern[grid, block, stream, smem_bytes](*args)
-        finally:
-            sys.setswitchinterval(previous)
-        return
     if smem_bytes <= DEFAULT_SMEM_LIMIT:
         kern[grid, block, stream, smem_bytes](*args)
         return
@@ -62,3 +161,33 @@ def launch(kern, grid, block, smem_bytes, args, stream=0):
             raise
         _allow_dynamic_smem(kern, smem_bytes)
         kern[grid, block, stream, smem_bytes](*args)
+
+
+def launch(kern, grid, block, smem_bytes, args, stream=0):
+    """``kern[grid, block, stream, smem_bytes](*args)``: through Numba the first time a
+    kernel meets these argument types (compiling it, and opting in to > 48 KiB of shared
+    memory), then straight to the driver. Arguments other than device arrays and
+    float32 / float64 / int scalars always go through Numba."""
+    if SIMULATOR:
+        previous = sys.getswitchinterval()
+        sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
+        try:
+            kern[grid, block, stream, smem_bytes](*args)
+        finally:
+            sys.setswitchinterval(previous)
+        return
+    argkey = tuple(_arg_key(a) for a in args)
+    if None in argkey:
+        _launch_numba(kern, grid, block, smem_bytes, args, stream)
+        return
+    key = (kern, _context(), argkey)
+    entry = _fast.get(key)
+    if entry is None:
+        _launch_numba(kern, grid, block, smem_bytes, args, stream)
+        _record(kern, key, args, smem_bytes)
+        return
+    if smem_bytes > entry[2]:          # Numba's path opts in to the larger amount
+        _launch_numba(kern, grid, block, smem_bytes, args, stream)
+        entry[2] = smem_bytes
+        return
+    _launch_fast(entry, grid, block, smem_bytes, args, stream)
