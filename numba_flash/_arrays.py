@@ -16,16 +16,23 @@ def _is_torch(x):
     return type(x).__module__.split(".")[0] == "torch"
 
 
+_TORCH_DTYPES = {}
+
+
 def logical_dtype(x):
     """The element type as NumPy spells it (bfloat16 is ``ml_dtypes.bfloat16``), or, for a
     PyTorch dtype NumPy has no name for, the PyTorch name (a str)."""
     if _is_torch(x):
-        import ml_dtypes
-        name = str(x.dtype).replace("torch.", "")
-        try:
-            return np.dtype(getattr(ml_dtypes, name, name))
-        except TypeError:
-            return name
+        found = _TORCH_DTYPES.get(x.dtype)
+        if found is None:
+            import ml_dtypes
+            name = str(x.dtype).replace("torch.", "")
+            try:
+                found = np.dtype(getattr(ml_dtypes, name, name))
+            except TypeError:
+                found = name
+            _TORCH_DTYPES[x.dtype] = found
+        return found
     return np.dtype(x.dtype)
 
 
@@ -68,12 +75,32 @@ def producer_stream(x):
     return None if stream in LEGACY_DEFAULT_STREAMS else stream
 
 
+def producer_streams(arrays):
+    """The set of ``producer_stream`` of the arrays (PyTorch's asked once per device)."""
+    streams, torch_devices = set(), set()
+    for x in arrays:
+        if _is_torch(x):
+            torch_devices.add(x.device)
+        else:
+            streams.add(producer_stream(x))
+    if torch_devices:
+        import torch
+        for dev in torch_devices:
+            stream = torch.cuda.current_stream(dev).cuda_stream
+            streams.add(None if stream in LEGACY_DEFAULT_STREAMS else stream)
+    return streams
+
+
 def as_numba_device(x, dtype=None):
     """A Numba device array viewing the same device memory (no copy, no synchronisation:
     ``api`` orders the launch after the producer's stream instead), read as ``dtype`` (of
     the same size) if given: 16-bit floats go to the kernels as their uint16 bits."""
     if getattr(x, "__cuda_ndarray__", False):
         return x if dtype is None else retyped(x, dtype)
+    if _is_torch(x) and not SIMULATOR and x.numel():
+        view = _torch_view(x, dtype)
+        if view is not None:
+            return view
     if _is_torch(x) and str(x.dtype) == "torch.bfloat16":
         import torch
         x = x.view(torch.int16)   # PyTorch exports no bfloat16 array interface: pass the bits
@@ -91,6 +118,24 @@ def as_numba_device(x, dtype=None):
     if dtype is not None:
         desc = dict(desc, typestr=np.dtype(dtype).str)
     return cuda.from_cuda_array_interface(desc, owner=x, sync=False)
+
+
+def _torch_view(x, dtype):
+    """A Numba array over a CUDA tensor's memory, built from the tensor's own attributes
+    (what ``from_cuda_array_interface`` does, without the interface dict: this runs on
+    every call). None for dtypes NumPy has no name for."""
+    from numba.cuda.cudadrv import devices, driver
+
+    if dtype is None:
+        dtype = logical_dtype(x)
+        if not isinstance(dtype, np.dtype) or dtype.kind == "V":
+            return None
+    itemsize = x.element_size()
+    shape = tuple(x.shape)
+    strides = tuple(s * itemsize for s in x.stride())
+    size = driver.memory_size_from_info(shape, strides, itemsize)
+    mem = driver.MemoryPointer(devices.get_context(), driver.binding.CUdeviceptr(x.data_ptr()), size, owner=x)
+    return DeviceNDArray(shape, strides, dtype, gpu_data=mem)
 
 
 def device_pointer(ary):

@@ -89,7 +89,7 @@ class _Inputs:
         if self.nq > MAX_LEN or self.nk > MAX_LEN:
             raise ValueError(f"sequence lengths must be below 2**31, got Nq={self.nq}, Nk={self.nk}.")
         self.scale = _check_scale(scale, self.d)
-        self.batch = int(np.prod(self.lead, dtype=np.int64))
+        self.batch = math.prod(self.lead)
         self.arrays = dict(zip(names, values))
 
     def device(self, name):
@@ -128,7 +128,7 @@ def _launch_stream(arrays):
     """Launch on the producer's stream when all inputs name the same one (CuPy, PyTorch);
     otherwise wait for each named stream and launch on the default stream."""
     from numba import cuda
-    streams = {_arrays.producer_stream(a) for a in arrays}
+    streams = _arrays.producer_streams(arrays)
     streams.discard(None)
     if not streams:
         return 0
