@@ -834,8 +834,8 @@ def run_forward(args):
 def forward_notes(doc):
     s = doc["settings"]
     return common_notes(doc, "one call of the public API", "4·B·H·N²·d, halved when causal") + [
-        "extra MiB: drop of the device's free memory during one call (driver granularity 2 MiB), "
-        "vs out+lse MiB, the theoretical output size. err: max abs error vs the float64 oracle (out, lse) "
+        "extra MiB: peak extra device memory of one call (numba_flash's pool high-water mark, plus "
+        "any drop of the driver's free memory outside it, granularity 2 MiB), vs out+lse MiB, the theoretical output size. err: max abs error vs the float64 oracle (out, lse) "
         "on a sub-slice; tolerance " + ", ".join(f"{t:.0e} ({dt})" for dt, t in s["tolerance"].items()) + ".",
     ] + simulator_notes(doc)
 
@@ -981,8 +981,8 @@ def backward_notes(doc):
     s = doc["settings"]
     return common_notes(doc, "one attention_bwd call (out, lse precomputed; peers: autograd.grad through "
                         "an SDPA output)", f"{BWD_FLOP_FACTOR:g} × forward (4·B·H·N²·d, halved when causal)") + [
-        "extra MiB: drop of the device's free memory during one attention_bwd call (driver granularity "
-        "2 MiB), vs grads MiB = dq+dk+dv+delta, the theoretical size; peers' max_memory_allocated growth "
+        "extra MiB: peak extra device memory of one attention_bwd call (pool high-water mark, plus any "
+        "drop of the driver's free memory outside it), vs grads MiB = dq+dk+dv+delta, the theoretical size; peers' max_memory_allocated growth "
         "in the JSON. err: max abs error of dq, dk, dv vs the float64 oracle for leading index (0,0), on "
         f"the timed inputs when N <= {BWD_FULL_N}, else on a separate N = {BWD_VALIDATE_N} problem; "
         "tolerance " + ", ".join(f"{t:.0e}" for t in s["tolerance"].values())

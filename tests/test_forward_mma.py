@@ -214,6 +214,10 @@ GPU_SHAPES = [
     ((2,), 1500, 1200, 256, "float16", False),
     ((2,), 777, 1333, 16, "float16", False),
     ((2,), 1200, 1500, 200, "bfloat16", True),
+] + [
+    # every supported head dim once, alternating dtype and causality (ragged tiles)
+    ((1,), 300, 333, d, ("bfloat16", "float16")[d // 8 % 2], d // 8 % 3 == 0)
+    for d in range(16, 257, 8)
 ]
 
 
