@@ -197,8 +197,8 @@ def device_empty(shape, dtype, fill=None, storage=None, stream=0):
     if ary is None:
         ary = cuda.device_array(shape, dtype=alloc)
     if fill is not None:
-        if not SIMULATOR and _stream_int(stream):
-            cuda.external_stream(_stream_int(stream)).synchronize()   # the allocation is ordered on it
+        if not SIMULATOR and stream_handle(stream):
+            cuda.external_stream(stream_handle(stream)).synchronize()   # the allocation is ordered on it
         host = np.full(shape, fill, dtype=dtype)
         ary.copy_to_device(host if storage is None else host.view(storage))
     return ary
@@ -213,7 +213,8 @@ def device_empty(shape, dtype, fill=None, storage=None, stream=0):
 _pools = {}
 
 
-def _stream_int(stream):
+def stream_handle(stream):
+    """The raw CUstream of 0, an int, or a Numba stream."""
     return int(stream.handle) if hasattr(stream, "handle") else int(stream or 0)
 
 
@@ -260,7 +261,7 @@ def _pool_array(shape, dtype, stream):
     pool = _pool_for(ctx.device.id)
     if pool is False:
         return None
-    handle = _stream_int(stream)
+    handle = stream_handle(stream)
     err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, handle)
     if err != cu.CUresult.CUDA_SUCCESS:
         return None                            # out of memory in the pool: let Numba try (and report)

@@ -18,6 +18,7 @@ import sys
 import numpy as np
 from numba import cuda
 
+from . import _arrays
 from ._runtime import SIMULATOR
 
 DEFAULT_SMEM_LIMIT = 48 * 1024
@@ -74,10 +75,6 @@ def _arg_key(a):
     return None
 
 
-def _stream_handle(stream):
-    return int(stream.handle) if hasattr(stream, "handle") else int(stream or 0)
-
-
 def _context():
     from cuda.bindings import driver as cu
     err, ctx = cu.cuCtxGetCurrent()
@@ -119,7 +116,7 @@ def _launch_fast(entry, grid, block, smem_bytes, args, stream):
             values += a.strides
     gx, gy, gz = (tuple(grid) + (1, 1))[:3] if isinstance(grid, tuple) else (grid, 1, 1)
     bx, by, bz = (tuple(block) + (1, 1))[:3] if isinstance(block, tuple) else (block, 1, 1)
-    err, = cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem_bytes, _stream_handle(stream),
+    err, = cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem_bytes, _arrays.stream_handle(stream),
                              (tuple(values), ptypes), 0)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
