@@ -80,14 +80,10 @@ def producer_streams(arrays):
     streams, torch_devices = set(), set()
     for x in arrays:
         if _is_torch(x):
+            if x.device in torch_devices:
+                continue
             torch_devices.add(x.device)
-        else:
-            streams.add(producer_stream(x))
-    if torch_devices:
-        import torch
-        for dev in torch_devices:
-            stream = torch.cuda.current_stream(dev).cuda_stream
-            streams.add(None if stream in LEGACY_DEFAULT_STREAMS else stream)
+        streams.add(producer_stream(x))
     return streams
 
 
@@ -189,7 +185,7 @@ def device_empty(shape, dtype, fill=None, storage=None, stream=0):
 
     ``storage``: allocate as this same-size dtype instead (the fill is converted in
     ``dtype``). On a GPU the memory comes from this package's stream-ordered pool
-    (``_pool_alloc``), allocated on ``stream``.
+    (``_pool_array``), allocated on ``stream``.
     """
     dtype = np.dtype(dtype)
     alloc = np.dtype(storage or dtype)
