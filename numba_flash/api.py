@@ -5,8 +5,9 @@ import numbers
 import numpy as np
 
 from . import _arrays, registry
+from ._runtime import SIMULATOR
 from .kernels.forward import LOG2E
-from .launch import launch
+from .launch import context_handle, launch
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 LOW_PRECISION = ("float16", "bfloat16")    # tensor-core forward; no backward yet
@@ -253,11 +254,30 @@ def _contiguous_copy(x, stream):
     return dst
 
 
-def plan_forward(q, k, v, causal=False, scale=None):
+_DEVICES = {}
+
+
+def _device_facts():
+    """(SM count, opt-in shared memory per block in bytes) of the current device; in the
+    simulator (1, None)."""
+    if SIMULATOR:
+        return 1, None
+    ctx = context_handle()
+    facts = _DEVICES.get(ctx)
+    if facts is None:
+        from numba import cuda
+        dev = cuda.get_current_device()
+        facts = _DEVICES[ctx] = (dev.MULTIPROCESSOR_COUNT, dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+    return facts
+
+
+def plan_forward(q, k, v, causal=False, scale=None, splits=None):
     """Everything :func:`attention_fwd` does before its kernel launches: returns
     ``(result, launches)``, where ``result()`` gives what ``attention_fwd`` returns once
     the launches have run and each launch is a tuple of :func:`numba_flash.launch.launch`'s
-    arguments. ``bench.py`` uses it to time the kernels alone, next to the whole call."""
+    arguments. ``bench.py`` uses it to time the kernels alone, next to the whole call.
+    ``splits`` forces the number of key splits of the CUDA-core kernel (tests, tuning);
+    by default :func:`numba_flash.registry.forward_splits` decides."""
     inp = _Inputs({"q": q, "k": k, "v": v}, causal, scale, low_precision=True)
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
     lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
@@ -267,14 +287,42 @@ def plan_forward(q, k, v, causal=False, scale=None):
         aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
         if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
             qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
-        spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned))
+        spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned),
+                                               smem_limit=_device_facts()[1])
         t, kern = spec.tiling, spec.kernel()
         scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
         for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
             grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
-            launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
-                             inp.stream))
+            if inp.low:
+                launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
+                                 inp.stream))
+            else:
+                launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2, splits)
     return (lambda: inp.result(out, lse)), launches
+
+
+def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits):
+    """The CUDA-core forward's launches: one, or with Z key splits (Z blocks per query
+    tile) the forward into per-split partial results and then the merge kernel."""
+    q4, k4, v4, o4, l3 = arrays
+    t = spec.tiling
+    n_kt = -(-inp.nk // t.BN)
+    # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
+    z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, _device_facts()[0], inp.causal)
+    if not 1 <= z <= registry.MAX_SPLITS:
+        raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}.")
+    split_keys = -(-n_kt // z) * t.BN            # whole key tiles per split
+    z = -(-inp.nk // split_keys) if inp.nk else 1
+    if z == 1:
+        return [(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2, split_keys),
+                 inp.stream)]
+    b1, b2 = q4.shape[0], q4.shape[1]
+    parts = inp.empty_like((z * b1, b2, inp.nq, inp.d))
+    parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
+    merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
+    return [(kern, (grid[0] * z, grid[1]), t.threads, spec.smem_bytes,
+             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys), inp.stream),
+            (merge, b1 * b2 * inp.nq, merge.threads, 0, (parts, parts_ml, o4, l3), inp.stream)]
 
 
 def _run(plan):

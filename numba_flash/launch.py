@@ -75,7 +75,8 @@ def _arg_key(a):
     return None
 
 
-def _context():
+def context_handle():
+    """The current CUDA context's handle (an int), or None."""
     from cuda.bindings import driver as cu
     err, ctx = cu.cuCtxGetCurrent()
     return int(ctx) if err == cu.CUresult.CUDA_SUCCESS else None
@@ -177,7 +178,7 @@ def launch(kern, grid, block, smem_bytes, args, stream=0):
     if None in argkey:
         _launch_numba(kern, grid, block, smem_bytes, args, stream)
         return
-    key = (kern, _context(), argkey)
+    key = (kern, context_handle(), argkey)
     entry = _fast.get(key)
     if entry is None:
         _launch_numba(kern, grid, block, smem_bytes, args, stream)

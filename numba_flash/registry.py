@@ -13,7 +13,7 @@ from ._runtime import SIMULATOR
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.copy import make_copy4
-from .kernels.forward import Tiling, make_forward, smem_words
+from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
 from .kernels.forward_mma import smem_elements as mma_smem_elements
 
@@ -43,8 +43,12 @@ def forward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tili
     * float32, 64 < d <= 128: 128 query rows × 64 keys per block, 8 × 4 scores and
       8 × d/16 outputs per thread.
     * float32, 128 < d <= 256: 64 query rows per block (registers for 4 × d/16 outputs).
-    * d > 256: the head dim is streamed in 64-wide chunks for S = Q Kᵀ and the output
-      is split in 256-column slices across blocks (grid axis y).
+    * float32, d > 256: 32 query rows × 32 keys per block, 2 × 2 scores and 2 × 64
+      outputs per thread; the head dim streamed in 64-wide chunks for S = Q Kᵀ, and the
+      output in 1024-column slices (grid axis y; one slice up to d = 1024, so S is never
+      recomputed).
+    * GPUs whose shared memory per block cannot hold these tiles (an A100's 163 KiB:
+      float32 with d > 64 needs up to 211 KiB here) get ``forward_tiling_compact``.
     * float64: half the register tile of float32 (each double takes two registers).
     * In the simulator: 32-thread blocks with tiny tiles, chosen so that small test
       shapes still cross tile edges, head-dim chunks and output slices.
@@ -58,12 +62,25 @@ def forward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tili
             return Tiling(TM=8, TN=4, CG=16, RG=16, DK=_round_up(d, 8), DO=_round_up(d, 64))
         if d <= 256:
             return Tiling(TM=4, TN=4, CG=16, RG=16, DK=_round_up(d, 8), DO=_round_up(d, 64))
-        return Tiling(TM=2, TN=4, CG=16, RG=16, DK=64, DO=256)
+        return Tiling(TM=2, TN=2, CG=16, RG=16, DK=64, DO=1024)
     if dtype_name == "float64":
         if d <= 64:
             return Tiling(TM=4, TN=4, CG=16, RG=16, DK=_round_up(d, 8), DO=64)
         return Tiling(TM=4, TN=2, CG=16, RG=16, DK=64, DO=64)
     raise KeyError(dtype_name)
+
+
+def forward_tiling_compact(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tiling:
+    """``forward_tiling`` for GPUs with less shared memory per block than that rule's
+    choice needs (the A100's 163 KiB; an H200 has 227). float32 only (float64's tiles
+    need at most 139 KiB): d <= 128 with 64-row blocks (118 KiB), larger d streamed in
+    64-wide chunks with 256-column output slices (124 KiB). Correct on any GPU; only
+    the first rule's tilings are measured (docs/performance.md)."""
+    if dtype_name == "float32" and d > 64 and not simulator:
+        if d <= 128:
+            return Tiling(TM=4, TN=4, CG=16, RG=16, DK=_round_up(d, 8), DO=_round_up(d, 64))
+        return Tiling(TM=2, TN=4, CG=16, RG=16, DK=64, DO=256)
+    return forward_tiling(dtype_name, d, simulator)
 
 
 def mma_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> MmaTiling:
@@ -133,11 +150,16 @@ class Variant:
     signature: object       # (dtype, layout) -> numba signature string
     dtypes: tuple = DTYPES
     head_dims: object = lambda d: True   # d -> whether this variant supports it
+    compact: object = None  # (dtype, d, simulator) -> Tiling for GPUs with less shared memory
 
 
 def _sig_forward(dt, layout):
     a = _a4(dt, layout)
-    return f"void({a}, {a}, {a}, {dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt})"
+    return f"void({a}, {a}, {a}, {dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt}, int64)"
+
+
+def _sig_forward_merge(dt, layout):
+    return f"void({dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt}[:, :, :, ::1], {dt}[:, :, ::1])"
 
 
 def _sig_forward_mma(dt, layout):
@@ -153,7 +175,9 @@ def _sig_backward(dt, layout):
 VARIANTS = {v.name: v for v in (
     Variant("forward_simt", "FlashAttention-2 forward on CUDA cores", forward_tiling,
             lambda s: make_forward(s.dtype, s.d, s.tiling, s.causal, s.use_async),
-            smem_words, _sig_forward),
+            smem_words, _sig_forward, compact=forward_tiling_compact),
+    Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,
+            lambda s: make_merge(s.dtype), lambda d, t: 0, _sig_forward_merge),
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.causal),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D),
@@ -181,11 +205,12 @@ class Specialisation:
     causal: bool
     use_async: bool   # cp.async tile loads (needs 16-byte aligned rows and unit inner stride)
     tiling: Tiling
+    compact: bool = False   # the variant's tiling for GPUs with less shared memory
 
     @property
     def name(self):
         return (f"{self.variant}/{self.dtype}/d{self.d}/{'causal' if self.causal else 'full'}"
-                f"/{'async' if self.use_async else 'plain'}")
+                f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}")
 
     @property
     def smem_bytes(self):
@@ -205,21 +230,66 @@ def async_possible(dtype_name: str, d: int):
 
 
 def specialisation(variant: str, dtype_name: str, d: int, causal: bool = False, use_async: bool = False,
-                   simulator: bool = SIMULATOR):
-    """The specialisation the API launches for these inputs."""
+                   simulator: bool = SIMULATOR, smem_limit: int = None, compact: bool = False):
+    """The specialisation the API launches for these inputs: the variant's tiling, or its
+    compact one when ``compact`` is set or the first needs more than ``smem_limit`` bytes
+    of shared memory per block (the GPU's opt-in maximum)."""
     v = VARIANTS[variant]
-    if v.tiling(dtype_name, d, simulator) is None:      # shape-independent kernels
+    t = v.tiling(dtype_name, d, simulator)
+    if t is None:                                       # shape-independent kernels
         return Specialisation(variant, dtype_name, 0, False, False, None)
-    return Specialisation(variant, dtype_name, d, causal, use_async and async_possible(dtype_name, d),
-                          v.tiling(dtype_name, d, simulator))
+    use_async = use_async and async_possible(dtype_name, d)
+    spec = Specialisation(variant, dtype_name, d, causal, use_async, t)
+    if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit):
+        tc = v.compact(dtype_name, d, simulator)
+        if tc != t:
+            spec = Specialisation(variant, dtype_name, d, causal, use_async, tc, compact=True)
+    return spec
 
 
-def forward_specialisation(dtype_name, d, causal, use_async, simulator=SIMULATOR):
+def forward_specialisation(dtype_name, d, causal, use_async, simulator=SIMULATOR, smem_limit=None):
     """The forward kernel for these inputs: tensor cores for 16-bit dtypes (which always
     load with cp.async: the API gives them aligned rows), CUDA cores otherwise."""
     if dtype_name in LOW_DTYPES:
         return specialisation("forward_mma", dtype_name, d, causal, True, simulator)
-    return specialisation("forward_simt", dtype_name, d, causal, use_async, simulator)
+    return specialisation("forward_simt", dtype_name, d, causal, use_async, simulator, smem_limit)
+
+
+# Key splits (forward_simt): at most MAX_SPLITS, each covering at least MIN_SPLIT_TILES
+# key tiles, and only where the cost model predicts a SPLIT_GAIN-fold speed-up (the
+# partial results cost memory, and the merge a pass over them). Measured on the H200:
+# docs/performance.md.
+MIN_SPLIT_TILES = 2
+SPLIT_GAIN = 1.25
+SPLIT_BLOCK_COST = 2   # a block's own work beyond its key tiles (Q in, O out), in key tiles
+
+
+def forward_splits(blocks: int, n_key_tiles: int, slots: int, causal: bool = False) -> int:
+    """How many key splits a CUDA-core forward launch uses (1: none).
+
+    ``blocks``: the launch's blocks without splits; ``n_key_tiles``: key tiles per
+    query tile; ``slots``: blocks the GPU runs at once (SMs × resident blocks per SM).
+    Cost model, in key tiles on the critical path, each block costing its tiles plus
+    ``SPLIT_BLOCK_COST`` (the merge is ignored, but a split must beat no split by
+    ``SPLIT_GAIN``, and a tie keeps fewer splits): non-causal blocks are all alike, so
+    they run in whole waves and the cost is ``waves · (per + SPLIT_BLOCK_COST)``; causal
+    blocks differ (the last query tile is the heaviest, and runs first), so the cost is
+    the longest block or the average load per slot, whichever is larger.
+    """
+    best, best_cost = 1, None
+    for z in range(1, MAX_SPLITS + 1):
+        per = -(-n_key_tiles // z) if n_key_tiles else 0
+        if z > 1 and (per < MIN_SPLIT_TILES or -(-n_key_tiles // per) != z):
+            continue                              # too short, or the same split as a smaller z
+        if causal:
+            cost = max(per + SPLIT_BLOCK_COST, (blocks * z * SPLIT_BLOCK_COST + blocks * n_key_tiles / 2) / slots)
+        else:
+            cost = -(-blocks * z // slots) * (per + SPLIT_BLOCK_COST)
+        if best_cost is None:
+            best_cost = cost / SPLIT_GAIN           # splitting must beat this
+        elif cost < best_cost:
+            best, best_cost = z, cost
+    return best
 
 
 MMA_FAST_DIMS = (64, 128)   # the tensor-core fast paths, checked one by one
@@ -252,8 +322,11 @@ def specialisations(simulator: bool = False):
                     continue
                 for causal in (False, True):
                     for use_async in (True, False) if variant != "forward_mma" else (True,):
-                        spec = specialisation(variant, dt, d, causal, use_async, simulator)
-                        key = (variant, dt, spec.causal, spec.use_async) + _shape_key(spec.tiling, d)
-                        if key not in seen:
-                            seen.add(key)
-                            yield spec
+                        for compact in (False, True) if v.compact else (False,):
+                            spec = specialisation(variant, dt, d, causal, use_async, simulator, compact=compact)
+                            if compact and not spec.compact:
+                                continue
+                            key = (variant, dt, spec.causal, spec.use_async) + _shape_key(spec.tiling, d)
+                            if key not in seen:
+                                seen.add(key)
+                                yield spec

@@ -7,12 +7,12 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import example, given, note
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
-from numba_flash import registry
+from numba_flash import api, registry
 from conftest import (ON_GPU, SLACK_ULPS, U32, U64, Case, baseline_fwd32, bits, check_forward, host, make_qkv,
                       rounding_sensitivity)
 from numba_flash import reference
@@ -212,6 +212,58 @@ def test_deterministic(on_device):
     first = _run(case, q, k, v, on_device)
     second = _run(case, q, k, v, on_device)
     assert bits(first[0]) == bits(second[0]) and bits(first[1]) == bits(second[1])
+
+
+# --------------------------------------------------------------------------- key splits
+@st.composite
+def split_cases(draw):
+    """Problems for the key-split path: several key tiles, forced splits (the API splits
+    on its own only when a launch leaves the GPU's SMs idle)."""
+    dtype = draw(st.sampled_from(DTYPES))
+    d = draw(D_STRATEGY if ON_GPU else st.integers(1, 20))
+    bn = registry.forward_tiling(dtype, d).BN
+    nk = draw(st.integers(1, 6 * bn))
+    nq = draw(st.integers(1, 300 if ON_GPU else 20))
+    return Case(lead=draw(st.sampled_from([(), (2,)])), nq=nq, nk=nk, d=d, dtype=dtype,
+                causal=draw(st.booleans()), scale=draw(st.none() | st.floats(0.05, 2.0)),
+                magnitude=draw(st.sampled_from([1.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)))
+
+
+@settings(max_examples=40 if ON_GPU else 8)
+@example(case=Case((), 19, 33, 17, "float32", causal=True, seed=31), splits=3)   # Nq < Nk, chunked d
+@example(case=Case((2,), 20, 9, 3, "float64", causal=True, seed=32), splits=2)   # rows seeing no key
+@given(case=split_cases(), splits=st.integers(2, 5))
+def test_key_splits_match_oracle(case, splits):
+    """Keys split across blocks (grid axis z), partial (O, lse) merged: the oracle's
+    answer, rows that see no key in some split or in all of them included."""
+    note(repr(case))
+    q, k, v = case.inputs()
+    plan = api.plan_forward(q, k, v, causal=case.causal, scale=case.scale, splits=splits)
+    n_kt = -(-case.nk // registry.forward_tiling(case.dtype, case.d).BN)
+    assert len(plan[1]) == (2 if min(splits, n_kt) > 1 else 1)      # the forward, then the merge
+    out, lse = api._run(plan)
+    check_forward(out, lse, q, k, v, case.causal, case.scale)
+
+
+def test_forward_splits_rule():
+    """Split only where it shortens the critical path; never more than MAX_SPLITS, every
+    split at least MIN_SPLIT_TILES key tiles, and a tie keeps fewer splits."""
+    f = registry.forward_splits
+    assert f(132, 64, 132) == 1                     # one full wave already
+    assert f(512, 64, 132) == 1                     # 16 splits would gain 2%, not SPLIT_GAIN
+    assert f(128, 16, 132) == 1                     # two splits would make two waves
+    assert f(64, 16, 132) == 2                      # 128 blocks of 8 tiles: one wave
+    assert f(1, 10**6, 132) == registry.MAX_SPLITS
+    assert f(1, 2 * registry.MIN_SPLIT_TILES, 132) == 2
+    assert f(1, 1, 132) == 1 and f(1, 0, 132) == 1
+    assert f(32, 32, 132) == 4                      # the seed problem (d = 1024): measured best
+    assert f(32, 32, 132, causal=True) > 1          # the heaviest causal query tiles are split
+    for blocks in (1, 7, 64, 130, 1000):
+        for n in (1, 3, 16, 100):
+            for causal in (False, True):
+                z = f(blocks, n, 132, causal)
+                assert 1 <= z <= registry.MAX_SPLITS
+                assert z == 1 or -(-n // z) >= registry.MIN_SPLIT_TILES
 
 
 # --------------------------------------------------------------------------- empty inputs

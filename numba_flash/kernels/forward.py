@@ -43,6 +43,21 @@ recomputed Q Kᵀ FLOPs for registers and parallelism; see docs/performance.md.
 Causal (bottom-right aligned, see ``numba_flash.attention``): query row ``i`` sees key
 ``j`` iff ``j <= i + Nk − Nq``. Tiles wholly above the diagonal are never visited; the
 element mask is evaluated only on tiles that cross the diagonal or the end of K.
+
+Key splits. When a problem has too few query tiles to fill the GPU (one
+head of 1024 queries is 32 blocks), the keys are split into ranges of ``split_keys``
+(a multiple of ``BN``) and split z of a query tile (a block of its own) attends to range z only. Each split
+writes its own normalised ``O_z`` and its row max ``m_z`` (log2 units) and row sum ``l_z``
+(``out`` then holds one slab of ``B1`` leading indices per split, ``lse`` two: the m's,
+then the l's), and ``make_merge``'s kernel combines them:
+
+    M = max_z m_z     a_z = exp2(m_z − M) · l_z     O = Σ_z a_z O_z / Σ_z a_z
+    lse = (M + log2 Σ_z a_z) · ln 2
+
+Merging (m, l) rather than each split's lse keeps float32 accurate for large logits:
+``m_z − M`` is a difference of two maxima, exact or nearly, where ``lse_z − lse`` would
+carry the rounding of two large numbers. A split that sees no key of a row has
+``m_z = −inf``, ``l_z = 0`` (weight 0).
 """
 import dataclasses
 import functools
@@ -100,8 +115,10 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
 
     Kernel arguments: ``q (B1, B2, Nq, D)``, ``k (B1, B2, Nk, D)``, ``v (B1, B2, Nk, D)``
     (any strides; with ``use_async`` the last stride must be 1 and rows 16-byte
-    aligned), ``out (B1, B2, Nq, D)``, ``lse (B1, B2, Nq)``, ``scale_log2`` (scale ·
-    log2 e, in the dtype). Launch with ``grid = (ceil(Nq / BM) · B1 · B2, ceil(D / DO))``,
+    aligned), ``out (Z·B1, B2, Nq, D)``, ``lse (B1, B2, Nq)`` or with splits
+    ``(2·Z·B1, B2, Nq)`` (see the module docstring), ``scale_log2`` (scale ·
+    log2 e, in the dtype), ``split_keys`` (keys per split: a multiple of ``BN``, at least
+    ``Nk`` when ``Z = 1``). Launch with ``grid = (ceil(Nq / BM) · B1 · B2 · Z, ceil(D / DO))``,
     ``block = RG · CG`` and ``smem_words(D, t) · itemsize`` bytes of dynamic shared memory.
     """
     np_dt = np.dtype(dtype_name)
@@ -169,7 +186,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
         softmax_update = cuda.jit(device=True, inline="always")(softmax_update)
 
     @cuda.jit(**JIT)
-    def forward(q, k, v, out, lse, scale_log2):
+    def forward(q, k, v, out, lse, scale_log2, split_keys):
         Nq = q.shape[2]
         Nk = k.shape[2]
         tid = cuda.threadIdx.x
@@ -178,14 +195,20 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
         n_qt = (Nq + BM - 1) // BM
         B2 = q.shape[1]
         B = q.shape[0] * B2
-        # Heaviest (causal: last) query tiles are scheduled first.
-        qt = n_qt - 1 - cuda.blockIdx.x // B
-        b = cuda.blockIdx.x - (cuda.blockIdx.x // B) * B
+        # Block x = (query tile, leading index, key split), the split varying fastest and
+        # the heaviest (causal: last) query tiles first, so that blocks start heaviest first.
+        Z = cuda.gridDim.x // (n_qt * B)
+        zb = cuda.blockIdx.x // Z
+        z = cuda.blockIdx.x - zb * Z   # key split: keys [k_lo, k_lo + split_keys)
+        qt = n_qt - 1 - zb // B
+        b = zb - (zb // B) * B
         b1 = b // B2
         b2 = b - b1 * B2
         q0 = qt * BM
         d0 = cuda.blockIdx.y * DO
         diag = Nk - Nq                 # key j visible to query i iff j <= i + diag
+        k_lo = z * split_keys
+        ob1 = z * q.shape[0] + b1      # this split's slab of out and lse
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
         s = cuda.local.array((TM, TN), nb_dt)
@@ -202,22 +225,23 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
             for jo in range(VO):
                 o[i, jo] = ZERO
 
-        kv_end = Nk
+        kv_end = min(Nk, k_lo + split_keys)
         if causal:
-            kv_end = min(Nk, q0 + BM + diag)   # keys past this are invisible to the whole tile
-        n_kt = (max(kv_end, 0) + BN - 1) // BN
+            kv_end = min(kv_end, q0 + BM + diag)   # keys past this are invisible to the whole tile
+        kt0 = k_lo // BN
+        n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
 
         if NKC == 1:
-            # Prologue: Q (once) and K(0) in one group, V(0) in the next.
+            # Prologue: Q (once) and K(kt0) in one group, V(kt0) in the next.
             copy_tile(smem, Q_OFF, QS, q, b1, b2, q0, BM, 0, DK, Nq, tid)
-            if n_kt > 0:
-                copy_tile(smem, K_OFF, QS, k, b1, b2, 0, BN, 0, DK, Nk, tid)
+            if n_kt > kt0:
+                copy_tile(smem, K_OFF, QS, k, b1, b2, k_lo, BN, 0, DK, Nk, tid)
             ops.cp_async_commit()
-            if n_kt > 0:
-                copy_tile(smem, V_OFF, DO, v, b1, b2, 0, BN, d0, DO, Nk, tid)
+            if n_kt > kt0:
+                copy_tile(smem, V_OFF, DO, v, b1, b2, k_lo, BN, d0, DO, Nk, tid)
             ops.cp_async_commit()
 
-        for kt in range(n_kt):
+        for kt in range(kt0, n_kt):
             k0 = kt * BN
             for i in range(TM):
                 for j in range(TN):
@@ -273,13 +297,69 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
                     for f in range(4):
                         col = d0 + 4 * (c + CG * g) + f
                         if col < D:
-                            out[b1, b2, row, col] = o[i, 4 * g + f] * inv
+                            out[ob1, b2, row, col] = o[i, 4 * g + f] * inv
                 if c == 0 and cuda.blockIdx.y == 0:
-                    if li == ZERO:
-                        lse[b1, b2, row] = NEG_INF
+                    if Z > 1:                  # a split's row max and sum, for the merge
+                        lse[ob1, b2, row] = m[i]
+                        lse[ob1 + Z * q.shape[0], b2, row] = li
+                    elif li == ZERO:
+                        lse[ob1, b2, row] = NEG_INF
                     else:
-                        lse[b1, b2, row] = (m[i] + math.log2(li)) * LN2_T
+                        lse[ob1, b2, row] = (m[i] + math.log2(li)) * LN2_T
 
     forward.tiling = t
     forward.smem_bytes = END * np_dt.itemsize
     return forward
+
+
+MERGE_THREADS = 32 if SIMULATOR else 128
+MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def make_merge(dtype_name: str):
+    """Combine the key splits' partial results: ``parts (Z·B1, B2, Nq, D)`` and
+    ``parts_ml (2·Z·B1, B2, Nq)`` (C-contiguous, as the forward writes them with ``Z``
+    splits: row maxima, then row sums) into ``out (B1, B2, Nq, D)`` and
+    ``lse (B1, B2, Nq)``. One block per query row: ``grid = B1 · B2 · Nq``,
+    ``block = MERGE_THREADS``; at most ``MAX_SPLITS`` splits."""
+    np_dt = np.dtype(dtype_name)
+    nb_dt = numba.from_dtype(np_dt)
+    ZERO, NEG_INF, LN2_T = np_dt.type(0), np_dt.type(-np.inf), np_dt.type(LN2)
+    NT = MERGE_THREADS
+
+    @cuda.jit
+    def merge(parts, parts_ml, out, lse):
+        B1, B2, Nq, D = out.shape
+        Z = parts.shape[0] // B1
+        tid = cuda.threadIdx.x
+        row = cuda.blockIdx.x
+        b = row // Nq
+        row -= b * Nq
+        b1 = b // B2
+        b2 = b - b1 * B2
+        w = cuda.shared.array(MAX_SPLITS, nb_dt)   # the weight of split z: a_z / Σ a_z
+        mx = NEG_INF
+        for zz in range(Z):
+            mx = max(mx, parts_ml[zz * B1 + b1, b2, row])
+        total = ZERO                               # Σ_z a_z; 0: no split saw a key
+        if mx != NEG_INF:
+            for zz in range(Z):
+                total += math.exp2(parts_ml[zz * B1 + b1, b2, row] - mx) * parts_ml[(Z + zz) * B1 + b1, b2, row]
+        if tid < Z:
+            a = ZERO
+            if total != ZERO:
+                a = math.exp2(parts_ml[tid * B1 + b1, b2, row] - mx) * parts_ml[(Z + tid) * B1 + b1, b2, row]
+                a /= total
+            w[tid] = a
+        if tid == 0:
+            lse[b1, b2, row] = NEG_INF if total == ZERO else (mx + math.log2(total)) * LN2_T
+        cuda.syncthreads()
+        for col in range(tid, D, NT):
+            acc = ZERO
+            for zz in range(Z):
+                acc += w[zz] * parts[zz * B1 + b1, b2, row, col]
+            out[b1, b2, row, col] = acc
+
+    merge.threads = NT
+    return merge

@@ -27,6 +27,7 @@ d = 4096 (fits an H200's 227 KB, not every GPU's; ``launch`` then raises a Value
 import functools
 import math
 
+import numba
 import numpy as np
 from numba import cuda, float32
 
@@ -35,6 +36,9 @@ from .._runtime import SIMULATOR
 from . import _host
 
 GPU_TILES = dict(W=4, TM=2, TV=8, DK=32)
+UNROLL = 4          # inner loops run in groups of this many steps (rung 3)
+BATCH = 8           # loads in flight per thread in a tile copy (rung 3)
+U = numba.uint64    # an index known to be >= 0 (rung 3)
 SIM_TILES = dict(W=1, TM=2, TV=2, DK=8)     # one warp: the simulator runs a Python thread per lane
 TILES = SIM_TILES if SIMULATOR else GPU_TILES
 
@@ -56,14 +60,24 @@ def make_kernel(W, TM, TV, DK):
     @cuda.jit(device=True, inline="always")
     def copy_tile(smem, off, stride, src, r0, nrows, c0, ncols, n_lim, d, tid):
         """smem[off + r·stride + c] = src[r0 + r, c0 + c] for r < nrows, c < ncols; zero outside
-        src's n_lim rows and d columns. Coalesced: consecutive threads, consecutive columns."""
-        for e in range(tid, nrows * ncols, NT):
-            r = e // ncols
-            c = e - r * ncols
-            x = ZERO
-            if r0 + r < n_lim and c0 + c < d:
-                x = src[r0 + r, c0 + c]
-            smem[off + r * stride + c] = x
+        src's n_lim rows and d columns. Coalesced: consecutive threads, consecutive columns.
+        BATCH loads are issued before their stores, so their latencies overlap."""
+        n = nrows * ncols
+        buf = cuda.local.array(BATCH, float32)     # registers: the loop over it is unrolled
+        for e0 in range(tid, n, NT * BATCH):
+            for u in range(BATCH):                 # the loads: BATCH in flight at once ...
+                e = e0 + u * NT
+                r = e // ncols
+                c = e - r * ncols
+                x = ZERO
+                if e < n and r0 + r < n_lim and c0 + c < d:
+                    x = src[U(r0 + r), U(c0 + c)]
+                buf[u] = x
+            for u in range(BATCH):                 # ... then the stores
+                e = e0 + u * NT
+                if e < n:
+                    r = e // ncols
+                    smem[U(off + r * stride + e - r * ncols)] = buf[u]
 
     def layout(d):
         """Shared-memory layout for head dim d: (DQ, K_OFF, V_OFF, P_OFF, words)."""
@@ -104,10 +118,12 @@ def make_kernel(W, TM, TV, DK):
             for d0 in range(0, d, DK):
                 copy_tile(smem, K_OFF, KS, k, j0, Bc, d0, DK, Nk, d, tid)    # the K_j chunk
                 cuda.syncthreads()       # the chunk (and Q_i) is complete before any thread reads it
-                for c in range(DK):      # S += Q_i K_jᵀ over this chunk: TM FMAs per K word
-                    kx = smem[K_OFF + lane * KS + c]
-                    for i in range(TM):
-                        s[i] += smem[(w * TM + i) * DQ + d0 + c] * kx   # broadcast
+                for cb in range(0, DK, UNROLL):
+                    for cu in range(UNROLL):   # S += Q_i K_jᵀ: TM FMAs per K word
+                        c = cb + cu
+                        kx = smem[U(K_OFF + lane * KS + c)]
+                        for i in range(TM):
+                            s[i] += smem[U((w * TM + i) * DQ + d0 + c)] * kx   # broadcast
                 cuda.syncthreads()       # the chunk is fully read before the next one overwrites it
 
             copy_tile(smem, V_OFF, Bd, v, j0, Bc, c0, Bd, Nk, d, tid)        # V_j: Bc keys × Bd columns
@@ -132,11 +148,13 @@ def make_kernel(W, TM, TV, DK):
                     o[i, f] *= alpha
                 smem[P_OFF + (w * TM + i) * Bc + lane] = p
             cuda.syncthreads()           # P_ij and V_j are complete before P V reads them
-            for jj in range(Bc):         # O_i += P_ij V_j
-                for f in range(TV):
-                    vx = smem[V_OFF + jj * Bd + lane + 32 * f]      # 32 consecutive words
-                    for i in range(TM):
-                        o[i, f] += smem[P_OFF + (w * TM + i) * Bc + jj] * vx   # broadcast
+            for jb in range(0, Bc, UNROLL):  # O_i += P_ij V_j
+                for ju in range(UNROLL):
+                    jj = jb + ju
+                    for f in range(TV):
+                        vx = smem[U(V_OFF + jj * Bd + lane + 32 * f)]      # 32 consecutive words
+                        for i in range(TM):
+                            o[i, f] += smem[U(P_OFF + (w * TM + i) * Bc + jj)] * vx   # broadcast
             cuda.syncthreads()           # P_ij and V_j are fully read before the next tile overwrites them
 
         for i in range(TM):

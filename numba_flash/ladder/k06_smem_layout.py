@@ -40,6 +40,7 @@ from .._runtime import SIMULATOR
 from . import _host
 
 GPU_TILES = dict(W=4, TM=2, TV=8, DK=32)
+BATCH = 4           # 16-byte loads in flight per thread in a tile copy (rung 3)
 SIM_TILES = dict(W=1, TM=2, TV=4, DK=8)     # one warp: the simulator runs a Python thread per lane
 TILES = SIM_TILES if SIMULATOR else GPU_TILES
 
@@ -66,13 +67,23 @@ def make_kernel(W, TM, TV, DK):
         src's n_lim rows and d columns. 16 bytes per load and store (ncols, d, c0 multiples of 4,
         so four columns are all in or all out); consecutive threads, consecutive 16-byte pieces."""
         C4 = ncols >> 2
-        for e in range(tid, nrows * C4, NT):
-            r = e // C4
-            c = (e - r * C4) * 4
-            x0 = x1 = x2 = x3 = ZERO
-            if r0 + r < n_lim and c0 + c < d:
-                x0, x1, x2, x3 = ops.ld_global_x4(src, r0 + r, c0 + c)
-            ops.st_shared_x4(smem, off + r * stride + c, x0, x1, x2, x3)
+        n = nrows * C4
+        buf = cuda.local.array((BATCH, 4), float32)   # registers: the loops over it are unrolled
+        for e0 in range(tid, n, NT * BATCH):
+            for u in range(BATCH):                 # the loads: BATCH in flight at once (rung 3) ...
+                e = e0 + u * NT
+                r = e // C4
+                c = (e - r * C4) * 4
+                x0 = x1 = x2 = x3 = ZERO
+                if e < n and r0 + r < n_lim and c0 + c < d:
+                    x0, x1, x2, x3 = ops.ld_global_x4(src, r0 + r, c0 + c)
+                buf[u, 0], buf[u, 1], buf[u, 2], buf[u, 3] = x0, x1, x2, x3
+            for u in range(BATCH):                 # ... then the stores
+                e = e0 + u * NT
+                if e < n:
+                    r = e // C4
+                    c = (e - r * C4) * 4
+                    ops.st_shared_x4(smem, off + r * stride + c, buf[u, 0], buf[u, 1], buf[u, 2], buf[u, 3])
 
     def layout(d):
         """Shared-memory layout for head dim d: (DQ, K_OFF, V_OFF, P_OFF, words)."""
