@@ -484,6 +484,22 @@ def test_gpu_large_shapes(lead, nq, nk, d, dtype, causal):
     assert r["err_lse"] <= tol_lse, r
 
 
+@pytest.mark.skipif(not ON_GPU, reason="the compact tilings differ from the first rule on a GPU only")
+@pytest.mark.parametrize("d", [96, 128, 256, 1024])
+def test_gpu_compact_tilings(d, monkeypatch):
+    """A GPU with less shared memory per block (an A100) gets registry.forward_tiling_compact:
+    pretend to be one, and check the result and that the compact kernel ran."""
+    first = registry.forward_specialisation("float32", d, True, True)
+    monkeypatch.setattr(api, "_device_facts", lambda: (132, first.smem_bytes - 1))
+    spec = registry.forward_specialisation("float32", d, True, True, smem_limit=first.smem_bytes - 1)
+    assert spec.compact and spec.smem_bytes < first.smem_bytes
+    q, k, v = make_qkv(d, (2,), 600, 700, d, "float32")
+    plan = api.plan_forward(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), causal=True)
+    assert plan[1][0][0] is spec.kernel()
+    out, lse = (host(x) for x in api._run(plan))
+    check_forward(out, lse, q, k, v, True, None)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_chunked_oracle_agrees(causal):
     """The chunked oracle of test_gpu_large_shapes (NumPy backend, tiny row chunks) gives
