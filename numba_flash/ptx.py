@@ -2,14 +2,23 @@
 
     python -m numba_flash.ptx --cc 9.0          # one JSON line per specialisation
     python -m numba_flash.ptx --cc 9.0 --ladder # one JSON line per rung of numba_flash.ladder
+    python -m numba_flash.ptx --cc 9.0 --ptxas  # ... plus registers and spills, from ptxas
 
 Must run with ``NUMBA_ENABLE_CUDASIM=0`` (the simulator cannot compile); NVVM comes
 from the ``numba-cuda[cu13]`` wheels, so no GPU or CUDA toolkit is needed. The test
-suite runs this in a subprocess and checks what each PTX contains.
+suite runs this in a subprocess and checks what each PTX contains. ``--ptxas`` needs a
+CUDA toolkit's ``ptxas`` (on PATH, under ``CUDA_HOME``, or in ``/usr/local/cuda*``) and
+reports what only the machine code shows: registers per thread and spills.
 """
 import argparse
+import glob
 import json
+import os
+import re
+import shutil
+import subprocess
 import sys
+import tempfile
 
 
 def features(ptx: str) -> dict:
@@ -27,6 +36,50 @@ def features(ptx: str) -> dict:
         "cvt.rna.tf32": ptx.count("cvt.rna.tf32"),
         "bar.sync": ptx.count("bar.sync"),
     }
+
+
+def find_ptxas():
+    """Path of a ``ptxas`` executable, or None."""
+    found = shutil.which("ptxas")
+    if found:
+        return found
+    roots = [os.environ.get("CUDA_HOME", "")] + sorted(glob.glob("/usr/local/cuda*"), reverse=True)
+    for root in roots:
+        path = os.path.join(root, "bin", "ptxas")
+        if root and os.access(path, os.X_OK):
+            return path
+    return None
+
+
+_PTXAS_INFO = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads"
+                         r"|Used (\d+) registers")
+
+
+def assemble(ptx: str, cc, ptxas: str) -> dict:
+    """Registers per thread, stack frame and spill bytes of a one-kernel PTX, from
+    ``ptxas -v``. NVVM may write a newer PTX ISA version than this ptxas reads; the
+    ``.version`` line is then lowered to the one ptxas names (the kernels use no newer
+    instruction, or ptxas reports it). Returns {} if ptxas fails."""
+    arch = f"sm_{cc[0]}{cc[1]}"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        for _ in range(2):
+            with open(src, "w") as f:
+                f.write(ptx)
+            proc = subprocess.run([ptxas, f"-arch={arch}", "-v", src, "-o", dst], capture_output=True, text=True)
+            newest = re.search(r"Unsupported \.version [\d.]+; current version is '([\d.]+)'", proc.stderr)
+            if proc.returncode == 0 or not newest:
+                break
+            ptx = re.sub(r"^\.version [\d.]+", f".version {newest.group(1)}", ptx, count=1, flags=re.M)
+    if proc.returncode != 0:
+        return {}
+    info = {}
+    for m in _PTXAS_INFO.finditer(proc.stderr):
+        if m.group(4):
+            info["registers"] = int(m.group(4))
+        else:
+            info.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+    return info
 
 
 def compile_spec(spec, cc, layout="C"):
@@ -52,27 +105,34 @@ def main(argv=None):
     p.add_argument("--layout", default="C", choices=["C", "A"], help="array layout of q, k, v")
     p.add_argument("--only", default=None, help="substring filter on the specialisation name")
     p.add_argument("--ladder", action="store_true", help="compile the rungs of numba_flash.ladder instead")
+    p.add_argument("--ptxas", action="store_true",
+                   help="also assemble each kernel with ptxas (if found): registers, stack, spills")
     a = p.parse_args(argv)
     from ._runtime import SIMULATOR
     if SIMULATOR:
         sys.exit("numba_flash.ptx: run with NUMBA_ENABLE_CUDASIM=0 (the simulator cannot compile PTX)")
     from . import registry
     cc = tuple(int(x) for x in a.cc.split("."))
+    ptxas = find_ptxas() if a.ptxas else None
+    if a.ptxas and ptxas is None:
+        print("numba_flash.ptx: no ptxas found (PATH, CUDA_HOME, /usr/local/cuda*): no register counts",
+              file=sys.stderr)
+
+    def row(name, ptx, **extra):
+        r = {"name": name, "cc": a.cc, **extra, **features(ptx)}
+        if ptxas:
+            r.update(assemble(ptx, cc, ptxas))
+        print(json.dumps(r), flush=True)
+
     if a.ladder:
         from .ladder import RUNGS
         for rung in RUNGS:
-            if a.only and a.only not in rung.name:
-                continue
-            ptx = compile_rung(rung, cc)
-            print(json.dumps({"name": rung.name, "cc": a.cc, **features(ptx)}), flush=True)
+            if not a.only or a.only in rung.name:
+                row(rung.name, compile_rung(rung, cc))
         return
     for spec in registry.specialisations():
-        name = spec.name
-        if a.only and a.only not in name:
-            continue
-        ptx = compile_spec(spec, cc, a.layout)
-        print(json.dumps({"name": name, "dtype": spec.dtype, "cc": a.cc, "layout": a.layout,
-                          **features(ptx)}), flush=True)
+        if not a.only or a.only in spec.name:
+            row(spec.name, compile_spec(spec, cc, a.layout), dtype=spec.dtype, layout=a.layout)
 
 
 if __name__ == "__main__":

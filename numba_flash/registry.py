@@ -151,6 +151,7 @@ class Variant:
     dtypes: tuple = DTYPES
     head_dims: object = lambda d: True   # d -> whether this variant supports it
     compact: object = None  # (dtype, d, simulator) -> Tiling for GPUs with less shared memory
+    plain_compact: object = None  # (dtype, d) -> whether plain-load kernels take the compact tiling
 
 
 def _sig_forward(dt, layout):
@@ -175,7 +176,9 @@ def _sig_backward(dt, layout):
 VARIANTS = {v.name: v for v in (
     Variant("forward_simt", "FlashAttention-2 forward on CUDA cores", forward_tiling,
             lambda s: make_forward(s.dtype, s.d, s.tiling, s.causal, s.use_async),
-            smem_words, _sig_forward, compact=forward_tiling_compact),
+            smem_words, _sig_forward, compact=forward_tiling_compact,
+            # ptxas: the plain-load kernel of the d > 256 tiling spills 0.5 KiB per thread
+            plain_compact=lambda dt, d: dt == "float32" and d > 256),
     Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,
             lambda s: make_merge(s.dtype), lambda d, t: 0, _sig_forward_merge),
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
@@ -232,15 +235,17 @@ def async_possible(dtype_name: str, d: int):
 def specialisation(variant: str, dtype_name: str, d: int, causal: bool = False, use_async: bool = False,
                    simulator: bool = SIMULATOR, smem_limit: int = None, compact: bool = False):
     """The specialisation the API launches for these inputs: the variant's tiling, or its
-    compact one when ``compact`` is set or the first needs more than ``smem_limit`` bytes
-    of shared memory per block (the GPU's opt-in maximum)."""
+    compact one when ``compact`` is set, when the first needs more than ``smem_limit``
+    bytes of shared memory per block (the GPU's opt-in maximum), or for plain loads where
+    the variant says so (``plain_compact``)."""
     v = VARIANTS[variant]
     t = v.tiling(dtype_name, d, simulator)
     if t is None:                                       # shape-independent kernels
         return Specialisation(variant, dtype_name, 0, False, False, None)
     use_async = use_async and async_possible(dtype_name, d)
     spec = Specialisation(variant, dtype_name, d, causal, use_async, t)
-    if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit):
+    if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit
+                                  or not use_async and v.plain_compact and v.plain_compact(dtype_name, d)):
         tc = v.compact(dtype_name, d, simulator)
         if tc != t:
             spec = Specialisation(variant, dtype_name, d, causal, use_async, tc, compact=True)

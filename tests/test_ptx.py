@@ -35,8 +35,8 @@ def _layout_a_filters():
 
 ONLY_A = _layout_a_filters()
 RUNS = {
-    "cc80": ["--cc", "8.0"],
-    "cc90": ["--cc", "9.0"],
+    "cc80": ["--cc", "8.0", "--ptxas"],
+    "cc90": ["--cc", "9.0", "--ptxas"],
     **{f"layoutA-{dt}": ["--cc", "9.0", "--layout", "A", "--only", f] for dt, f in ONLY_A.items()},
 }
 
@@ -127,6 +127,28 @@ def test_every_specialisation_compiles(ptx_runs, run):
 def test_ptx_features(ptx_runs, run):
     problems = [p for r in _rows(ptx_runs, run) for p in _check_row(r)]
     assert not problems, "\n".join(problems)
+
+
+# Known spills, in bytes of spill stores at most: sm_80's register allocation of the
+# float32 d <= 64 causal forward (8 x 8 scores per thread) spills a few words; sm_90's
+# does not. Not yet measured on an sm_80 GPU.
+KNOWN_SPILLS = {"cc80": {"forward_simt/float32/d32/causal/async": 64}}
+
+
+@pytest.mark.parametrize("run", ["cc80", "cc90"])
+def test_no_register_spills(ptx_runs, run):
+    """Assembled by ptxas (when a CUDA toolkit provides it), no kernel spills registers or
+    uses a stack frame: what the PTX's .local count cannot show, since ptxas allocates the
+    registers (all production kernels are launched with launch_bounds (threads, 1)).
+    Exceptions: ``KNOWN_SPILLS``, each with a ceiling."""
+    rows = [r for r in _rows(ptx_runs, run) if "registers" in r]
+    if not rows:
+        pytest.skip("no ptxas on this machine (python -m numba_flash.ptx --ptxas found none)")
+    assert len(rows) == len(_rows(ptx_runs, run)), "ptxas failed on some kernels"
+    bad = [f"{r['name']}: {r['registers']} registers, {r['stack']} B stack, {r['spill_stores']} B spill stores, "
+           f"{r['spill_loads']} B spill loads" for r in rows if r["stack"] or r["spill_stores"] or r["spill_loads"]
+           if r["spill_stores"] > KNOWN_SPILLS.get(run, {}).get(r["name"], -1)]
+    assert not bad, "\n".join(bad)
 
 
 def test_forward_ptx_is_covered():

@@ -6,7 +6,7 @@ on tiles of *columns* (``CG·TN``). Thread (r, c) owns rows ``r·TM + i`` and co
 
 * ``copy_tile``: global → shared, zero-filled outside the array; with ``use_async``
   one ``cp.async`` per 16 bytes (complete at ``ops.cp_async_wait``), otherwise plain
-  loads, ``COPY_BATCH`` in flight per thread.
+  loads, ``COPY_BYTES`` of them in flight per thread.
 * ``mm_abt``: ``s[i, j] += Σ_k A[row_i, k] · B[col_j, k]`` over one head-dim chunk of
   ``DK`` (A and B row-major in shared memory, row stride ``stride``): S = Q Kᵀ.
 * ``mm_pv``: ``o[i, f] += Σ_n P[row_i, n] · V[n, f]`` over the ``CG·TN`` columns of a
@@ -22,7 +22,7 @@ from numba import cuda
 from .. import ops
 
 PAD = 4  # words of padding per shared-memory row
-COPY_BATCH = 8  # plain-load copies: loads in flight per thread before their stores
+COPY_BYTES = 32  # plain-load copies: bytes of loads in flight per thread before their stores
 
 
 def make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async):
@@ -31,6 +31,7 @@ def make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async):
     nb_dt = numba.from_dtype(np_dt)
     ZERO = np_dt.type(0)
     E16 = 16 // np_dt.itemsize         # elements per 16-byte cp.async
+    COPY_BATCH = COPY_BYTES // np_dt.itemsize   # 8 floats, 4 doubles (8 doubles spilled in the backward)
     VO4 = DO // (4 * CG)               # 4-wide output feature groups per thread
     C = CG * TN
     # 128-bit shared loads for float32; plain loads for float64 (and in the simulator).
