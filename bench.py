@@ -767,6 +767,19 @@ def forward_configs(args):
     return mode_configs(args)
 
 
+def launch_records(launches):
+    """What one call launches (from ``api.plan_forward`` / ``plan_backward``), as the JSON
+    records it: kernel name, grid, block, dynamic shared memory and tiling per launch."""
+    out = []
+    for kern, grid, block, smem, _args, _stream in launches:
+        fn = getattr(kern, "py_func", None) or getattr(kern, "fn", None)
+        t = getattr(kern, "tiling", None)
+        out.append({"kernel": getattr(fn, "__name__", repr(kern)),
+                    "grid": list(grid) if isinstance(grid, tuple) else [grid], "block": block,
+                    "smem_bytes": smem, "tiling": dataclasses.asdict(t) if dataclasses.is_dataclass(t) else None})
+    return out
+
+
 def kernel_record(cfg, use_async):
     s = cfg["shape"]
     return spec_record(registry.forward_specialisation(cfg["dtype"], s.d, cfg["causal"], use_async), s, s.Nq)
@@ -815,6 +828,7 @@ def time_forward_row(cfg, val, refs, bench):
     rec = new_record("forward", cfg, forward_flops(cfg["shape"], cfg["causal"]), val)
     rec["ours"] = kernel_record(cfg, val.pop("use_async"))
     rec["ours"]["out_lse_mib"] = out_lse_mib(cfg)
+    rec["ours"]["launches"] = launch_records(api.plan_forward(*arrays, causal=cfg["causal"])[1])   # key splits
     if val["valid"]:
         rec["ours"].update(time_ours(cfg, arrays, bench))
     else:
