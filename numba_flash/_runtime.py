@@ -51,4 +51,41 @@ def _decide():
     return True
 
 
+def _thread_safe_static_shared_arrays():
+    """Numba's simulator creates a block's static ``cuda.shared.array`` when the first of
+    its threads asks for it, with no lock: two threads can each create one, and the block's
+    threads then disagree on what is shared (a wrong answer now and then, in a kernel that
+    is right). The same lookup, under a lock. Dynamic shared memory is unaffected."""
+    import threading
+    import traceback
+
+    import numpy as np
+    from numba.core import types
+    from numba.cuda.simulator import kernelapi
+    from numba.np import numpy_support
+
+    shared = getattr(kernelapi, "FakeCUDAShared", None)
+    original = getattr(shared, "array", None)
+    if original is None or getattr(original, "thread_safe", False):
+        return
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None or not hasattr(self, "_allocations"):
+            return original(self, shape, dtype, alignment)
+        caller = traceback.extract_stack(sys._getframe(1), limit=1)[-1][0:2]   # as the original keys it
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        with lock:
+            res = self._allocations.get(caller)
+            if res is None:
+                res = self._allocations[caller] = np.empty(shape, dtype)
+        return res
+
+    array.thread_safe = True
+    shared.array = array
+
+
 SIMULATOR = _decide()
+if SIMULATOR:
+    _thread_safe_static_shared_arrays()

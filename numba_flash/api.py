@@ -322,7 +322,7 @@ def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits):
     merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
     return [(kern, (grid[0] * z, grid[1]), t.threads, spec.smem_bytes,
              (q4, k4, v4, parts, parts_ml, scale_log2, split_keys), inp.stream),
-            (merge, b1 * b2 * inp.nq, merge.threads, 0, (parts, parts_ml, o4, l3), inp.stream)]
+            (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)]
 
 
 def _run(plan):

@@ -322,11 +322,13 @@ def make_merge(dtype_name: str):
     ``parts_ml (2·Z·B1, B2, Nq)`` (C-contiguous, as the forward writes them with ``Z``
     splits: row maxima, then row sums) into ``out (B1, B2, Nq, D)`` and
     ``lse (B1, B2, Nq)``. One block per query row: ``grid = B1 · B2 · Nq``,
-    ``block = MERGE_THREADS``; at most ``MAX_SPLITS`` splits."""
+    ``block = MERGE_THREADS`` and ``merge.smem_bytes`` of dynamic shared memory (the weights:
+    at most ``MAX_SPLITS`` splits)."""
     np_dt = np.dtype(dtype_name)
     nb_dt = numba.from_dtype(np_dt)
     ZERO, NEG_INF, LN2_T = np_dt.type(0), np_dt.type(-np.inf), np_dt.type(LN2)
     NT = MERGE_THREADS
+    ALIGN = None if SIMULATOR else 16
 
     @cuda.jit
     def merge(parts, parts_ml, out, lse):
@@ -338,7 +340,7 @@ def make_merge(dtype_name: str):
         row -= b * Nq
         b1 = b // B2
         b2 = b - b1 * B2
-        w = cuda.shared.array(MAX_SPLITS, nb_dt)   # the weight of split z: a_z / Σ a_z
+        w = cuda.shared.array(0, nb_dt, alignment=ALIGN)   # MAX_SPLITS weights a_z / Σ a_z
         mx = NEG_INF
         for zz in range(Z):
             mx = max(mx, parts_ml[zz * B1 + b1, b2, row])
@@ -362,4 +364,5 @@ def make_merge(dtype_name: str):
             out[b1, b2, row, col] = acc
 
     merge.threads = NT
+    merge.smem_bytes = MAX_SPLITS * np_dt.itemsize
     return merge
