@@ -287,8 +287,9 @@ def plan_forward(q, k, v, causal=False, scale=None, splits=None):
         aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
         if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
             qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
+        sm_count, smem_limit = _device_facts()
         spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned),
-                                               smem_limit=_device_facts()[1])
+                                               smem_limit=smem_limit)
         t, kern = spec.tiling, spec.kernel()
         scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
         for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
@@ -297,18 +298,19 @@ def plan_forward(q, k, v, causal=False, scale=None, splits=None):
                 launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
                                  inp.stream))
             else:
-                launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2, splits)
+                launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2,
+                                            splits, sm_count)
     return (lambda: inp.result(out, lse)), launches
 
 
-def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits):
+def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count):
     """The CUDA-core forward's launches: one, or with Z key splits (Z blocks per query
     tile) the forward into per-split partial results and then the merge kernel."""
     q4, k4, v4, o4, l3 = arrays
     t = spec.tiling
     n_kt = -(-inp.nk // t.BN)
     # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
-    z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, _device_facts()[0], inp.causal)
+    z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, sm_count, inp.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}.")
     split_keys = -(-n_kt // z) * t.BN            # whole key tiles per split
