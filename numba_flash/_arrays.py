@@ -3,6 +3,8 @@
 Kernels take 4-D views ``(B1, B2, N, d)`` with arbitrary strides (see
 ``api._kernel_views``), so device inputs are never copied.
 """
+import functools
+
 import numpy as np
 from numba import cuda
 
@@ -193,10 +195,7 @@ def device_empty(shape, dtype, fill=None, storage=None, stream=0):
     if ary is None:
         ary = cuda.device_array(shape, dtype=alloc)
     if fill is not None:
-        if not SIMULATOR and stream_handle(stream):
-            cuda.external_stream(stream_handle(stream)).synchronize()   # the allocation is ordered on it
-        host = np.full(shape, fill, dtype=dtype)
-        ary.copy_to_device(host if storage is None else host.view(storage))
+        _fill(ary, fill, dtype, 0 if SIMULATOR else stream)
     return ary
 
 
@@ -214,7 +213,9 @@ def stream_handle(stream):
     return int(stream.handle) if hasattr(stream, "handle") else int(stream or 0)
 
 
-def _pool_for(device_id):
+def pool_for(device_id):
+    """This package's memory pool on a device (created on first use), or False where the
+    driver offers no pools."""
     from cuda.bindings import driver as cu
     pool = _pools.get(device_id)
     if pool is None:
@@ -241,28 +242,51 @@ def _free_async(ptr, stream):
         pass
 
 
+def nbytes(ary):
+    n = ary.dtype.itemsize
+    for s in ary.shape:
+        n *= s
+    return n
+
+
 def _pool_array(shape, dtype, stream):
     """A C-contiguous Numba device array from the pool, or None (empty, or no pool)."""
-    import functools
-    from cuda.bindings import driver as cu
     from numba.cuda.cudadrv import devices
-    from numba.cuda.cudadrv.driver import MemoryPointer
-
-    nbytes = dtype.itemsize
-    for n in shape:
-        nbytes *= n
-    if nbytes == 0:
-        return None
     ctx = devices.get_context()
-    pool = _pool_for(ctx.device.id)
+    pool = pool_for(ctx.device.id)
     if pool is False:
         return None
-    handle = stream_handle(stream)
-    err, ptr = cu.cuMemAllocFromPoolAsync(nbytes, pool, handle)
+    return pool_empty(ctx, pool, shape, dtype, stream_handle(stream))
+
+
+def pool_empty(ctx, pool, shape, dtype, handle, fill_dtype=None, fill=None):
+    """A C-contiguous Numba device array of ``dtype`` from ``pool``, allocated on the
+    stream ``handle`` (an int) and freed on it when garbage-collected; None if empty or
+    out of pool memory. ``fill``: a value to fill it with (in ``fill_dtype``, of the same
+    size: 16-bit floats are allocated as their uint16 bits)."""
+    from cuda.bindings import driver as cu
+    from numba.cuda.cudadrv.driver import MemoryPointer
+
+    size = dtype.itemsize
+    for n in shape:
+        size *= n
+    if size == 0:
+        return None
+    err, ptr = cu.cuMemAllocFromPoolAsync(size, pool, handle)
     if err != cu.CUresult.CUDA_SUCCESS:
         return None                            # out of memory in the pool: let Numba try (and report)
-    mem = MemoryPointer(ctx, ptr, nbytes, finalizer=functools.partial(_free_async, int(ptr), handle))
-    return DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=mem)
+    mem = MemoryPointer(ctx, ptr, size, finalizer=functools.partial(_free_async, int(ptr), handle))
+    ary = DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=mem)
+    if fill is not None:
+        _fill(ary, fill, fill_dtype or dtype, handle)
+    return ary
+
+
+def _fill(ary, value, dtype, stream):
+    if stream_handle(stream):
+        cuda.external_stream(stream_handle(stream)).synchronize()   # the allocation is ordered on it
+    host = np.full(ary.shape, value, dtype=dtype)
+    ary.copy_to_device(host.view(ary.dtype))
 
 
 def _c_strides(shape, itemsize):

@@ -1,10 +1,11 @@
 """Public entry points: input checking, array-kind handling and kernel dispatch."""
+import functools
 import math
 import numbers
 
 import numpy as np
 
-from . import _arrays, registry
+from . import _arrays, _plans, registry
 from ._runtime import SIMULATOR
 from .kernels.forward import LOG2E
 from .launch import context_handle, launch
@@ -278,34 +279,55 @@ def plan_forward(q, k, v, causal=False, scale=None, splits=None):
     arguments. ``bench.py`` uses it to time the kernels alone, next to the whole call.
     ``splits`` forces the number of key splits of the CUDA-core kernel (tests, tuning);
     by default :func:`numba_flash.registry.forward_splits` decides."""
+    return _plan_forward(q, k, v, causal, scale, splits)[:2]
+
+
+def _plan_forward(q, k, v, causal, scale, splits=None):
+    """:func:`plan_forward`, and a third item: ``capture(stream)``, the call's
+    :class:`numba_flash._plans.Plan` (or None) once its launches have run."""
     inp = _Inputs({"q": q, "k": k, "v": v}, causal, scale, low_precision=True)
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
     lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
-    launches = []
-    if not inp.empty:
-        qd, kd, vd = (inp.device(n) for n in "qkv")
-        aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
-        if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
-            qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
-        sm_count, smem_limit = _device_facts()
-        spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned),
-                                               smem_limit=smem_limit)
-        t, kern = spec.tiling, spec.kernel()
-        scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
-        for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
-            grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
-            if inp.low:
-                launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
-                                 inp.stream))
-            else:
-                launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2,
-                                            splits, sm_count)
-    return (lambda: inp.result(out, lse)), launches
+    launches, scratch = [], []
+    result = lambda: inp.result(out, lse)  # noqa: E731
+    if inp.empty:
+        return result, launches, None
+    qd, kd, vd = (inp.device(n) for n in "qkv")
+    aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
+    if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
+        qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
+    sm_count, smem_limit = _device_facts()
+    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned),
+                                           smem_limit=smem_limit)
+    t, kern = spec.tiling, spec.kernel()
+    scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
+    for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
+        grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
+        if inp.low:
+            launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
+                             inp.stream))
+        else:
+            launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2,
+                                        splits, sm_count, scratch)
+    if not inp.on_device:
+        return result, launches, None
+    finish = functools.partial(_finish, inp.dtype if inp.low else None)
+    capture = lambda stream: _plans.capture(  # noqa: E731
+        [qd, kd, vd], [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish, stream)
+    return result, launches, capture
 
 
-def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count):
+def _finish(low_dtype, outs):
+    """Device outputs as a call returns them: 16-bit results from their uint16 bits."""
+    if low_dtype is None:
+        return tuple(outs)
+    return tuple(_arrays.retyped(a, low_dtype) if a.dtype == np.uint16 else a for a in outs)
+
+
+def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count, scratch):
     """The CUDA-core forward's launches: one, or with Z key splits (Z blocks per query
-    tile) the forward into per-split partial results and then the merge kernel."""
+    tile) the forward into per-split partial results and then the merge kernel, whose
+    buffers are appended to ``scratch``."""
     q4, k4, v4, o4, l3 = arrays
     t = spec.tiling
     n_kt = -(-inp.nk // t.BN)
@@ -321,6 +343,7 @@ def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count)
     b1, b2 = q4.shape[0], q4.shape[1]
     parts = inp.empty_like((z * b1, b2, inp.nq, inp.d))
     parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
+    scratch += (parts, parts_ml)
     merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
     return [(kern, (grid[0] * z, grid[1]), t.threads, spec.smem_bytes,
              (q4, k4, v4, parts, parts_ml, scale_log2, split_keys), inp.stream),
@@ -328,10 +351,26 @@ def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count)
 
 
 def _run(plan):
-    result, launches = plan
+    result, launches = plan[:2]
     for args in launches:
         launch(*args)
     return result()
+
+
+def _call(name, planner, arrays, options):
+    """A call through its cached launch plan when there is one (:mod:`numba_flash._plans`),
+    otherwise through ``planner`` (which then leaves a plan behind)."""
+    sig = _plans.signature(name, arrays, options)
+    plan = _plans.lookup(sig)
+    if plan is not None:
+        found = plan.run(sig, _POISON)
+        if found is not None:
+            return found
+    planned = planner(*arrays, *options)
+    found = _run(planned)
+    if sig is not None and planned[2] is not None:
+        _plans.remember(sig, planned[2](sig.stream))
+    return found
 
 
 def attention_fwd(q, k, v, *, causal=False, scale=None):
@@ -383,12 +422,12 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
     stream when garbage-collected (see :func:`numba_flash.release_cached_memory`): use
     them on another stream only after synchronising with it, as with PyTorch tensors.
     """
-    return _run(plan_forward(q, k, v, causal, scale))
+    return _call("forward", _plan_forward, (q, k, v), (causal, scale))
 
 
 def attention(q, k, v, *, causal=False, scale=None):
     """Exact attention ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_fwd`."""
-    return _run(plan_forward(q, k, v, causal, scale))[0]
+    return _call("forward", _plan_forward, (q, k, v), (causal, scale))[0]
 
 
 # --------------------------------------------------------------------------- backward

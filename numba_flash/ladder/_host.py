@@ -9,6 +9,7 @@ import numpy as np
 from numba import cuda
 
 from .. import _arrays, api
+from .._runtime import SIMULATOR
 from ..launch import launch
 
 LOG2E = 1.4426950408889634   # 1 / ln 2: exp(x) = exp2(x · log2 e)
@@ -77,6 +78,20 @@ def run(q, k, v, launch_rung, *, vector=False):
     out = _arrays.device_empty((nq, d), np.float32, api._POISON)   # NaN-poisoned in the tests
     launch_rung(q, k, v, out, np.float32(LOG2E / math.sqrt(d)))
     return out if on_device else out.copy_to_host()
+
+
+def fitting(make_kernel, d, *tilings):
+    """The first of ``tilings`` whose kernel's shared memory at head dim ``d`` fits a block
+    on this GPU (any, in the simulator); the last one if none does (its launch then raises
+    a ValueError naming the limit). Rungs that keep a whole ``Br × d`` block of Q in shared
+    memory list their fastest tiling first and one with fewer rows for large d."""
+    if SIMULATOR:
+        return tilings[0]
+    limit = cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+    for t in tilings:
+        if make_kernel(**t).smem_bytes(d) <= limit:
+            return t
+    return tilings[-1]
 
 
 def run_kernel(kern, grid, block, smem_bytes, args):

@@ -1,0 +1,237 @@
+"""Repeat calls through cached launch plans.
+
+Most of a call's host time goes into deciding what to launch: checking the inputs,
+choosing the kernel and its tiling, folding leading dims into strided views, and Numba
+typing each argument. For one *signature* of the inputs (array kind, dtype, shape,
+strides and 16-byte alignment of each, the other arguments, the stream and the CUDA
+context) all of that comes out the same every time. So the first call with a signature
+takes the full path (``api.plan_forward`` / ``plan_backward``), and leaves a
+:class:`Plan` behind: per launch the compiled function, grid, block, shared memory and
+a parameter buffer in which the data pointers are slots. A later call with the same
+signature reads its inputs' data pointers, allocates its outputs (and scratch) from the
+pool, writes the pointers into the slots and calls ``cuLaunchKernel``.
+
+Only device inputs of the common kinds take this path (Numba device arrays, PyTorch
+tensors, CuPy arrays, all of one kind, on one device); NumPy inputs, the simulator,
+and every call that fails or that the full path cannot describe as slots, always take
+the full path.
+"""
+import threading
+
+import numpy as np
+
+from . import _arrays, launch as _launch
+from ._runtime import SIMULATOR
+
+MAX_PLANS = 256         # signatures remembered; the table starts afresh when it is full
+_PLANS = {}
+
+
+# --------------------------------------------------------------------------- signatures
+def _numba_sig(arrays):
+    key, ptrs = [], []
+    for x in arrays:
+        key += (x.dtype, x.shape, x.strides)
+        ptrs.append(int(x.gpu_data.device_pointer) if x.size else 0)
+    return key, ptrs, 0
+
+
+def _torch_sig(arrays):
+    import torch
+    dev = arrays[0].device
+    key, ptrs = [], []
+    for x in arrays:
+        if x.device != dev or not x.is_cuda:
+            return None
+        key += (x.dtype, x.shape, x.stride())
+        ptrs.append(x.data_ptr())
+    key.append(dev)
+    return key, ptrs, _stream(torch.cuda.current_stream(dev).cuda_stream)
+
+
+def _cupy_sig(arrays):
+    key, ptrs, streams = [], [], set()
+    for x in arrays:
+        key += (x.dtype, x.shape, x.strides, x.device.id)
+        ptrs.append(x.data.ptr)
+        streams.add(x.__cuda_array_interface__.get("stream"))
+    if len(streams) != 1:
+        return None
+    return key, ptrs, _stream(streams.pop())
+
+
+def _stream(handle):
+    return 0 if handle in _arrays.LEGACY_DEFAULT_STREAMS or handle is None else handle
+
+
+_KINDS = {}     # type -> signature function (None: no fast path for that type)
+
+
+def _kind_of(t):
+    found = _KINDS.get(t, False)
+    if found is False:
+        name = f"{t.__module__}.{t.__qualname__}"
+        found = {"numba.cuda.cudadrv.devicearray.DeviceNDArray": _numba_sig,
+                 "numba_cuda.numba.cuda.cudadrv.devicearray.DeviceNDArray": _numba_sig,
+                 "torch.Tensor": _torch_sig, "torch.nn.parameter.Parameter": _torch_sig,
+                 "cupy.ndarray": _cupy_sig, "cupy._core.core.ndarray": _cupy_sig}.get(name)
+        _KINDS[t] = found
+    return found
+
+
+class Signature:
+    """What identifies a call for :func:`lookup` / :func:`remember`, and the per-call
+    facts a plan needs: the inputs' data pointers and the stream."""
+    __slots__ = ("key", "pointers", "stream")
+
+    def __init__(self, key, pointers, stream):
+        self.key, self.pointers, self.stream = key, pointers, stream
+
+
+def signature(name, arrays, options):
+    """The :class:`Signature` of a call to ``name`` with device ``arrays`` and hashable
+    ``options``, or None where the fast path does not apply."""
+    if SIMULATOR:
+        return None
+    t = type(arrays[0])
+    sig = _kind_of(t)
+    if sig is None or any(type(x) is not t for x in arrays):
+        return None
+    found = sig(arrays)
+    if found is None:
+        return None
+    key, ptrs, stream = found
+    # Options compare with their types: causal=1 must not find causal=True's plan.
+    key += [(type(o), o) for o in options]
+    key += (name, t, tuple(p % 16 == 0 for p in ptrs), stream, _launch.context_handle())
+    return Signature(tuple(key), ptrs, stream)
+
+
+def lookup(sig):
+    return None if sig is None else _PLANS.get(sig.key)
+
+
+def remember(sig, plan):
+    if sig is None or plan is None:
+        return
+    if len(_PLANS) >= MAX_PLANS:
+        _PLANS.clear()
+    _PLANS[sig.key] = plan
+
+
+# --------------------------------------------------------------------------- plans
+class _Launch:
+    """One kernel launch with its parameters in a persistent buffer (8 bytes a
+    parameter, as ``cuLaunchKernel`` reads them through an array of pointers); the
+    data pointers are (parameter index, root, byte offset) slots."""
+
+    def __init__(self, handle, grid, block, smem, values, ptypes, slots):
+        self.handle, self.smem, self.slots = handle, smem, slots
+        self.grid = (tuple(grid) + (1, 1))[:3] if isinstance(grid, tuple) else (grid, 1, 1)
+        self.block = (tuple(block) + (1, 1))[:3] if isinstance(block, tuple) else (block, 1, 1)
+        import ctypes
+        self.buf = np.zeros(max(len(values), 1), np.int64)
+        for i, (value, ctype) in enumerate(zip(values, ptypes)):
+            if ctype is ctypes.c_float:
+                self.buf[i:i + 1].view(np.float32)[0] = value
+            elif ctype is ctypes.c_double:
+                self.buf[i:i + 1].view(np.float64)[0] = value
+            else:
+                self.buf[i] = value
+        self.pointers = np.array([self.buf.ctypes.data + 8 * i for i in range(len(self.buf))], np.uint64)
+        self.address = self.pointers.ctypes.data
+
+
+class Plan:
+    """A call's launches with its data pointers as slots: roots are the call's inputs
+    (by position), its outputs (allocated per call) and one scratch block (allocated
+    per call and freed, stream-ordered, after the last launch)."""
+
+    def __init__(self, launches, outputs, scratch_bytes, finish, ctx, pool):
+        self.launches, self.outputs, self.scratch_bytes = launches, outputs, scratch_bytes
+        self.finish, self.ctx, self.pool = finish, ctx, pool
+        self.lock = threading.Lock()
+
+    def run(self, sig, poison=None):
+        from cuda.bindings import driver as cu
+        stream = sig.stream
+        outs = [_arrays.pool_empty(self.ctx, self.pool, shape, alloc, stream, dtype, poison)
+                for shape, alloc, dtype in self.outputs]
+        if any(o is None for o in outs):
+            return None
+        roots = list(sig.pointers) + [_arrays.device_pointer(o) for o in outs]
+        scratch = None
+        if self.scratch_bytes:
+            err, scratch = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                return None
+            roots.append(int(scratch))
+        try:
+            with self.lock:
+                for ln in self.launches:
+                    for index, root, offset in ln.slots:
+                        ln.buf[index] = roots[root] + offset
+                    err, = cu.cuLaunchKernel(ln.handle, *ln.grid, *ln.block, ln.smem, stream, ln.address, 0)
+                    if err != cu.CUresult.CUDA_SUCCESS:
+                        raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+        finally:
+            if scratch is not None:
+                cu.cuMemFreeAsync(scratch, stream)
+        return self.finish(outs)
+
+
+SCRATCH_ALIGN = 256
+
+
+def capture(inputs, outputs, scratch, launches, finish, stream):
+    """The :class:`Plan` of a call the full path just ran, or None.
+
+    ``inputs``: the device arrays the call's input pointers point to, in the
+    signature's order; ``outputs``: (array, logical dtype) of what it returns (before
+    ``finish``), which a plan allocates anew each call; ``scratch``: arrays only its
+    launches use;
+    ``launches``: :func:`numba_flash.launch.launch` argument tuples, whose array
+    arguments must each share its memory with exactly one of those arrays (a view made
+    by ``_arrays.strided_view`` or the array itself)."""
+    from numba.cuda.cudadrv import devices
+    n_inputs = len(inputs)
+    ctx = devices.get_context()
+    pool = _arrays.pool_for(ctx.device.id)
+    if not pool:
+        return None
+    roots = {}      # id(gpu_data) -> (root index, byte offset of the array's data in the root)
+    offsets, total = [], 0
+    for a in scratch:
+        offsets.append(total)
+        total += -(-_arrays.nbytes(a) // SCRATCH_ALIGN) * SCRATCH_ALIGN
+    for i, (a, offset) in enumerate([(a, 0) for a in inputs] + [(a, 0) for a, _ in outputs]
+                                    + [(a, o) for a, o in zip(scratch, offsets)]):
+        index = min(i, n_inputs + len(outputs))
+        gid = id(a.gpu_data)
+        if gid in roots or not a.size:
+            return None                                 # the same memory twice, or empty
+        roots[gid] = (index, offset)
+    ctx_handle = _launch.context_handle()
+    plans = []
+    for kern, grid, block, smem, args, launch_stream in launches:
+        if _arrays.stream_handle(launch_stream) != stream:
+            return None
+        argkey = tuple(_launch._arg_key(a) for a in args)
+        entry = _launch._fast.get((kern, ctx_handle, argkey))
+        if entry is None or smem > entry[2]:
+            return None
+        values, slots = [], []
+        for a in args:
+            if type(a) in _launch._SCALAR_CTYPES:
+                values.append(a)
+                continue
+            root = roots.get(id(a.gpu_data))
+            if root is None:
+                return None
+            slots.append((len(values) + 4, root[0], root[1]))
+            values += [0, 0, a.size, a.dtype.itemsize, 0]
+            values += a.shape
+            values += a.strides
+        plans.append(_Launch(entry[0], grid, block, smem, values, entry[1], slots))
+    outs = [(tuple(a.shape), a.dtype, np.dtype(dt)) for a, dt in outputs]
+    return Plan(plans, outs, total, finish, ctx, pool)

@@ -1,0 +1,143 @@
+"""Repeat calls through cached launch plans (numba_flash._plans): same answers as the
+full path, the same argument checks, and plans only where a call's signature matches."""
+import numpy as np
+import pytest
+
+import numba_flash  # before numba: it decides whether the simulator is needed
+from numba import cuda
+from numba_flash import _plans, api
+from conftest import ON_GPU, check_forward, host, make_qkv
+
+GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="launch plans exist only on a GPU")
+
+
+@pytest.fixture
+def plan_runs(monkeypatch):
+    """Counts the calls answered by a cached plan; starts with no plans."""
+    monkeypatch.setattr(_plans, "_PLANS", {})
+    runs = []
+    original = _plans.Plan.run
+
+    def counted(self, sig, poison=None):
+        runs.append(sig.key)
+        return original(self, sig, poison)
+    monkeypatch.setattr(_plans.Plan, "run", counted)
+    return runs
+
+
+def test_no_plans_in_the_simulator_or_for_numpy():
+    q = np.ones((4, 8), np.float32)
+    assert _plans.signature("forward", (q, q, q), (False, None)) is None
+    assert _plans.signature("forward", ([1.0], [1.0], [1.0]), (False, None)) is None
+
+
+# (lead, nq, nk, d, dtype): plain, folded leading dims, key splits (few query tiles, many keys,
+# so forward_splits chooses a merge), float64, and a head dim above 256.
+SHAPES = [((2, 3), 100, 77, 64, "float32"), ((), 128, 4096, 64, "float32"), ((3,), 65, 300, 32, "float64"),
+          ((1, 1), 64, 1024, 1024, "float32")]
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}-{s[1]}x{s[2]}-d{s[3]}-{s[4]}")
+def test_repeat_calls_match_the_oracle(shape, causal, plan_runs):
+    """Fresh data each call, same signature: the first call leaves a plan, later calls use it,
+    and each call's outputs (NaN-poisoned first) match the oracle."""
+    lead, nq, nk, d, dtype = shape
+    n_launches = len(api.plan_forward(*(cuda.to_device(x) for x in make_qkv(0, lead, nq, nk, d, dtype)),
+                                  causal=causal)[1])
+    for call in range(3):
+        q, k, v = make_qkv(100 + call, lead, nq, nk, d, dtype)
+        out, lse = numba_flash.attention_fwd(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v),
+                                             causal=causal, scale=0.3)
+        check_forward(host(out), host(lse), q, k, v, causal, 0.3)
+        assert len(plan_runs) == call, "calls after the first must run through the plan"
+    if nk >= 1024:
+        assert n_launches == 2, "this shape is meant to exercise the key-split merge"
+
+
+@GPU_ONLY
+def test_plan_keeps_the_argument_checks(plan_runs):
+    q, k, v = (cuda.to_device(x) for x in make_qkv(1, (), 40, 50, 16, "float32"))
+    numba_flash.attention_fwd(q, k, v, causal=True, scale=1.0)
+    numba_flash.attention_fwd(q, k, v, causal=True, scale=1.0)
+    assert len(plan_runs) == 1
+    with pytest.raises(TypeError, match="causal"):
+        numba_flash.attention_fwd(q, k, v, causal=1, scale=1.0)
+    with pytest.raises(TypeError, match="scale"):
+        numba_flash.attention_fwd(q, k, v, causal=True, scale=True)
+    with pytest.raises(ValueError, match="scale"):
+        numba_flash.attention_fwd(q, k, v, causal=True, scale=-1.0)
+
+
+@GPU_ONLY
+def test_a_signature_change_takes_the_full_path(plan_runs):
+    """Another scale, causality, stride or alignment is another signature."""
+    q, k, v = make_qkv(2, (), 40, 50, 16, "float32")
+    qd, kd, vd = (cuda.to_device(x) for x in (q, k, v))
+    numba_flash.attention_fwd(qd, kd, vd)
+    for kwargs in ({"scale": 0.5}, {"causal": True}):
+        out, lse = numba_flash.attention_fwd(qd, kd, vd, **kwargs)
+        check_forward(host(out), host(lse), q, k, v, kwargs.get("causal", False), kwargs.get("scale"))
+    base = cuda.device_array(q.size + 1, np.float32)
+    shifted = base[1:].reshape(q.shape)            # 4-byte aligned only: plain loads
+    shifted.copy_to_device(q)
+    out, lse = numba_flash.attention_fwd(shifted, kd, vd, scale=0.5)
+    check_forward(host(out), host(lse), q, k, v, False, 0.5)
+    assert len(plan_runs) == 0
+    out, lse = numba_flash.attention_fwd(qd, kd, vd, scale=0.5)
+    assert len(plan_runs) == 1
+    check_forward(host(out), host(lse), q, k, v, False, 0.5)
+
+
+@GPU_ONLY
+def test_same_array_twice(plan_runs):
+    q, k, v = make_qkv(3, (2,), 33, 33, 8, "float64")
+    qd = cuda.to_device(q)
+    for _ in range(2):
+        out, lse = numba_flash.attention_fwd(qd, qd, qd, causal=True)
+        check_forward(host(out), host(lse), q, q, q, True, None)
+
+
+@GPU_ONLY
+def test_torch_packed_qkv_on_a_side_stream(plan_runs):
+    """q, k, v as strided views of one packed tensor, made on a busy side stream: the plan
+    launches on that stream, after the work that writes them."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    g = torch.Generator(device="cuda").manual_seed(5)
+    s = torch.cuda.Stream()
+    results = []
+    with torch.cuda.stream(s):
+        for call in range(3):
+            torch.cuda._sleep(200_000_000 if call else 0)
+            qkv = torch.randn(2, 70, 3, 4, 32, device="cuda", generator=g)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
+            results.append((q, k, v) + tuple(numba_flash.attention_fwd(q, k, v, causal=True)))
+    torch.cuda.synchronize()
+    assert len(plan_runs) == 2
+    for q, k, v, out, lse in results:
+        check_forward(host(out), host(lse), q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), True, None)
+
+
+@GPU_ONLY
+def test_cupy_repeat_calls(plan_runs):
+    cp = pytest.importorskip("cupy")
+    rng = cp.random.default_rng(6)
+    for _ in range(2):
+        q, k, v = (rng.standard_normal((3, 50, 24), dtype=cp.float32) for _ in range(3))
+        out, lse = numba_flash.attention_fwd(q, k, v)
+        cp.cuda.runtime.deviceSynchronize()
+        check_forward(host(out), host(lse), cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v), False, None)
+    assert len(plan_runs) == 1
+
+
+@GPU_ONLY
+def test_float16_repeat_calls(plan_runs):
+    q, k, v = (x.astype(np.float16) for x in make_qkv(7, (2,), 64, 64, 64, "float32"))
+    outs = [numba_flash.attention_fwd(*(cuda.to_device(x) for x in (q, k, v))) for _ in range(2)]
+    assert len(plan_runs) == 1
+    assert outs[1][0].dtype == np.float16 and outs[1][1].dtype == np.float32
+    np.testing.assert_array_equal(host(outs[0][0]), host(outs[1][0]))
+    np.testing.assert_array_equal(host(outs[0][1]), host(outs[1][1]))
