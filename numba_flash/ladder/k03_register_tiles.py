@@ -12,14 +12,14 @@ across the 32 lanes of one warp:
 
 One dynamic shared-memory buffer holds the tiles (``Q_i`` and ``K_j`` chunks, ``V_j``, ``P_ij``).
 
-**Why, and what it should buy** (N = d = 1024; W = 8, TM = 4, TV = 8: Br = 32 rows,
-Bd = 256 columns per block, 128 blocks of 256 threads, about one per SM). Rung 2 spent 2
+**Why, and what it should buy** (N = d = 1024; W = 8, TM = 4, TV = 8, DK = 64: Br = 32
+rows, Bd = 256 columns per block, 128 blocks of 256 threads, about one per SM). Rung 2 spent 2
 shared loads per FMA, and 14 barriers per key tile on its trees. Here a thread loads
 ``TM + 1`` words per head-dim step (``TM`` broadcasts of Q, one K word) for ``TM`` FMAs,
 and each block produces 8× more columns, so the recomputed ``S = Q Kᵀ`` (once per column
 block) is done d / Bd = 4 times instead of 32: ≈ 2·10⁸ shared-memory wavefronts in all
 (S ≈ 1.7·10⁸, P·V ≈ 0.4·10⁸), ≈ 0.9 ms at one wavefront per clock on 132 SMs, with two
-barriers per head-dim chunk plus two per key tile. Only 8 warps per SM hide the latency
+barriers per 64-column head-dim chunk plus two per key tile. Only 8 warps per SM hide the latency
 of those barriers and of the chunk copies, so expect ≈ 2 ms, 6–8× faster than rung 2
 (the seed's C++ original: 15.9 → 2.21 ms on an H200).
 
@@ -27,9 +27,11 @@ of those barriers and of the chunk copies, so expect ≈ 2 ms, 6–8× faster th
 ran at 6.6 ms, three times its C++ twin, and the register tile turned out to be this
 rung's largest lever (H200 sweep, CUDA events, L2 not flushed, ms): TM × TV = 2 × 4: 6.6
 (W = 4) and 5.9 (W = 16); 4 × 4: 3.7; 2 × 8: 3.5–3.8; 8 × 4: 2.9; 4 × 8: 2.5 (W = 4) and
-2.19 (W = 8, chosen: 116 registers). Asking for more blocks per SM instead (launch bounds
-of 4–8 blocks, 64–86 registers) gave 5.9–6.0 ms at the 2 × 4 tile. So the widening the
-seed makes in its kernel 4 happens here; rung 4 keeps this tile.
+2.19 (W = 8: 116 registers). Asking for more blocks per SM instead (launch bounds of 4–8
+blocks, 64–86 registers) gave 5.9–6.0 ms at the 2 × 4 tile. Then the head-dim chunk, with
+L2 flushed before each repeat as ``bench.py ladder`` does: DK = 16: 3.94, 32: 2.59,
+64: 1.82 (chosen; half the chunks, so half the barriers and copy round trips per key
+tile). So the widening the seed makes in its kernel 4 happens here; rung 4 keeps this tile.
 
 **Numba's own costs.** Written as plainly as the C++ twin (2 × 4 tile), this rung first ran at 13.0 ms
 (no faster than rung 2). An H200 profile showed 166 registers per thread (three blocks
@@ -71,7 +73,7 @@ from .. import warp
 from .._runtime import SIMULATOR
 from . import _host
 
-GPU_TILES = dict(W=8, TM=4, TV=8, DK=32)     # the seed problem's fastest (see "Tiles")
+GPU_TILES = dict(W=8, TM=4, TV=8, DK=64)     # the seed problem's fastest (see "Tiles")
 UNROLL = 4          # inner loops run in groups of this many steps (see "Numba's own costs")
 BATCH = 8           # loads in flight per thread in a tile copy (see "Numba's own costs")
 U = numba.uint64    # an index known to be >= 0 (see "Numba's own costs")
