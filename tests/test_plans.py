@@ -141,3 +141,33 @@ def test_float16_repeat_calls(plan_runs):
     assert outs[1][0].dtype == np.float16 and outs[1][1].dtype == np.float32
     np.testing.assert_array_equal(host(outs[0][0]), host(outs[1][0]))
     np.testing.assert_array_equal(host(outs[0][1]), host(outs[1][1]))
+
+
+def test_parameter_buffer_layout():
+    """Each kernel parameter sits in its own 8-byte cell, as cuLaunchKernel reads it through
+    the array of pointers: float32 in the low 4 bytes, float64 and int64 whole; the pointer
+    array holds each cell's address. (Host-side only: runs without a GPU.)"""
+    import ctypes
+    values = [0, 7, np.float32(1.5), np.float64(-2.25), 123456789012]
+    types = [ctypes.c_int64, ctypes.c_int64, ctypes.c_float, ctypes.c_double, ctypes.c_int64]
+    ln = _plans._Launch(None, (3, 2), 128, 4096, values, types, [(0, 1, 16)])
+    assert ln.grid == (3, 2, 1) and ln.block == (128, 1, 1) and ln.smem == 4096
+    raw = ln.buf.tobytes()
+    assert np.frombuffer(raw[16:20], np.float32)[0] == np.float32(1.5)
+    assert np.frombuffer(raw[24:32], np.float64)[0] == -2.25
+    assert np.frombuffer(raw[32:40], np.int64)[0] == 123456789012
+    assert list(ln.pointers) == [ln.buf.ctypes.data + 8 * i for i in range(len(values))]
+    assert ln.address == ln.pointers.ctypes.data
+    for i, (value, ctype) in enumerate(zip(values, types)):   # what the driver would read
+        assert ctype.from_address(int(ln.pointers[i])).value == pytest.approx(float(value))
+
+
+def test_plan_table_is_bounded(monkeypatch):
+    monkeypatch.setattr(_plans, "_PLANS", {})
+    monkeypatch.setattr(_plans, "MAX_PLANS", 3)
+    for i in range(7):
+        _plans.remember(_plans.Signature(("key", i), [], 0), object())
+        assert len(_plans._PLANS) <= 3
+    assert ("key", 6) in _plans._PLANS
+    _plans.remember(None, object())            # no signature (simulator, NumPy): nothing kept
+    assert _plans.lookup(None) is None
