@@ -176,3 +176,26 @@ def test_layout_a(ptx_runs, dtype):
     assert names == {n for n in EXPECTED if ONLY_A[dtype] in n}
     problems = [p for r in rows for p in _check_row(r)]
     assert not problems, "\n".join(problems)
+
+
+SASS_SAMPLE = """
+        /*0100*/                   LDS R4, [R2] ;
+        /*0110*/                   FFMA R8, R4, R5, R8 ;
+.L_x_3:
+        /*0120*/                   LDS.128 R4, [R2+0x10] ;
+        /*0130*/              @!P0 IMAD.IADD R9, R9, 0x1, R3 ;
+""" + "".join(f"        /*{0x140 + 16 * i:04x}*/                   FFMA R{i % 8}, R4, R5, R{i % 8} ;\n"
+              for i in range(16)) + """
+        /*0240*/                   HMMA.1688.F32.TF32 R20, R4, R8, R20 ;
+.L_x_4:
+        /*0250*/                   EXIT ;
+"""
+
+
+def test_hot_blocks_reads_an_nvdisasm_listing():
+    """--sass's report of the blocks that do the arithmetic (host-only: a canned listing)."""
+    from numba_flash.ptx import hot_blocks
+    blocks = hot_blocks(SASS_SAMPLE)
+    assert blocks == [{"instructions": 19, "fma": 17, "per_fma": round(19 / 17, 2),
+                       "mix": {"FFMA": 16, "LDS": 1, "IMAD": 1, "HMMA": 1}}]
+    assert hot_blocks(SASS_SAMPLE, min_fma=100) == []
