@@ -16,6 +16,7 @@ tensors, CuPy arrays, all of one kind, on one device); NumPy inputs, the simulat
 and every call that fails or that the full path cannot describe as slots, always take
 the full path.
 """
+import ctypes
 import threading
 
 import numpy as np
@@ -129,7 +130,6 @@ class _Launch:
         self.handle, self.smem, self.slots = handle, smem, slots
         self.grid = (tuple(grid) + (1, 1))[:3] if isinstance(grid, tuple) else (grid, 1, 1)
         self.block = (tuple(block) + (1, 1))[:3] if isinstance(block, tuple) else (block, 1, 1)
-        import ctypes
         self.buf = np.zeros(max(len(values), 1), np.int64)
         for i, (value, ctype) in enumerate(zip(values, ptypes)):
             if ctype is ctypes.c_float:
