@@ -4,6 +4,7 @@ Kernels take 4-D views ``(B1, B2, N, d)`` with arbitrary strides (see
 ``api._kernel_views``), so device inputs are never copied.
 """
 import functools
+import math
 
 import numpy as np
 from numba import cuda
@@ -243,10 +244,7 @@ def _free_async(ptr, stream):
 
 
 def nbytes(ary):
-    n = ary.dtype.itemsize
-    for s in ary.shape:
-        n *= s
-    return n
+    return ary.dtype.itemsize * math.prod(ary.shape)
 
 
 def _pool_array(shape, dtype, stream):
@@ -267,9 +265,7 @@ def pool_empty(ctx, pool, shape, dtype, handle, fill_dtype=None, fill=None):
     from cuda.bindings import driver as cu
     from numba.cuda.cudadrv.driver import MemoryPointer
 
-    size = dtype.itemsize
-    for n in shape:
-        size *= n
+    size = dtype.itemsize * math.prod(shape)
     if size == 0:
         return None
     err, ptr = cu.cuMemAllocFromPoolAsync(size, pool, handle)

@@ -128,8 +128,7 @@ class _Launch:
 
     def __init__(self, handle, grid, block, smem, values, ptypes, slots):
         self.handle, self.smem, self.slots = handle, smem, slots
-        self.grid = (tuple(grid) + (1, 1))[:3] if isinstance(grid, tuple) else (grid, 1, 1)
-        self.block = (tuple(block) + (1, 1))[:3] if isinstance(block, tuple) else (block, 1, 1)
+        self.grid, self.block = _launch.dims3(grid), _launch.dims3(block)
         self.buf = np.zeros(max(len(values), 1), np.int64)
         for i, (value, ctype) in enumerate(zip(values, ptypes)):
             if ctype is ctypes.c_float:
@@ -229,9 +228,7 @@ def capture(inputs, outputs, scratch, launches, finish, stream):
             if root is None:
                 return None
             slots.append((len(values) + 4, root[0], root[1]))
-            values += [0, 0, a.size, a.dtype.itemsize, 0]
-            values += a.shape
-            values += a.strides
+            values += _launch.array_params(a, 0)
         plans.append(_Launch(entry[0], grid, block, smem, values, entry[1], slots))
     outs = [(tuple(a.shape), a.dtype, np.dtype(dt)) for a, dt in outputs]
     return Plan(plans, outs, total, finish, ctx, pool)

@@ -113,8 +113,7 @@ class _Inputs:
     def result(self, *arrays):
         """NumPy in -> NumPy out; device in -> device arrays out (16-bit bits back in their dtype)."""
         if self.on_device:
-            return tuple(_arrays.retyped(a, self.dtype) if self.low and a.dtype == self.storage else a
-                         for a in arrays)
+            return _finish(self.dtype if self.low else None, arrays)
         return tuple(a.copy_to_host().view(self.dtype) if self.low and a.dtype == self.storage
                      else a.copy_to_host() for a in arrays)
 

@@ -103,6 +103,17 @@ def _record(kern, key, args, smem_bytes):
     _fast[key] = [handle, tuple(ptypes), max(smem_bytes, DEFAULT_SMEM_LIMIT)]
 
 
+def dims3(n):
+    """A grid or block (an int or a tuple of up to 3) as (x, y, z)."""
+    return (tuple(n) + (1, 1))[:3] if isinstance(n, tuple) else (n, 1, 1)
+
+
+def array_params(a, ptr):
+    """The kernel parameters of a device array, as Numba flattens them (meminfo, parent,
+    nitems, itemsize, data, shape, strides), with ``ptr`` as its data pointer."""
+    return [0, 0, a.size, a.dtype.itemsize, ptr, *a.shape, *a.strides]
+
+
 def _launch_fast(entry, grid, block, smem_bytes, args, stream):
     from cuda.bindings import driver as cu
     handle, ptypes, _ = entry
@@ -111,13 +122,8 @@ def _launch_fast(entry, grid, block, smem_bytes, args, stream):
         if type(a) in _SCALAR_CTYPES:
             values.append(a)
         else:
-            ptr = a.device_ctypes_pointer.value or 0
-            values += [0, 0, a.size, a.dtype.itemsize, ptr]
-            values += a.shape
-            values += a.strides
-    gx, gy, gz = (tuple(grid) + (1, 1))[:3] if isinstance(grid, tuple) else (grid, 1, 1)
-    bx, by, bz = (tuple(block) + (1, 1))[:3] if isinstance(block, tuple) else (block, 1, 1)
-    err, = cu.cuLaunchKernel(handle, gx, gy, gz, bx, by, bz, smem_bytes, _arrays.stream_handle(stream),
+            values += array_params(a, a.device_ctypes_pointer.value or 0)
+    err, = cu.cuLaunchKernel(handle, *dims3(grid), *dims3(block), smem_bytes, _arrays.stream_handle(stream),
                              (tuple(values), ptypes), 0)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
