@@ -201,6 +201,23 @@ if not SIMULATOR:
         return types.float32(x), codegen
 
     @intrinsic
+    def tf32_round_fast(typingctx, x):
+        """``tf32_round`` for finite ``x`` in two integer instructions (add half of the
+        dropped 13 bits to the bit pattern, clear them): ``cvt.rna.tf32.f32`` compiles to
+        the same two plus an infinity test. Infinities and NaNs are not preserved."""
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(ctx, builder, sig, args):
+            f = ctx.cast(builder, args[0], sig.args[0], types.float32)
+            bits = builder.bitcast(f, ir.IntType(32))
+            asm = ir.InlineAsm(ir.FunctionType(ir.IntType(32), [ir.IntType(32)]),
+                               "{ .reg .b32 t; add.u32 t, $1, 4096; and.b32 $0, t, -8192; }", "=r,r")
+            return builder.bitcast(builder.call(asm, [bits]), ir.FloatType())
+
+        return types.float32(x), codegen
+
+    @intrinsic
     def mma_tf32_m16n8k8(typingctx, a0, a1, a2, a3, b0, b1, c0, c1, c2, c3):
         """One warp-wide ``D = A·B + C`` on tensor cores, ``A`` 16×8 (TF32), ``B`` 8×8 (TF32),
         ``C``/``D`` 16×8 (float32): ``mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32``.
@@ -369,6 +386,10 @@ else:
         b = _np.float32(x).view(_np.uint32)
         if (b & _np.uint32(0x7F800000)) == _np.uint32(0x7F800000):   # inf, nan: unchanged
             return _np.float32(x)
+        return ((b + _np.uint32(0x1000)) & _np.uint32(0xFFFFE000)).view(_np.float32)
+
+    def tf32_round_fast(x):
+        b = _np.float32(x).view(_np.uint32)
         return ((b + _np.uint32(0x1000)) & _np.uint32(0xFFFFE000)).view(_np.float32)
 
     import struct as _struct
