@@ -49,15 +49,16 @@ FRAGMENTS = {
     6: [("the whole change", "KS = DK + 4", "KS = DK + 4")],
     7: [("copies: cp.async, 16 bytes, no registers", "C4 = ncols >> 2", "16 if ok else 0)"),
         ("the pipeline over head-dim chunks", "for d0 in range(0, d, DK):", "slot = 1 - slot")],
-    8: [("3×TF32: three tensor-core products per fp32 product", "def split(x):",
-         "return big, ops.tf32_round(x - big)"),
+    8: [("3×TF32: three tensor-core products per fp32 product", "def split(x):", "return big, x - big"),
         ("", "def mma3(", "return c0 + t0, c1 + t1"),
         ("the fragment layout, from ops.mma_tf32_m16n8k8's docstring", "A (16×8, row-major)",
          "c0 = C[g, 2t]", "numba_flash/ops.py"),
-        ("S = Q_i K_jᵀ, one m16n8k8 per 8 keys and 8 head-dim columns",
+        ("S = Q_i K_jᵀ: this warp's half of the keys, one m16n8k8 per 8 keys and 8 head-dim columns",
          "qa = slot * SLOT", "s[n, 0], s[n, 1], s[n, 2], s[n, 3]"),
-        ("O += P V with P straight from the S registers (keys renumbered)",
-         "for n in range(NS):          # O_i += P_ij V_j", "o[nn, 0], o[nn, 1], o[nn, 2], o[nn, 3] = mma3")],
+        ("the pair's row max, through shared memory", "mx = max(mx, warp.shfl_xor_sync(FULL, mx, 1))",
+         "m_new = max(m[h], max(smem[row2], smem[row2 + 1]))"),
+        ("O += P V: P from shared memory, this warp's half of the columns",
+         "pa = P_OFF", "o[nn, 0], o[nn, 1], o[nn, 2], o[nn, 3] = mma3")],
 }
 
 

@@ -43,6 +43,23 @@ def test_tf32_round():
 
 
 @cuda.jit
+def _round_fast_kernel(x, out):
+    i = cuda.grid(1)
+    if i < x.shape[0]:
+        out[i] = ops.tf32_round_fast(x[i])
+
+
+def test_tf32_round_fast_matches_tf32_round_on_finite_values():
+    rng = np.random.default_rng(1)
+    x = np.concatenate([rng.standard_normal(64).astype(np.float32) * 10,
+                        np.array([1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, 2**-11, 0.0, -0.0, 3e38, -1e-40],
+                                 np.float32)])
+    out = np.zeros_like(x)
+    launch(_round_fast_kernel, 1, 128, 0, (x, out))
+    np.testing.assert_array_equal(out.view(np.uint32), tf32_rna(x).view(np.uint32))
+
+
+@cuda.jit
 def _mma_kernel(a, b, c, d):
     lane = cuda.threadIdx.x
     g, t = lane >> 2, lane & 3
@@ -194,3 +211,19 @@ def test_mma_m16n8k16_fragment_layout(kind, seed):
     launch(MMA16[kind], 1, 32, 0, (a.view(np.uint16), b.view(np.uint16), c, d))
     want = a.astype(np.float64) @ b.astype(np.float64) + c
     np.testing.assert_allclose(d, want, rtol=0, atol=1e-5 * np.abs(want).max())
+
+
+@pytest.mark.skipif(numba_flash.SIMULATOR, reason="a property of the tensor core itself")
+def test_mma_tf32_reads_only_the_tf32_bits():
+    """ops.tf32_round_fast's split passes ``small = x - big`` with its low 13 bits set: the
+    tensor core must read only the TF32 bits (what the simulator's twin models)."""
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal((16, 8)).astype(np.float32)
+    b = rng.standard_normal((8, 8)).astype(np.float32)
+    c = np.zeros((16, 8), np.float32)
+    clear = lambda x: (x.view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)  # noqa: E731
+    assert np.any(a != clear(a)) and np.any(b != clear(b))
+    d_raw, d_clear = np.zeros_like(c), np.zeros_like(c)
+    launch(_mma_kernel, 1, 32, 0, (a, b, c, d_raw))
+    launch(_mma_kernel, 1, 32, 0, (clear(a), clear(b), c, d_clear))
+    np.testing.assert_array_equal(d_raw, d_clear)

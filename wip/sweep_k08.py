@@ -1,11 +1,12 @@
-"""Rung 8 candidates on the seed problem, timed as bench.py ladder does (L2 flushed before
-each repeat): the committed rung 8, the warp-pair design at several tiles, and rung 7."""
+"""Rung 8 on the seed problem at several tiles, next to rung 7 and the first rung 8 design with
+the same split and index fixes (wip/k08_fast.py), timed as bench.py ladder does (L2 flushed
+before each repeat). Run from the repo root: python wip/sweep_k08.py"""
 import sys, math, numpy as np
-sys.path.insert(0, "scratch")
+sys.path.insert(0, "wip")
 from numba import cuda
 from numba_flash.ladder import seed_inputs, _host, k07_double_buffer as k7, k08_tensor_cores as k8
 from numba_flash import reference
-import k08_pairs as k8p
+import k08_fast as k8f
 q, k, v = seed_inputs(1024, 1024)
 ref = reference.attention(q, k, v)
 qd, kd, vd = (cuda.to_device(x) for x in (q, k, v))
@@ -20,10 +21,10 @@ def t_ms(fn, reps=15):
         s.record(); fn(); e.record(); e.synchronize(); ts.append(cuda.event_elapsed_time(s, e))
     return float(np.median(ts))
 
-for mod, tiles in [(k7, k7.GPU_TILES), (k8, k8.GPU_TILES),
-                   (k8p, dict(W=4, Bc=64, Bd=256, DK=32)), (k8p, dict(W=8, Bc=64, Bd=256, DK=32)),
-                   (k8p, dict(W=4, Bc=32, Bd=256, DK=32)), (k8p, dict(W=4, Bc=64, Bd=128, DK=32)),
-                   (k8p, dict(W=4, Bc=64, Bd=256, DK=16)), (k8p, dict(W=4, Bc=64, Bd=256, DK=64))]:
+T = lambda W, Bc, Bd, DK=32: dict(W=W, Bc=Bc, Bd=Bd, DK=DK)
+for mod, tiles in [(k7, k7.GPU_TILES), (k8f, k8f.GPU_TILES), (k8, T(4, 64, 256)), (k8, T(4, 64, 256, 64)),
+                   (k8, T(4, 64, 256, 16)), (k8, T(8, 64, 256)), (k8, T(4, 32, 256)), (k8, T(4, 64, 128)),
+                   (k8, T(4, 128, 256)), (k8, T(2, 64, 256))]:
     try:
         kern = mod.make_kernel(**tiles)
         NT, Br, Bc, Bd = mod.shape(**tiles)
@@ -33,6 +34,7 @@ for mod, tiles in [(k7, k7.GPU_TILES), (k8, k8.GPU_TILES),
         ms = t_ms(f)
         err = float(np.abs(out.copy_to_host() - ref).max())
         regs = [getattr(c, "regs_per_thread", None) for c in kern.overloads.values()]
-        print(f"{mod.__name__} {tiles} {ms:.3f} ms err {err:.1e} regs {regs} smem {smem}", flush=True)
+        lmem = [getattr(c, "local_mem_per_thread", None) for c in kern.overloads.values()]
+        print(f"{mod.__name__} {tiles} {ms:.3f} ms err {err:.1e} regs {regs} local {lmem} smem {smem}", flush=True)
     except Exception as ex:
         print(mod.__name__, tiles, "ERR", repr(ex)[:300], flush=True)
