@@ -445,11 +445,16 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
     The result is deterministic: no atomics, every gradient element is written by
     exactly one thread, so equal inputs give bitwise-equal gradients.
     """
-    return _run(plan_backward(dout, q, k, v, out, lse, causal, scale))
+    return _call("backward", _plan_backward, (dout, q, k, v, out, lse), (causal, scale))
 
 
 def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None):
     """:func:`attention_bwd` up to its kernel launches; see :func:`plan_forward`."""
+    return _plan_backward(dout, q, k, v, out, lse, causal, scale)[:2]
+
+
+def _plan_backward(dout, q, k, v, out, lse, causal, scale):
+    """:func:`plan_backward`, and a third item: ``capture(stream)`` (see :func:`_plan_forward`)."""
     inp = _Inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, causal, scale)
     dq = inp.empty_like(inp.lead + (inp.nq, inp.d))
     dk = inp.empty_like(inp.lead + (inp.nk, inp.d))
@@ -457,7 +462,7 @@ def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None):
     launches = []
     result = lambda: inp.result(dq, dk, dv)  # noqa: E731
     if inp.batch == 0 or inp.nq + inp.nk == 0:
-        return result, launches
+        return result, launches, None
     dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
     delta = inp.empty_like(inp.lead + (inp.nq,))
     aligned = all(_arrays.rows_aligned16(dev[n]) for n in ("q", "k", "v", "dout"))
@@ -481,4 +486,10 @@ def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None):
             launches.append((k_dq, _grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG,
                              spec["backward_dq_simt"].smem_bytes,
                              (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t), inp.stream))
-    return result, launches
+    if not inp.on_device or not (inp.nq and inp.nk):
+        return result, launches, None
+    inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order
+    capture = lambda stream: _plans.capture(  # noqa: E731
+        inputs, [(dq, inp.dtype), (dk, inp.dtype), (dv, inp.dtype)], [delta], launches,
+        functools.partial(_finish, None), stream)
+    return result, launches, capture

@@ -171,3 +171,18 @@ def test_plan_table_is_bounded(monkeypatch):
     assert ("key", 6) in _plans._PLANS
     _plans.remember(None, object())            # no signature (simulator, NumPy): nothing kept
     assert _plans.lookup(None) is None
+
+@GPU_ONLY
+@pytest.mark.parametrize("dtype,causal", [("float32", True), ("float64", False)])
+def test_backward_repeat_calls_match_the_oracle(dtype, causal, plan_runs):
+    """The backward's plan (its delta buffer is the plan's scratch): fresh data each call."""
+    from test_backward import check_backward
+    lead, nq, nk, d = (2,), 70, 90, 40
+    for call in range(3):
+        q, k, v = make_qkv(200 + call, lead, nq, nk, d, dtype)
+        dout = make_qkv(300 + call, lead, nq, nk, d, dtype)[0]
+        dev = [cuda.to_device(x) for x in (q, k, v, dout)]
+        out, lse = numba_flash.attention_fwd(*dev[:3], causal=causal)
+        grads = numba_flash.attention_bwd(dev[3], *dev[:3], out, lse, causal=causal)
+        check_backward([host(g) for g in grads], dout, q, k, v, causal, None)
+    assert len(plan_runs) == 4, "forward and backward: each call after the first through its plan"
