@@ -172,6 +172,7 @@ def test_plan_table_is_bounded(monkeypatch):
     _plans.remember(None, object())            # no signature (simulator, NumPy): nothing kept
     assert _plans.lookup(None) is None
 
+
 @GPU_ONLY
 @pytest.mark.parametrize("dtype,causal", [("float32", True), ("float64", False)])
 def test_backward_repeat_calls_match_the_oracle(dtype, causal, plan_runs):
