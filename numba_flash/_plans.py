@@ -29,36 +29,20 @@ _PLANS = {}
 
 
 # --------------------------------------------------------------------------- signatures
-def _numba_sig(arrays):
-    key, ptrs = [], []
-    for x in arrays:
-        key += (x.dtype, x.shape, x.strides)
-        ptrs.append(int(x.gpu_data.device_pointer) if x.size else 0)
-    return key, ptrs, 0
+# Per array kind: (key items, data pointer, the stream it names or None).
+def _numba_sig(x):
+    return (x.dtype, x.shape, x.strides), int(x.gpu_data.device_pointer) if x.size else 0, None
 
 
-def _torch_sig(arrays):
+def _torch_sig(x):
     import torch
-    dev = arrays[0].device
-    key, ptrs = [], []
-    for x in arrays:
-        if x.device != dev or not x.is_cuda:
-            return None
-        key += (x.dtype, x.shape, x.stride())
-        ptrs.append(x.data_ptr())
-    key.append(dev)
-    return key, ptrs, _stream(torch.cuda.current_stream(dev).cuda_stream)
-
-
-def _cupy_sig(arrays):
-    key, ptrs, streams = [], [], set()
-    for x in arrays:
-        key += (x.dtype, x.shape, x.strides, x.device.id)
-        ptrs.append(x.data.ptr)
-        streams.add(x.__cuda_array_interface__.get("stream"))
-    if len(streams) != 1:
+    if not x.is_cuda:
         return None
-    return key, ptrs, _stream(streams.pop())
+    return (x.dtype, x.shape, x.stride(), x.device), x.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream
+
+
+def _cupy_sig(x):
+    return (x.dtype, x.shape, x.strides, x.device.id), x.data.ptr, x.__cuda_array_interface__.get("stream")
 
 
 def _stream(handle):
@@ -91,20 +75,30 @@ class Signature:
 
 def signature(name, arrays, options):
     """The :class:`Signature` of a call to ``name`` with device ``arrays`` and hashable
-    ``options``, or None where the fast path does not apply."""
+    ``options``, or None where the fast path does not apply. The arrays may be of
+    different kinds (PyTorch inputs with the Numba arrays a forward call returned, say);
+    the streams they name (PyTorch: the current stream; CuPy: its array interface's;
+    Numba: none) must agree, as the full path then launches on that one stream."""
     if SIMULATOR:
         return None
-    t = type(arrays[0])
-    sig = _kind_of(t)
-    if sig is None or any(type(x) is not t for x in arrays):
+    key, ptrs, streams = [], [], set()
+    for x in arrays:
+        t = type(x)
+        sig = _kind_of(t)
+        found = sig(x) if sig is not None else None
+        if found is None:
+            return None
+        items, ptr, stream = found
+        key += (t, *items)
+        ptrs.append(ptr)
+        if stream is not None:
+            streams.add(stream)
+    if len(streams) > 1:
         return None
-    found = sig(arrays)
-    if found is None:
-        return None
-    key, ptrs, stream = found
+    stream = _stream(streams.pop() if streams else None)
     # Options compare with their types: causal=1 must not find causal=True's plan.
     key += [(type(o), o) for o in options]
-    key += (name, t, tuple(p % 16 == 0 for p in ptrs), stream, _launch.context_handle())
+    key += (name, tuple(p % 16 == 0 for p in ptrs), stream, _launch.context_handle())
     return Signature(tuple(key), ptrs, stream)
 
 

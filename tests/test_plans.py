@@ -187,3 +187,20 @@ def test_backward_repeat_calls_match_the_oracle(dtype, causal, plan_runs):
         grads = numba_flash.attention_bwd(dev[3], *dev[:3], out, lse, causal=causal)
         check_backward([host(g) for g in grads], dout, q, k, v, causal, None)
     assert len(plan_runs) == 4, "forward and backward: each call after the first through its plan"
+
+
+@GPU_ONLY
+def test_backward_plan_with_torch_inputs_and_the_forward_outputs(plan_runs):
+    """PyTorch q, k, v, dout with the (Numba) out and lse that attention_fwd returned: a
+    mixed signature, as a PyTorch training step makes it, still finds its plans."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from test_backward import check_backward
+    g = torch.Generator(device="cuda").manual_seed(7)
+    for call in range(3):
+        q, k, v, dout = (torch.randn(2, 60, 32, device="cuda", generator=g) for _ in range(4))
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+        grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=True)
+        check_backward([host(x) for x in grads], *(x.cpu().numpy() for x in (dout, q, k, v)), True, None)
+    assert len(plan_runs) == 4, "forward and backward: each call after the first through its plan"
