@@ -12,7 +12,7 @@ signature reads its inputs' data pointers, allocates its outputs (and scratch) f
 pool, writes the pointers into the slots and calls ``cuLaunchKernel``.
 
 Only device inputs of the common kinds take this path (Numba device arrays, PyTorch
-tensors, CuPy arrays, all of one kind, on one device); NumPy inputs, the simulator,
+tensors, CuPy arrays, mixed if the streams they name agree); NumPy inputs, the simulator,
 and every call that fails or that the full path cannot describe as slots, always take
 the full path.
 """
