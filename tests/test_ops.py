@@ -24,39 +24,30 @@ def tf32_rna(x):
     return ((b + 0x1000) & 0xFFFFE000).astype(np.uint32).view(np.float32)
 
 
-@cuda.jit
-def _round_kernel(x, out):
-    i = cuda.grid(1)
-    if i < x.shape[0]:
-        out[i] = ops.tf32_round(x[i])
+def _round_kernel(round_fn):
+    @cuda.jit
+    def kern(x, out):
+        i = cuda.grid(1)
+        if i < x.shape[0]:
+            out[i] = round_fn(x[i])
+    return kern
 
 
-def test_tf32_round():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal(64).astype(np.float32) * 10
-    ties = np.array([1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, 2**-11], np.float32)   # exactly halfway
-    x = np.concatenate([x, ties, np.array([0.0, -0.0, 1.0, 3.5], np.float32)])
-    out = np.zeros_like(x)
-    launch(_round_kernel, 1, 128, 0, (x, out))
+ROUND = {"tf32_round": _round_kernel(ops.tf32_round), "tf32_round_fast": _round_kernel(ops.tf32_round_fast)}
+TIES = [1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, 2**-11]       # exactly halfway
+ROUND_EXTRA = {"tf32_round": [0.0, -0.0, 1.0, 3.5],
+               "tf32_round_fast": [0.0, -0.0, 3e38, -1e-40]}   # finite values only: it keeps no inf/NaN
+
+
+@pytest.mark.parametrize("name", ROUND)
+def test_tf32_round_is_nearest_ties_away(name):
+    """Both roundings against the NumPy model of cvt.rna.tf32.f32 (the fast one on finite values)."""
+    rng = np.random.default_rng(len(name))
+    x = np.concatenate([rng.standard_normal(64) * 10, TIES, ROUND_EXTRA[name]]).astype(np.float32)
+    out = np.full_like(x, np.nan)
+    launch(ROUND[name], 1, 128, 0, (x, out))
     np.testing.assert_array_equal(out.view(np.uint32), tf32_rna(x).view(np.uint32))
     assert np.all(out.view(np.uint32) & 0x1FFF == 0)
-
-
-@cuda.jit
-def _round_fast_kernel(x, out):
-    i = cuda.grid(1)
-    if i < x.shape[0]:
-        out[i] = ops.tf32_round_fast(x[i])
-
-
-def test_tf32_round_fast_matches_tf32_round_on_finite_values():
-    rng = np.random.default_rng(1)
-    x = np.concatenate([rng.standard_normal(64).astype(np.float32) * 10,
-                        np.array([1 + 2**-11, -(1 + 2**-11), 1 + 3 * 2**-11, 2**-11, 0.0, -0.0, 3e38, -1e-40],
-                                 np.float32)])
-    out = np.zeros_like(x)
-    launch(_round_fast_kernel, 1, 128, 0, (x, out))
-    np.testing.assert_array_equal(out.view(np.uint32), tf32_rna(x).view(np.uint32))
 
 
 @cuda.jit
