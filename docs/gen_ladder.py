@@ -1,18 +1,22 @@
 """Regenerate the generated parts of docs/ladder.md from the rung files (and a bench run).
 
     python docs/gen_ladder.py                                     # rungs and overview from the code
-    python docs/gen_ladder.py --results results/bench-ladder.json # ... and the measured table + chart
+    python docs/gen_ladder.py --results results/bench-ladder.json # ... and the measured table + chart,
+                                                                  # and each rung's "Measured" paragraph
     python docs/gen_ladder.py --check                             # exit 1 if ladder.md is stale (a test)
 
 docs/ladder.md is hand-written except for the blocks between
 ``<!-- BEGIN generated: NAME -->`` and ``<!-- END generated: NAME -->``:
 
 * ``overview``: one table row per rung of ``numba_flash.ladder.RUNGS``;
-* ``rungs``: per rung, its module docstring (minus the "Measured" paragraph, whose
-  numbers live in ``results``) and its key code, cut from the rung file between the
-  anchor lines listed in ``FRAGMENTS`` below (so the doc cannot drift from the code);
+* ``rungs``: per rung, its module docstring and its key code, cut from the rung file
+  between the anchor lines listed in ``FRAGMENTS`` below (so the doc cannot drift from
+  the code);
 * ``results``: the table ``python bench.py ladder`` measured, rendered from its JSON,
   and its bar chart (copied next to this file). Left as it is without ``--results``.
+
+With ``--results`` the "Measured" paragraph of each rung's docstring is rewritten too,
+from the same JSON: the numbers in the rung files are never typed by hand.
 """
 import argparse
 import importlib.util
@@ -84,10 +88,9 @@ def fragment(path, start, end):
 
 
 def docstring_markdown(rung):
-    """The rung's docstring as Markdown: without its title line and its Measured paragraph."""
+    """The rung's docstring as Markdown, without its title line."""
     doc = rung.module.__doc__.strip()
     body = doc.split("\n", 1)[1].strip()
-    body = re.sub(r"\*\*Measured\.\*\*.*?(?=\n\n\*\*|\Z)", "", body, flags=re.S).strip()
     body = re.sub(r"::\n", ":\n", body)
     return re.sub(r"\n{3,}", "\n\n", body)
 
@@ -132,6 +135,47 @@ def results(json_path):
     return md
 
 
+def measured_paragraph(row, previous, doc, commit):
+    """A rung's "Measured" docstring paragraph, from its row of a ``bench.py ladder`` JSON."""
+    ours, val = row["ours"], row["validation"]
+    ms, twin = ours["ms_median"], row["seed_h200_ms"]
+    when = f"{doc['gpu']['name']}, {doc['date'][:10]}, commit {commit}"
+    text = (f"**Measured** ({when}; N = d = 1024, ``python bench.py ladder``; written by "
+            f"docs/gen_ladder.py): {ms:.3f} ms, {ours['tflops']:.2f} TFLOP/s, max error "
+            f"{val['max_abs_err']:.1e} against the float64 oracle "
+            f"({'passes' if val['valid'] else 'FAILS'} the seed's {val['tolerance']:.0e}).")
+    if previous is not None:
+        x = row["vs_previous"]
+        text += (f" {x:.2f}× faster than rung {previous}." if x >= 1 else
+                 f" Slower than rung {previous} ({x:.2f}×): a regression (see above).")
+    text += f" The seed's C++ twin on an H200: {twin:.2f} ms, " + (
+        f"so this rung is {twin / ms:.2f}× faster." if ms <= twin else f"so this rung is {ms / twin:.2f}× slower: "
+                                                                       "its target is missed.")
+    return textwrap.fill(text, width=90, break_long_words=False, break_on_hyphens=False)
+
+
+def write_measured(json_path, commit=None):
+    """Rewrite the "Measured" paragraph of each rung's docstring from a bench JSON."""
+    import json
+    from numba_flash.ladder import RUNGS
+    doc = json.loads(Path(json_path).read_text())
+    if commit is None:
+        commit = doc["git_sha"][:7] + (" (dirty)" if doc.get("git_dirty") else "")
+    rows = {row["rung"]: row for row in doc["rows"]}
+    for r in RUNGS:
+        if r.number not in rows:
+            continue
+        path = ROOT / "numba_flash" / "ladder" / f"{r.name}.py"
+        src = path.read_text()
+        para = measured_paragraph(rows[r.number], r.number - 1 if r.number > 1 else None, doc, commit)
+        new, n = re.subn(r"\*\*Measured[^\n]*(?:\n(?!\n|\"\"\")[^\n]*)*", lambda m: para, src, count=1)
+        if n != 1:
+            raise SystemExit(f"gen_ladder: no **Measured** paragraph in {path}'s docstring")
+        path.write_text(new)
+        r.module.__doc__ = re.sub(r"\*\*Measured[^\n]*(?:\n(?!\n)[^\n]*)*", lambda m: para,
+                                  r.module.__doc__, count=1)
+
+
 def replace_block(text, name, body):
     pat = re.compile(rf"(<!-- BEGIN generated: {name} [^>]*-->\n)(.*?)(<!-- END generated: {name} -->)", re.S)
     if not pat.search(text):
@@ -150,8 +194,12 @@ def render(text, results_json=None):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--results", default=None, help="JSON written by python bench.py ladder")
+    p.add_argument("--commit", default=None,
+                   help="the commit the measured tree is, where the JSON's git_sha is not it")
     p.add_argument("--check", action="store_true", help="only check that docs/ladder.md is up to date")
     a = p.parse_args(argv)
+    if a.results and not a.check:
+        write_measured(a.results, a.commit)
     text = DOC.read_text()
     new = render(text, a.results)
     if a.check:

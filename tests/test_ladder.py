@@ -169,6 +169,26 @@ def test_docs_are_generated_from_the_rung_files():
     assert proc.returncode == 0, proc.stdout + proc.stderr
 
 
+def test_measured_paragraphs_come_from_a_bench_run():
+    """Each rung states its measured result, written by gen_ladder from a bench JSON, and
+    the generated wording states a regression and a missed target plainly."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen_ladder", ROOT / "docs" / "gen_ladder.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    for r in RUNGS:
+        assert "**Measured** (" in r.module.__doc__ and "docs/gen_ladder.py" in r.module.__doc__, r.name
+    doc = {"gpu": {"name": "GPU"}, "date": "2026-01-02T00:00:00"}
+    row = {"ours": {"ms_median": 3.0, "tflops": 1.0}, "seed_h200_ms": 2.0, "vs_previous": 0.5,
+           "validation": {"max_abs_err": 2e-5, "valid": True, "tolerance": 1e-4}}
+    text = " ".join(gen.measured_paragraph(row, 4, doc, "abc1234").split())
+    assert "3.000 ms" in text and "Slower than rung 4 (0.50×): a regression" in text
+    assert "1.50× slower: its target is missed" in text and "passes the seed's 1e-04" in text
+    row.update(vs_previous=2.0, seed_h200_ms=6.0)
+    text = " ".join(gen.measured_paragraph(row, 4, doc, "abc1234").split())
+    assert "2.00× faster than rung 4" in text and "2.00× faster." in text
+
+
 def test_bench_ladder_tiny(tmp_path):
     js, md = tmp_path / "l.json", tmp_path / "l.md"
     proc = subprocess.run([sys.executable, str(ROOT / "bench.py"), "ladder", "--tiny", "--repeats", "1",
