@@ -380,17 +380,17 @@ else:
 
     import numpy as _np
 
-    def tf32_round(x):
+    def tf32_round_fast(x):
         # Round the float32 bit pattern to 10 mantissa bits: add half of the dropped
         # 13 bits to the magnitude, then clear them (ties away from zero, like .rna).
         b = _np.float32(x).view(_np.uint32)
-        if (b & _np.uint32(0x7F800000)) == _np.uint32(0x7F800000):   # inf, nan: unchanged
-            return _np.float32(x)
         return ((b + _np.uint32(0x1000)) & _np.uint32(0xFFFFE000)).view(_np.float32)
 
-    def tf32_round_fast(x):
+    def tf32_round(x):
         b = _np.float32(x).view(_np.uint32)
-        return ((b + _np.uint32(0x1000)) & _np.uint32(0xFFFFE000)).view(_np.float32)
+        if (b & _np.uint32(0x7F800000)) == _np.uint32(0x7F800000):   # inf, nan: unchanged
+            return _np.float32(x)
+        return tf32_round_fast(x)
 
     import struct as _struct
 
