@@ -1,12 +1,18 @@
-"""Choose between a real GPU and Numba's CUDA simulator, before numba is imported.
+"""Choose between a real GPU and Numba's CUDA simulator, before ``numba.cuda`` is imported.
 
-Numba reads ``NUMBA_ENABLE_CUDASIM`` once, at import time, so the choice has to be
-made here, first thing in ``numba_flash/__init__.py``.
+``numba.cuda`` reads ``NUMBA_ENABLE_CUDASIM`` once, when it is first imported, and
+loads either the GPU driver bindings or the simulator; it cannot be switched afterwards.
+So the choice is made here, first thing in ``numba_flash/__init__.py``:
 
 * If the user has set ``NUMBA_ENABLE_CUDASIM`` (to anything), we obey it.
 * Otherwise we ask the CUDA driver (``libcuda``, through ctypes, without importing
   numba) whether a device exists. If not, we switch the simulator on and say so once
-  with a :class:`SimulatorWarning`.
+  with a :class:`SimulatorWarning`, reported at the line that imported numba_flash.
+
+The import order does not matter as long as ``numba.cuda`` comes after us: if only
+``numba`` was imported before (``import numba``), its configuration is re-read so that
+it agrees. If ``numba.cuda`` was already imported in the other mode, nothing can switch
+it, and ``import numba_flash`` raises an ImportError that says what to do.
 
 ``SIMULATOR`` is the decision; every other module reads it from here.
 """
@@ -14,6 +20,9 @@ import ctypes
 import os
 import sys
 import warnings
+
+ENV = "NUMBA_ENABLE_CUDASIM"
+_HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 class SimulatorWarning(UserWarning):
@@ -34,20 +43,69 @@ def _gpu_present():
     return False
 
 
+def _loaded_mode():
+    """How ``numba.cuda`` was imported before us: True (simulator), False (GPU), None (not yet)."""
+    if "numba.cuda" not in sys.modules:
+        return None
+    return "numba.cuda.simulator_init" in sys.modules
+
+
+def _sync_numba_config(simulator):
+    """Make the numba configurations already imported (``numba.config``, numba-cuda's own)
+    agree with ``NUMBA_ENABLE_CUDASIM``, so the ``numba.cuda`` imported next takes our mode."""
+    for name in ("numba.core.config", "numba.cuda.core.config"):
+        config = sys.modules.get(name)
+        if config is not None and bool(getattr(config, "ENABLE_CUDASIM", simulator)) != simulator:
+            config.reload_config()
+
+
+def _too_late(loaded, wanted, reason):
+    found = "Numba's CUDA simulator" if loaded else "GPU mode"
+    return ImportError(
+        f"numba_flash: numba.cuda was imported before numba_flash, in {found}, but {reason}, and "
+        "numba.cuda cannot switch modes once imported. Either import numba_flash before anything "
+        "imports numba.cuda (put `import numba_flash` above `from numba import cuda`), or set "
+        f"{ENV}={1 if wanted else 0} before starting Python (e.g. `{ENV}={1 if wanted else 0} python "
+        "your_script.py`).")
+
+
+def _user_stacklevel():
+    """``warnings.warn``'s stacklevel for the first frame outside numba_flash: the line
+    that imported it. (``warnings`` itself skips importlib's frames, so they are not counted.)"""
+    level, frame = 0, sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not ("importlib" in name and "_bootstrap" in name):
+            level += 1
+            if not name.startswith(_HERE):
+                break
+        frame = frame.f_back
+    return max(level, 1)
+
+
 def _decide():
-    if "NUMBA_ENABLE_CUDASIM" in os.environ:
-        return os.environ["NUMBA_ENABLE_CUDASIM"] not in ("", "0")
+    loaded = _loaded_mode()
+    if ENV in os.environ:
+        simulator = os.environ[ENV] not in ("", "0")
+        if loaded is not None and loaded != simulator:
+            raise _too_late(loaded, simulator, f"{ENV}={os.environ[ENV]} asks for "
+                            + ("the simulator" if simulator else "a GPU"))
+        _sync_numba_config(simulator)
+        return simulator
+    if loaded is not None:           # numba.cuda came first and chose; we can only follow it
+        if not loaded and not sys.modules["numba.cuda"].is_available():
+            raise _too_late(loaded, True, "this machine has no usable CUDA GPU")
+        return loaded
     if _gpu_present():
+        _sync_numba_config(False)
         return False
-    numba = sys.modules.get("numba")
-    if numba is not None and not numba.config.ENABLE_CUDASIM:
-        # numba was imported before us without the simulator: too late to switch it on.
-        return False
-    os.environ["NUMBA_ENABLE_CUDASIM"] = "1"
+    os.environ[ENV] = "1"
+    _sync_numba_config(True)
     warnings.warn(
-        "numba_flash: no CUDA GPU found, so kernels run in Numba's CUDA simulator "
-        "(correct but very slow: use tiny inputs). Set NUMBA_ENABLE_CUDASIM=0 to disable this.",
-        SimulatorWarning, stacklevel=3)
+        "numba_flash: no CUDA GPU found, so kernels run in Numba's CUDA simulator: correct but very "
+        "slow, so use tiny inputs. (Where a CUDA GPU is present numba_flash uses it.) To choose the "
+        f"simulator without this notice, set {ENV}=1 before starting Python.",
+        SimulatorWarning, stacklevel=_user_stacklevel())
     return True
 
 

@@ -34,11 +34,11 @@ element ``(ty, tx)`` of every tile. Q is still reloaded for every key tile.
 import functools
 import math
 
+from numba_flash._runtime import SIMULATOR   # first: GPU or simulator, decided before numba.cuda loads
 import numpy as np
 from numba import cuda, float32
 
-from .._runtime import SIMULATOR
-from . import _host
+from numba_flash.ladder import _host
 
 GPU_TILES = dict(Br=32, Bc=32)
 SIM_TILES = dict(Br=4, Bc=4)    # the simulator runs a Python thread per CUDA thread: tiny blocks

@@ -67,13 +67,13 @@ word (as rung 2's ``Kj``), so the 32 lanes reading 32 different K rows at one co
 import functools
 import math
 
+from numba_flash._runtime import SIMULATOR   # first: GPU or simulator, decided before numba.cuda loads
 import numba
 import numpy as np
 from numba import cuda, float32
 
-from .. import warp
-from .._runtime import SIMULATOR
-from . import _host
+from numba_flash import warp
+from numba_flash.ladder import _host
 
 GPU_TILES = dict(W=8, TM=4, TV=8, DK=64)     # the seed problem's fastest (see "Tiles")
 UNROLL = 4          # inner loops run in groups of this many steps (see "Numba's own costs")

@@ -33,13 +33,13 @@ d = 1024 with Br = 32. Where that does not fit the GPU (d > 1024 on an H200),
 import functools
 import math
 
+from numba_flash._runtime import SIMULATOR   # first: GPU or simulator, decided before numba.cuda loads
 import numba
 import numpy as np
 from numba import cuda, float32
 
-from .. import warp
-from .._runtime import SIMULATOR
-from . import _host
+from numba_flash import warp
+from numba_flash.ladder import _host
 
 GPU_TILES = dict(W=8, TM=4, TV=8, DK=64)     # the seed problem's fastest (see "Tiles")
 LARGE_D_TILES = dict(W=4, TM=2, TV=8, DK=32)   # Br = 8: Q_i fits shared memory up to d = 4096

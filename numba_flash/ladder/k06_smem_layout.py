@@ -39,12 +39,12 @@ C++ twin on an H200: 1.56 ms, so this rung is 1.42× faster.
 import functools
 import math
 
+from numba_flash._runtime import SIMULATOR   # first: GPU or simulator, decided before numba.cuda loads
 import numpy as np
 from numba import cuda, float32
 
-from .. import ops, warp
-from .._runtime import SIMULATOR
-from . import _host
+from numba_flash import ops, warp
+from numba_flash.ladder import _host
 
 GPU_TILES = dict(W=4, TM=4, TV=8, DK=64)     # the seed problem's fastest (see "Tiles")
 LARGE_D_TILES = dict(W=4, TM=2, TV=8, DK=32)   # Br = 8: Q_i fits shared memory up to d = 4096

@@ -43,12 +43,12 @@ are committed even when empty so these counts hold at the last chunk.
 import functools
 import math
 
+from numba_flash._runtime import SIMULATOR   # first: GPU or simulator, decided before numba.cuda loads
 import numpy as np
 from numba import cuda, float32
 
-from .. import ops, warp
-from .._runtime import SIMULATOR
-from . import _host
+from numba_flash import ops, warp
+from numba_flash.ladder import _host
 
 GPU_TILES = dict(W=4, TM=4, TV=8, DK=32)     # the seed problem's fastest (see "Tiles")
 LARGE_D_TILES = dict(W=4, TM=2, TV=8, DK=32)   # Br = 8: Q_i fits shared memory up to d = 4096

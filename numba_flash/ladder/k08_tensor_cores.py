@@ -74,13 +74,13 @@ third of the tensor-core work would do.
 import functools
 import math
 
+from numba_flash._runtime import SIMULATOR   # first: GPU or simulator, decided before numba.cuda loads
 import numba
 import numpy as np
 from numba import cuda, float32
 
-from .. import ops, warp
-from .._runtime import SIMULATOR
-from . import _host
+from numba_flash import ops, warp
+from numba_flash.ladder import _host
 
 GPU_TILES = dict(W=4, Bc=128, Bd=256, DK=32)
 SIM_TILES = dict(W=2, Bc=32, Bd=32, DK=8)     # one warp pair

@@ -1,0 +1,81 @@
+"""The GPU-or-simulator decision (numba_flash._runtime): right whatever the import order,
+an ImportError that says what to do where it cannot be, and a notice whose advice holds
+on the machine it runs on, reported at the importing line."""
+import json
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+import numba_flash  # noqa: F401  (before numba: decides the simulator)
+from numba_flash import _runtime
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """_decide() as on a machine without a GPU, with NUMBA_ENABLE_CUDASIM unset."""
+    monkeypatch.delenv(_runtime.ENV, raising=False)
+    monkeypatch.setattr(_runtime, "_gpu_present", lambda: False)
+    monkeypatch.setattr(_runtime, "_sync_numba_config", lambda simulator: None)
+
+
+def test_notice_advice_and_location(no_gpu, monkeypatch):
+    monkeypatch.setattr(_runtime, "_loaded_mode", lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert _runtime._decide() is True
+    assert os.environ[_runtime.ENV] == "1"
+    [w] = caught
+    assert w.category is _runtime.SimulatorWarning and w.filename == __file__
+    text = str(w.message)
+    assert f"{_runtime.ENV}=1" in text and f"{_runtime.ENV}=0" not in text, \
+        "=0 on a machine without a GPU only leads to CudaSupportError"
+
+
+def test_numba_cuda_imported_first_without_gpu(no_gpu, monkeypatch):
+    monkeypatch.setattr(_runtime, "_loaded_mode", lambda: False)          # numba.cuda in GPU mode
+    monkeypatch.setattr(sys.modules["numba.cuda"], "is_available", lambda: False)
+    with pytest.raises(ImportError) as err:
+        _runtime._decide()
+    text = " ".join(str(err.value).split())
+    assert "import numba_flash before anything imports numba.cuda" in text
+    assert f"set {_runtime.ENV}=1 before starting Python" in text
+
+
+def test_env_contradicting_numba_cuda(monkeypatch):
+    monkeypatch.setenv(_runtime.ENV, "1")
+    monkeypatch.setattr(_runtime, "_loaded_mode", lambda: False)
+    with pytest.raises(ImportError, match="asks for the simulator"):
+        _runtime._decide()
+
+
+def test_import_numba_first():
+    """``import numba`` before numba_flash: the decision still holds (simulator without a GPU),
+    kernels run, and the notice points at the importing line."""
+    script = (
+        "import json, warnings\n"
+        "warnings.simplefilter('always')\n"
+        "import numba\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    import numba_flash\n"
+        "import numpy as np\n"
+        "from numba import cuda\n"
+        "q = np.ones((1, 3, 4), np.float32)\n"
+        "out = numba_flash.attention(q, q, q)\n"
+        "print(json.dumps({'simulator': numba_flash.SIMULATOR, 'cuda_simulator': cuda.is_available.__module__"
+        ".startswith('numba.cuda.simulator'), 'ok': bool(np.allclose(out, 1)), "
+        "'where': [(w.filename, w.lineno) for w in caught if w.category is numba_flash.SimulatorWarning]}))\n")
+    env = {k: v for k, v in os.environ.items() if k != _runtime.ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.splitlines()[-1])
+    assert got["ok"] and got["simulator"] == got["cuda_simulator"]
+    if got["simulator"]:
+        assert got["where"] == [["<string>", 5]]
