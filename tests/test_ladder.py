@@ -74,22 +74,16 @@ def _check(out, q, k, v):
 _PTX = {}
 
 
-def start_runs():
-    """Start ``python -m numba_flash.ptx --ladder`` for every compute capability (once).
-    conftest.py calls this as soon as collection finishes, so the compiles overlap the
-    simulator tests (at a lower priority); ``ptx_rows`` collects them at the end."""
-    if not _PTX:
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        nice = (lambda: os.nice(10)) if hasattr(os, "nice") else None
-        _PTX["ladder"] = subprocess.Popen(
-            [sys.executable, "-m", "numba_flash.ptx", "--ladder", "--cc", ",".join(CCS)], cwd=ROOT, env=env,
-            preexec_fn=nice, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return _PTX
-
-
-def stop_runs():
-    """Kill the run if it is still going (e.g. after ``pytest -x``)."""
+@pytest.fixture(scope="module", autouse=True)
+def _start_ptx_compiles():
+    """Start ``python -m numba_flash.ptx --ladder`` for each compute capability now, so the
+    compiles overlap the simulator tests; ``ptx_rows`` collects them at the end."""
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    for cc in CCS:
+        _PTX[cc] = subprocess.Popen([sys.executable, "-m", "numba_flash.ptx", "--ladder", "--cc", cc], cwd=ROOT,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    yield
     for p in _PTX.values():
         if p.poll() is None:
             p.kill()
@@ -238,15 +232,11 @@ def test_bench_ladder_tiny(tmp_path):
 # --------------------------------------------------------------------------- offline PTX (collected last)
 @pytest.fixture(scope="module")
 def ptx_rows():
-    """{cc: {rung name: JSON row}} from the run ``start_runs`` started."""
-    try:
-        out, err = start_runs()["ladder"].communicate(timeout=TIMEOUT_S)
-        assert _PTX["ladder"].returncode == 0, f"python -m numba_flash.ptx --ladder failed:\n{err[-4000:]}"
-    finally:
-        stop_runs()
-    rows = {cc: {} for cc in CCS}
-    for row in map(json.loads, filter(str.strip, out.splitlines())):
-        rows[row["cc"]][row["name"]] = row
+    rows = {}
+    for cc, p in _PTX.items():
+        out, err = p.communicate(timeout=TIMEOUT_S)
+        assert p.returncode == 0, f"python -m numba_flash.ptx --ladder --cc {cc} failed:\n{err[-4000:]}"
+        rows[cc] = {row["name"]: row for row in map(json.loads, filter(str.strip, out.splitlines()))}
     return rows
 
 
