@@ -175,8 +175,20 @@ def retyped(ary, dtype):
 
 
 def to_device(x, stream=0):
-    """``numba.cuda.to_device`` that also takes ``ml_dtypes.bfloat16`` arrays (Numba's host
-    copies cannot read that dtype's buffer: the bits are copied as uint16 and viewed back)."""
+    """to_device(x, stream=0) -> a Numba device array with x's shape, dtype and values
+
+    ``numba.cuda.to_device`` that also takes ``ml_dtypes.bfloat16`` arrays (Numba's host
+    copies cannot read that dtype's buffer: the bits are copied as uint16 and viewed back).
+
+    Args:
+        x: anything ``np.asarray`` accepts (a NumPy array, a list, ...).
+        stream: the CUDA stream to copy on (a Numba stream; 0, the default, is the
+            default stream).
+
+    Returns:
+        a device array; ``.copy_to_host()`` gives x back (bfloat16 included), and it can
+        be passed straight to :func:`numba_flash.attention` and friends.
+    """
     x = np.asarray(x)
     if x.dtype.kind == "V" and x.dtype.itemsize == 2:       # bfloat16 and other 2-byte ml_dtypes
         return retyped(cuda.to_device(np.ascontiguousarray(x).view(np.uint16), stream=stream), x.dtype)
@@ -312,8 +324,13 @@ def pool_usage():
 
 
 def release_cached_memory():
-    """Hand the device memory numba_flash keeps for reuse (its pools' free blocks) back to
-    the driver. Outputs still alive are not affected."""
+    """release_cached_memory() -> None
+
+    Hand the device memory numba_flash keeps for reuse (its pools' free blocks) back to
+    the driver, like PyTorch's ``torch.cuda.empty_cache()``: outputs of numba_flash calls
+    return their memory to a stream-ordered pool when garbage-collected, and the pool
+    keeps it for the next call. Outputs still alive are not affected. Synchronises the
+    device first. Does nothing in the simulator (no pool there)."""
     if SIMULATOR:
         return
     from cuda.bindings import driver as cu

@@ -33,7 +33,8 @@ class _Inputs:
         names = list(arrays)
         values = list(arrays.values())
         if not isinstance(causal, (bool, np.bool_)):
-            raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}).")
+            raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}). "
+                        "Pass causal=bool(...) if it is a flag of another type.")
         self.causal = bool(causal)
         kinds = [_kind(a, n) for n, a in arrays.items()]
         if len(set(kinds)) > 1:
@@ -47,7 +48,7 @@ class _Inputs:
         if len(set(dtypes)) > 1:
             desc = ", ".join(f"{n}.dtype={dt}" for n, dt in zip(names, dtypes))
             raise TypeError(f"{', '.join(names)} must have the same dtype, got {desc}. Cast them to one "
-                            "dtype first.")
+                            f"dtype first (e.g. {names[1]}.astype({names[0]}.dtype)).")
         self.dtype = dtypes[0]
         self.low = self.dtype.name in LOW_PRECISION
         # 16-bit floats travel as their uint16 bits: the kernels only move and convert them.
@@ -72,24 +73,31 @@ class _Inputs:
         self.nq, self.d = q[-2], q[-1]
         self.nk = k[-2]
         if k[-1] != self.d or v[-1] != self.d:
-            raise ValueError(f"q, k and v must share the head dim d (last axis), got q {q}, k {k}, v {v}.")
+            raise ValueError(f"q, k and v must share the head dim d (last axis), got q {q}, k {k}, v {v}. "
+                             "q and k must agree; a v with a smaller head dim can be zero-padded along d "
+                             "to q's (then drop the extra output columns).")
         if v[-2] != self.nk:
-            raise ValueError(f"k and v must have the same length Nk (axis -2), got k {k} and v {v}.")
+            raise ValueError(f"k and v must have the same length Nk (axis -2), got k {k} and v {v}. "
+                             "Each key needs one value row: pass the k and v of the same sequence.")
         for n in ("dout", "out"):
             if n in shapes and shapes[n] != q:
-                raise ValueError(f"{n} must have the shape of q {q}, got {shapes[n]}.")
+                raise ValueError(f"{n} must have the shape of q {q}, got {shapes[n]}. Pass "
+                                 + ("the out that attention_fwd returned for these q, k, v." if n == "out" else
+                                    "the gradient of the loss with respect to that out."))
         if "lse" in shapes and shapes["lse"] != q[:-1]:
             raise ValueError(f"lse must have shape {q[:-1]} (q's shape without d, as returned by "
                              f"attention_fwd), got {shapes['lse']}.")
         if self.d < 1:
-            raise ValueError(f"the head dim d must be at least 1, got q {q}.")
+            raise ValueError(f"the head dim d must be at least 1, got q {q}. Check the axis order: "
+                             "(..., N, d), the head dim last.")
         if self.low and not registry.VARIANTS["forward_mma"].head_dims(self.d):
             raise ValueError(f"{self.dtype.name} attention needs a head dim d that is a multiple of 8 and at "
                              f"most {registry.MMA_MAX_D}, got d={self.d} (q {q}). Zero-pad q, k and v along "
                              f"d to a multiple of 8 (pass scale=1/sqrt({self.d}) to keep the softmax "
                              "unchanged), or use float32.")
         if self.nq > MAX_LEN or self.nk > MAX_LEN:
-            raise ValueError(f"sequence lengths must be below 2**31, got Nq={self.nq}, Nk={self.nk}.")
+            raise ValueError(f"sequence lengths must be below 2**31, got Nq={self.nq}, Nk={self.nk}. Query "
+                             "rows are independent: split q along Nq and call once per chunk.")
         self.scale = _check_scale(scale, self.d)
         self.batch = math.prod(self.lead)
         self.arrays = dict(zip(names, values))
@@ -149,7 +157,7 @@ def _kind(x, name):
     if _arrays.is_device_array(x):
         return "device"
     raise TypeError(f"{name} must be a NumPy array or a CUDA device array (Numba, CuPy, PyTorch, JAX), "
-                    f"got {type(x).__name__}. Wrap lists with np.asarray.")
+                    f"got {type(x).__name__}. Wrap lists with np.asarray({name}, dtype=np.float32).")
 
 
 def _check_dtype(dt, name, low_precision):
@@ -161,14 +169,16 @@ def _check_dtype(dt, name, low_precision):
         raise TypeError(f"{name} has dtype {dt.name}: the backward supports float32 and float64 only so "
                         "far. Cast the inputs to float32 for the backward (e.g. x.astype(np.float32)).")
     expected = "float32, float64, float16 or bfloat16" if low_precision else "float32 or float64"
-    raise TypeError(f"{name} has dtype {dt}; expected {expected}.")
+    raise TypeError(f"{name} has dtype {dt}; expected {expected}. Cast it first, e.g. "
+                    f"{name}.astype(np.float32).")
 
 
 def _check_scale(scale, d):
     if scale is None:
         return 1.0 / math.sqrt(d)
     if isinstance(scale, (bool, np.bool_)) or not isinstance(scale, numbers.Real):
-        raise TypeError(f"scale must be a real number or None (meaning 1/sqrt(d)), got {scale!r}.")
+        raise TypeError(f"scale must be a real number or None (meaning 1/sqrt(d)), got {scale!r}. Pass "
+                        "a float, e.g. scale=float(x) for a one-element array.")
     scale = float(scale)
     if not (math.isfinite(scale) and scale > 0):
         raise ValueError(f"scale must be finite and positive, got {scale}. Use None for 1/sqrt(d).")
@@ -238,7 +248,8 @@ def _grid(inp, rows, b, rows_per_block, cols_per_block):
     grid = (-(-rows // rows_per_block) * b, -(-inp.d // cols_per_block))
     if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_Y:
         raise ValueError(f"problem too large for one launch: {b} leading indices × {rows} rows "
-                         f"needs {grid[0]} blocks (limit {MAX_GRID_X}). Split the batch.")
+                         f"needs {grid[0]} blocks (limit {MAX_GRID_X}). Split the batch (the leading dims) "
+                         "and call once per part.")
     return grid
 
 
@@ -333,7 +344,8 @@ def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count,
     # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
     z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, sm_count, inp.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
-        raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}.")
+        raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
+                         "let registry.forward_splits choose.")
     split_keys = -(-n_kt // z) * t.BN            # whole key tiles per split
     z = -(-inp.nk // split_keys) if inp.nk else 1
     if z == 1:
@@ -373,8 +385,10 @@ def _call(name, planner, arrays, options):
 
 
 def attention_fwd(q, k, v, *, causal=False, scale=None):
-    """Exact attention forward; returns ``(out, lse)``.
+    """attention_fwd(q, k, v, *, causal=False, scale=None) -> (out, lse)
 
+    Exact attention forward: ``out = softmax(scale · q kᵀ [+ causal mask]) v`` and the
+    log-sum-exp ``lse`` of each row of scores, which :func:`attention_bwd` needs.
     Equivalent to :func:`numba_flash.reference.attention_fwd` (float64 oracle), fused:
     no ``Nq × Nk`` matrix is ever stored.
 
@@ -420,30 +434,78 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
     allocated on that stream from numba_flash's memory pool, and returned to it on that
     stream when garbage-collected (see :func:`numba_flash.release_cached_memory`): use
     them on another stream only after synchronising with it, as with PyTorch tensors.
+
+    Non-finite inputs are not checked for (that would cost a pass over the inputs); they
+    propagate as IEEE arithmetic does, and the NaNs land where the float64 oracle's do:
+
+    * a NaN or ±inf in row ``i`` of q: ``out[i]`` and ``lse[i]`` are NaN;
+    * a NaN in key row ``j`` of k: ``out`` and ``lse`` are NaN in every row that sees key
+      ``j``; an inf there makes NaN the rows whose score with key ``j`` is +inf or NaN
+      (a -inf score just gives key ``j`` zero weight);
+    * an inf or NaN in ``v[j, c]``: column ``c`` of ``out`` is inf or NaN in the rows that
+      see key ``j`` (``lse`` is unaffected), and may be NaN in rows where key ``j`` is
+      masked, as in the oracle's ``P @ v`` (``0 · inf`` is NaN).
+
+    In the simulator such inputs raise no NumPy ``RuntimeWarning`` from the simulated
+    threads; the results are the same as on a GPU.
     """
     return _call("forward", _plan_forward, (q, k, v), (causal, scale))
 
 
 def attention(q, k, v, *, causal=False, scale=None):
-    """Exact attention ``softmax(scale · q kᵀ [+ causal mask]) v``; see :func:`attention_fwd`."""
+    """attention(q, k, v, *, causal=False, scale=None) -> out
+
+    Exact attention ``out = softmax(scale · q kᵀ [+ causal mask]) v``, fused (no
+    ``Nq × Nk`` matrix is stored): :func:`attention_fwd` without the ``lse``.
+    Equivalent to :func:`numba_flash.reference.attention` (float64 oracle).
+
+    Args:
+        q: ``(..., Nq, d)``; k, v: ``(..., Nk, d)``, identical leading dims (any number,
+            including none). All one dtype: float32, float64, float16 or bfloat16
+            (``ml_dtypes.bfloat16`` on the host; 16-bit: d a multiple of 8, at most 256).
+            NumPy arrays, or CUDA device arrays (Numba, CuPy, PyTorch, JAX), any strides.
+        causal: mask future keys, bottom-right aligned when ``Nq != Nk``: query ``i``
+            sees key ``j`` iff ``j <= i + Nk - Nq`` (PyTorch's ``is_causal`` is top-left
+            aligned; the two agree when ``Nq == Nk``). A row that sees no key gives 0.
+        scale: multiplies ``q kᵀ`` before the softmax; ``None`` means ``1/sqrt(d)``.
+
+    Returns:
+        ``out (..., Nq, d)`` in the input dtype: a NumPy array for NumPy inputs, a Numba
+        device array for device inputs (no host round trip).
+
+    Raises ``TypeError`` / ``ValueError``, naming the argument and the fix, before any
+    kernel runs. Streams, memory and non-finite inputs: see :func:`attention_fwd`.
+    """
     return _call("forward", _plan_forward, (q, k, v), (causal, scale))[0]
 
 
 # --------------------------------------------------------------------------- backward
 def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
-    """Gradients of attention; returns ``(dq, dk, dv)``.
+    """attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None) -> (dq, dk, dv)
 
-    Equivalent to :func:`numba_flash.reference.attention_bwd` (float64 oracle).
-    ``out`` and ``lse`` are what :func:`attention_fwd` returned for the same ``q, k, v,
-    causal, scale``; ``dout`` is the gradient of the loss with respect to ``out``. P is
-    recomputed from ``lse`` tile by tile, so extra memory is O(N): the gradients and
-    one ``delta = rowsum(dout ∘ out)`` value per query row.
+    Gradients of attention: with ``out = softmax(scale · q kᵀ [+ mask]) v`` and a loss
+    ``L``, returns ``dL/dq, dL/dk, dL/dv`` given ``dout = dL/d out``. Equivalent to
+    :func:`numba_flash.reference.attention_bwd` (float64 oracle). P is recomputed from
+    ``lse`` tile by tile, so extra memory is O(N): the gradients and one
+    ``delta = rowsum(dout ∘ out)`` value per query row.
 
-    Same shape, dtype, array-kind, stream and causal rules as :func:`attention_fwd`:
-    dout and out are shaped like q, lse like q without its last axis; all share one
-    dtype (float32 or float64). Rows with no visible key contribute zero gradient.
-    The result is deterministic: no atomics, every gradient element is written by
-    exactly one thread, so equal inputs give bitwise-equal gradients.
+    Args:
+        dout: ``(..., Nq, d)``, the gradient of the loss with respect to ``out``.
+        q, k, v: as for :func:`attention_fwd` (float32 or float64 only, so far).
+        out, lse: what :func:`attention_fwd` returned for the same ``q, k, v, causal,
+            scale`` (``out`` shaped like q, ``lse`` like q without its last axis).
+        causal, scale: as for :func:`attention_fwd`; must be the forward's.
+
+    Returns:
+        ``dq (..., Nq, d)``, ``dk (..., Nk, d)``, ``dv (..., Nk, d)`` in the input
+        dtype; NumPy in gives NumPy out, device arrays in give Numba device arrays out.
+
+    Same array-kind and stream rules as :func:`attention_fwd`; all six arrays share one
+    dtype. Rows with no visible key contribute zero gradient. Non-finite values spread
+    further than in the forward: a NaN in one query row reaches ``dk`` and ``dv`` of
+    every key it sees, and through them usually every gradient. The result is
+    deterministic: no atomics, every gradient element is written by exactly one thread,
+    so equal inputs give bitwise-equal gradients.
     """
     return _call("backward", _plan_backward, (dout, q, k, v, out, lse), (causal, scale))
 

@@ -39,7 +39,9 @@ __all__ = ["causal_mask", "attention_fwd", "attention", "attention_bwd"]
 
 
 def causal_mask(nq, nk):
-    """Bottom-right aligned causal mask, shape (nq, nk), dtype bool.
+    """causal_mask(nq, nk) -> mask
+
+    Bottom-right aligned causal mask, shape (nq, nk), dtype bool.
 
     ``mask[i, j]`` is True where query i may see key j, i.e.
     ``j <= i + nk - nq``.  The last query always sees every key; when
@@ -78,7 +80,8 @@ def _prepare(q, k, v, scale):
     v = np.asarray(v, dtype=np.float64)
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim < 2:
-            raise ValueError(f"{name} must have ndim >= 2, got shape {x.shape}")
+            raise ValueError(f"{name} must have ndim >= 2 (..., N, d), got shape {x.shape}. Add a "
+                             f"leading axis for a single vector: {name}[None, :].")
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[-1])
     return q, k, v, float(scale)
@@ -104,7 +107,9 @@ def _probs(q, k, causal, scale):
 
 
 def attention_fwd(q, k, v, *, causal=False, scale=None):
-    """Attention forward pass; returns ``(out, lse)``.
+    """attention_fwd(q, k, v, *, causal=False, scale=None) -> (out, lse)
+
+    Attention forward pass in float64.
 
     q: (..., Nq, d), k: (..., Nk, d), v: (..., Nk, dv), same leading dims.
     out: (..., Nq, dv) = softmax(scale * q k^T [masked]) v, float64.
@@ -118,12 +123,18 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
 
 
 def attention(q, k, v, *, causal=False, scale=None):
-    """Attention output only, shape (..., Nq, dv); see :func:`attention_fwd`."""
+    """attention(q, k, v, *, causal=False, scale=None) -> out
+
+    ``softmax(scale * q k^T [masked]) v`` in float64, shape (..., Nq, dv): the ``out`` of
+    :func:`attention_fwd` (same arguments)."""
     return attention_fwd(q, k, v, causal=causal, scale=scale)[0]
 
 
 def attention_bwd(dout, q, k, v, *, causal=False, scale=None):
-    """Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, recomputing the forward.
+    """attention_bwd(dout, q, k, v, *, causal=False, scale=None) -> (dq, dk, dv)
+
+    Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, recomputing the forward (so,
+    unlike :func:`numba_flash.attention_bwd`, it takes no ``out`` or ``lse``).
 
     dout: (..., Nq, dv).  Returns dq (..., Nq, d), dk (..., Nk, d),
     dv (..., Nk, dv), all float64.  Formulas (module docstring)::

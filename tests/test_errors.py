@@ -85,6 +85,27 @@ def test_unsupported_dtype(qkv, i, dtype):
         numba_flash.attention_fwd(*args)
 
 
+@pytest.mark.parametrize("case", ["int", "mixed", "list", "nk", "d", "d0", "out", "dout"])
+def test_message_names_the_fix(qkv, case):
+    """Each message says how to fix the input, not only what is wrong with it."""
+    q, k, v = qkv
+    fwd = numba_flash.attention_fwd
+    lse = np.zeros(q.shape[:-1], np.float32)
+    call, fix = {
+        "int": (lambda: fwd(q.astype(np.int64), k, v), "q.astype(np.float32)"),
+        "mixed": (lambda: fwd(q, k.astype(np.float64), v), "k.astype(q.dtype)"),
+        "list": (lambda: fwd(q.tolist(), k, v), "np.asarray(q, dtype=np.float32)"),
+        "nk": (lambda: fwd(q, k, v[..., :1, :]), "pass the k and v of the same sequence"),
+        "d": (lambda: fwd(q, k, v[..., :3]), "zero-padded along d"),
+        "d0": (lambda: fwd(q[..., :0], k[..., :0], v[..., :0]), "the head dim last"),
+        "out": (lambda: numba_flash.attention_bwd(q, q, k, v, q[:1], lse), "the out that attention_fwd returned"),
+        "dout": (lambda: numba_flash.attention_bwd(q[:1], q, k, v, q, lse), "gradient of the loss"),
+    }[case]
+    with pytest.raises((TypeError, ValueError)) as err:
+        call()
+    assert fix in " ".join(str(err.value).split())
+
+
 def test_unsupported_dtype_on_device(qkv):
     args = [to_device(x.astype(np.int32)) for x in qkv]
     with pytest.raises(TypeError, match=r"q has dtype int32"):

@@ -4,6 +4,7 @@ In the simulator every case is kept small (see ``sim_cost``); on a GPU the shape
 are larger and ``test_gpu_large_shapes`` adds FlashAttention-sized problems.
 """
 import math
+import warnings
 
 import numpy as np
 import pytest
@@ -307,6 +308,23 @@ def test_empty_leading_dim(lead, on_device):
     out, lse = _fwd_any(q, k, v, on_device)
     assert out.shape == lead + (6, 4) and lse.shape == lead + (6,)
     assert out.dtype == np.float32 and lse.dtype == np.float32
+
+
+@pytest.mark.parametrize("where", ["q", "k", "v"])
+def test_non_finite_inputs(where):
+    """inf and NaN inputs make the outputs NaN that they make NaN in the oracle, and no others
+    (attention_fwd's "Non-finite inputs"); no RuntimeWarning (in the simulator: from its threads)."""
+    q, k, v = make_qkv(3, (1,), 6, 7, 8, "float32")
+    x, rows = {"q": (q, (2, 4)), "k": (k, (3, 5)), "v": (v, (0, 6))}[where]
+    x[0, rows[0], 3], x[0, rows[1], 1] = np.inf, np.nan
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+    with np.errstate(all="ignore"):
+        want, want_lse = reference.attention_fwd(q, k, v, causal=True)
+    assert np.isnan(out).any() and np.array_equal(np.isnan(out), np.isnan(want))
+    # lse: NaN where a whole row is (the oracle's lse is no guide there: it calls such rows empty)
+    assert np.array_equal(np.isnan(lse), np.isnan(out).all(-1) if where != "v" else np.zeros_like(lse, bool))
 
 
 # --------------------------------------------------------------------------- GPU sizes

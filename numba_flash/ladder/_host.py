@@ -58,7 +58,8 @@ def _check(q, k, v, vector):
                 raise ValueError(f"{n} must be C-contiguous on the device, got strides {tuple(x.strides)}. "
                                  "Make a contiguous copy first.")
             if vector and _arrays.device_pointer(x) % 16:
-                raise ValueError(f"{n} must start on a 16-byte boundary for this rung's 128-bit loads.")
+                raise ValueError(f"{n} must start on a 16-byte boundary for this rung's 128-bit loads. Pass "
+                                 "a freshly allocated array (e.g. a contiguous copy), or use rung 4 or earlier.")
     return on_device, (q, k, v), nq, d
 
 
