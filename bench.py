@@ -60,8 +60,9 @@ shared by all modes live in ``_common_options``; the environment record, input
 generation, timers, memory probes, peer wrapper and JSON/Markdown/table writers are
 mode-agnostic.
 
-Caveats: in Numba's CUDA simulator (no GPU) there are no CUDA events, so ``--tiny``
-times with ``time.perf_counter`` and the numbers mean nothing; inputs there are NumPy
+Caveats: in Numba's CUDA simulator (no GPU) only ``--tiny`` runs (any other run stops at
+once and says so); there are no CUDA events there, so it times with
+``time.perf_counter`` and the numbers mean nothing; inputs there are NumPy
 arrays (host round trip included). Free-memory deltas have the driver's allocation
 granularity (2 MiB).
 """
@@ -1259,9 +1260,10 @@ def _csv_choice(choices):
     return parse
 
 
-def _common_options():
-    """Options every mode takes (a parent parser)."""
-    p = argparse.ArgumentParser(add_help=False)
+def _common_options(p=None):
+    """Options every mode takes: added to ``p`` (a parser or an argument group), or to a new
+    parent parser."""
+    p = p if p is not None else argparse.ArgumentParser(add_help=False)
     p.add_argument("--shapes", type=_csv_choice([k for k in SHAPE_SETS if k != "tiny"]),
                    default=list(DEFAULT_SHAPES),
                    help=f"shape sets, comma-separated (default: {','.join(DEFAULT_SHAPES)})")
@@ -1298,14 +1300,33 @@ MODES = {
                    run_ladder, ladder_options),
 }
 DEFAULT_MODE = "forward"
+NO_GPU = ("bench.py times kernels with CUDA events, so it needs a CUDA GPU, and none was found "
+          "(kernels would run in Numba's CUDA simulator, where the default shapes take hours and "
+          "times mean nothing). Without a GPU, run the smoke test instead: tiny shapes in the "
+          "simulator, validated against the oracle, then timed (meaningless times):\n    python bench.py --tiny\n"
+          "    python bench.py backward --tiny\n    python bench.py ladder --tiny")
+
+
+def _all_options_help():
+    """Every mode's options, for the top-level ``--help`` (argparse lists a sub-command's
+    options only under ``bench.py MODE --help``)."""
+    shown = argparse.ArgumentParser(prog="bench.py", add_help=False, usage=argparse.SUPPRESS)
+    _common_options(shown.add_argument_group(f"options of every mode ({', '.join(MODES)})"))
+    for name, mode in MODES.items():
+        if mode.options is not None:
+            mode.options(shown.add_argument_group(f"{name} options"))
+    return shown.format_help().strip()
 
 
 def parse_args(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0] not in MODES and argv[0] not in ("-h", "--help")):
         argv.insert(0, DEFAULT_MODE)
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    usage = __doc__.split("\n\n")[1]
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + "\n\n" + usage
+        + "\n\nWithout a GPU only --tiny runs (a smoke test in the simulator).",
+        epilog=_all_options_help(), formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="mode", metavar="MODE", help=f"default: {DEFAULT_MODE}")
     common = _common_options()
     for name, mode in MODES.items():
@@ -1327,6 +1348,9 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if SIMULATOR and not args.tiny:
+        print(NO_GPU, file=sys.stderr)
+        return 2
     return args.run(args)
 
 
