@@ -1,16 +1,21 @@
 """numba_flash: exact FlashAttention forward and backward, written in Python with Numba CUDA.
 
 >>> import numpy as np, numba_flash
->>> q = k = v = np.random.default_rng(0).standard_normal((2, 8, 100, 64), dtype=np.float32)
->>> out = numba_flash.attention(q, k, v, causal=True)        # (2, 8, 100, 64), float32
+>>> shape = (1, 2, 32, 16) if numba_flash.SIMULATOR else (2, 8, 1024, 64)   # no GPU: tiny inputs
+>>> q = k = v = np.random.default_rng(0).standard_normal(shape, dtype=np.float32)
+>>> out = numba_flash.attention(q, k, v, causal=True)        # shaped like q, float32
 >>> out16 = numba_flash.attention(q.astype(np.float16), k.astype(np.float16), v.astype(np.float16))
+
+Without a CUDA GPU the kernels run in Numba's CUDA simulator (switched on at import,
+with a :class:`SimulatorWarning`): correct, but seconds for the tiny shape above.
+Import numba_flash before ``numba.cuda``.
 
 float32 and float64 run on CUDA cores (forward and backward); float16 and bfloat16
 (``ml_dtypes.bfloat16`` on the host) run on tensor cores (forward).
 
 ``numba_flash.reference`` is the float64 NumPy oracle with the same semantics.
 """
-from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulator before numba loads
+from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulator before numba.cuda loads
 from . import reference
 from ._arrays import release_cached_memory, to_device
 from .api import attention, attention_bwd, attention_fwd
