@@ -11,7 +11,10 @@ docs/ladder.md is hand-written except for the blocks between
 * ``overview``: one table row per rung of ``numba_flash.ladder.RUNGS``;
 * ``rungs``: per rung, its module docstring and its key code, cut from the rung file
   between the anchor lines listed in ``FRAGMENTS`` below (so the doc cannot drift from
-  the code);
+  the code; anchors match code only, never a docstring);
+* ``predictions``: each rung's prediction and verdict (``PREDICTIONS`` below) next to
+  what it measured, read from the rung's "Measured" docstring paragraph: one source for
+  every figure, so the Results table and this one cannot disagree;
 * ``results``: the table ``python bench.py ladder`` measured, rendered from its JSON,
   and its bar chart (copied next to this file). Left as it is without ``--results``.
 
@@ -19,6 +22,7 @@ With ``--results`` the "Measured" paragraph of each rung's docstring is rewritte
 from the same JSON: the numbers in the rung files are never typed by hand.
 """
 import argparse
+import ast
 import importlib.util
 import re
 import shutil
@@ -66,6 +70,39 @@ FRAGMENTS = {
 }
 
 
+# Per rung from 2: (what its docstring predicted, the verdict against the measurement[, other
+# rungs to compare with]). The measured column comes from the rungs' Measured paragraphs:
+# figures of that run are never typed here (those of other runs are, and say so).
+PREDICTIONS = {
+    2: ("~10× over rung 1", "as predicted"),
+    3: ("6–8× over rung 2",
+        "as predicted, after two fixes. Written as the C++ twin is (a 2 × 4 register tile per thread), it "
+        "first ran at 13.0 ms: an `ncu` profile and the PTX showed three costs the C++ twin does not pay "
+        "(rung 3's docstring, \"Numba's own costs\": a compare-and-add per shared access for Numba's "
+        "negative indices, the range iterator's bookkeeping left in partly unrolled loops, copies whose "
+        "every load waited for the previous store); fixing them gave 6.7 ms. Then a tile sweep on the H200 "
+        "(the docstring's \"Tiles\") found the register tile to be the lever: 4 × 8 outputs per thread in "
+        "8 warps, 64-column head-dim chunks: 1.83–1.97 ms in four runs"),
+    4: ("≈ 1.3–1.5×", "just below the predicted range (1.42–1.56 ms in four runs)"),
+    5: ("slower than rung 4",
+        "as predicted (at rung 3's old 2 × 8 tiles it was 1.06× *faster*: the halved load-instruction "
+        "count won there). At DK = 32 it was 2% over its C++ twin (2.15–2.26 ms); rung 4's 64-column "
+        "chunks took it to 1.85–1.94"),
+    6: ("beats rungs 4 and 5",
+        "as predicted, once it took 64-column chunks too (at DK = 32: 1.44–1.56 ms, 0.95× rung 4)", (4,)),
+    7: ("1.1–1.3×",
+        "just under the prediction, because rung 6 gained more from DK = 64 than rung 7 can: at DK = 64 "
+        "two rung 7 blocks (two K slots) no longer fit an SM, so it stays at DK = 32 (0.91–1.03 ms in four "
+        "runs)"),
+    8: ("0.3–0.5 ms, 2–3× rung 7 (issue slots, from the SASS)",
+        "faster than rung 7 and accurate, unlike the seed's FP16 WMMA kernel (it fails 1e-4). Short of the "
+        "prediction: 128 blocks of 4 warps is one warp per scheduler, so latencies the issue count "
+        "ignores are exposed (docstring, \"Tiles\"; the kernel alone took 0.53 ms in its tile sweep). The "
+        "first design (one warp per 16 rows, Bd = 128, `cvt.rna` splits, signed indices) took 1.11 ms, "
+        "0.84× rung 7; warp pairs, the 2-instruction split, unsigned indices and Bc = 128 made this one"),
+}
+
+
 def _load_bench():
     spec = importlib.util.spec_from_file_location("bench", ROOT / "bench.py")
     mod = importlib.util.module_from_spec(spec)
@@ -73,13 +110,26 @@ def _load_bench():
     return mod
 
 
-def fragment(path, start, end):
+def docstring_lines(src):
+    """The (0-based) numbers of the lines of Python source ``src`` that lie in a docstring
+    (or any other string standing alone as a statement)."""
+    inside = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and isinstance(node.value.value, str):
+            inside.update(range(node.lineno - 1, node.end_lineno))
+    return inside
+
+
+def fragment(path, start, end, code=True):
     """The lines of ``path`` from the first containing ``start`` to the next containing ``end``,
-    dedented."""
-    lines = Path(path).read_text().splitlines()
+    dedented. ``code``: ``path`` is Python and the anchors match outside its docstrings only
+    (a docstring may quote the very line an excerpt starts at)."""
+    text = Path(path).read_text()
+    lines = text.splitlines()
+    prose = docstring_lines(text) if code else set()
     try:
-        i = next(n for n, line in enumerate(lines) if start in line)
-        j = next(n for n in range(i, len(lines)) if end in lines[n])
+        i = next(n for n, line in enumerate(lines) if start in line and n not in prose)
+        j = next(n for n in range(i, len(lines)) if end in lines[n] and n not in prose)
     except StopIteration:
         raise SystemExit(f"gen_ladder: anchor {start!r} .. {end!r} not found in {path}: update FRAGMENTS") from None
     while j + 1 < len(lines) and sum(x.count("(") - x.count(")") for x in lines[i:j + 1]) > 0:
@@ -119,8 +169,48 @@ def rungs():
         for caption, start, end, *other in FRAGMENTS[r.number]:
             head = f"*Key code — {caption}:*\n\n" if caption else ""
             src, lang = (ROOT / other[0], "text") if other else (path, "python")
-            out.append(f"{head}```{lang}\n{fragment(src, start, end)}\n```\n")
+            out.append(f"{head}```{lang}\n{fragment(src, start, end, code=lang == 'python')}\n```\n")
     return "\n".join(out).rstrip()
+
+
+MEASURED = re.compile(
+    r"\*\*Measured\*\* \((?P<gpu>[^,]+), (?P<date>[0-9-]+), commit (?P<commit>[^;]+);.*?\): "
+    r"(?P<ms>[0-9.]+) ms, (?P<tflops>[0-9.]+) TFLOP/s, max error (?P<err>\S+) against .*?\)\."
+    r"(?: (?P<faster>[0-9.]+)× faster than rung \d+\.| Slower than rung \d+ \((?P<slower>[0-9.]+)×\)[^.]*\.)?"
+    r" The seed's C\+\+ twin on an H200: (?P<twin>[0-9.]+) ms, so this rung is (?P<twin_x>[0-9.]+)× "
+    r"(?P<twin_dir>faster|slower)")
+
+
+def measured(doc):
+    """The figures of a rung docstring's "Measured" paragraph (as :func:`measured_paragraph`
+    writes it): gpu, date, commit (str), ms, tflops, err, twin, twin_x (float), vs_previous
+    (float, None for rung 1), twin_dir ("faster" or "slower")."""
+    m = MEASURED.search(" ".join(doc.split()))
+    if m is None:
+        raise SystemExit("gen_ladder: a rung's Measured paragraph is not in the form measured_paragraph writes")
+    got = m.groupdict()
+    for key in ("ms", "tflops", "err", "twin", "twin_x"):
+        got[key] = float(got[key])
+    x = got.pop("faster"), got.pop("slower")
+    got["vs_previous"] = None if x == (None, None) else float(x[0] or x[1])
+    return got
+
+
+def predictions():
+    """The predictions table: PREDICTIONS, with the measured column from the rung docstrings."""
+    from numba_flash.ladder import RUNGS
+    figures = {r.number: measured(r.module.__doc__) for r in RUNGS}
+    runs = {(f["gpu"], f["date"], f["commit"]) for f in figures.values()}
+    when = "; ".join(f"{g}, {d}, commit {c}" for g, d, c in sorted(runs))
+    lines = [f"Measured: {when} (the Results table above; each rung's Measured paragraph).", "",
+             "| rung | predicted | measured | |", "|---:|---|---|---|"]
+    for n, (predicted, verdict, *others) in PREDICTIONS.items():
+        f = figures[n]
+        over = [f"{f['vs_previous']:.2f}× over rung {n - 1}"]
+        over += [f"{figures[o]['ms'] / f['ms']:.2f}× over rung {o}" for o in (others[0] if others else ())]
+        lines.append(f"| {n} | {predicted} | {', '.join(over)} ({f['ms']:.3f} ms; {f['twin_x']:.2f}× "
+                     f"{f['twin_dir']} than the C++ twin's {f['twin']:.2f} ms) | {verdict} |")
+    return "\n".join(lines)
 
 
 def results(json_path):
@@ -186,6 +276,7 @@ def replace_block(text, name, body):
 def render(text, results_json=None):
     text = replace_block(text, "overview", overview())
     text = replace_block(text, "rungs", rungs())
+    text = replace_block(text, "predictions", predictions())
     if results_json:
         text = replace_block(text, "results", results(results_json))
     return text

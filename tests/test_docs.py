@@ -59,3 +59,74 @@ def test_text_examples_run_and_are_simulator_sized(source, monkeypatch):
     assert shapes
     if numba_flash.SIMULATOR:
         assert max(math.prod(s) for s in shapes) <= SIM_BUDGET
+
+
+# --------------------------------------------------------------------------- docs/ladder.md
+@pytest.fixture(scope="module")
+def gen_ladder():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("gen_ladder", ROOT / "docs" / "gen_ladder.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    return gen
+
+
+def _parses(excerpt):
+    """An excerpt cut from inside a block may start deeper than it ends: give it the blocks."""
+    import ast
+    first = len(excerpt) - len(excerpt.lstrip(" "))
+    ast.parse("".join(" " * i + "if True:\n" for i in range(0, first, 4)) + excerpt)
+
+
+def test_ladder_excerpts_are_the_code_they_claim_to_be(gen_ladder):
+    """Each Python excerpt of docs/ladder.md is rung code: it parses, its lines are the rung
+    file's, and it starts and ends in code, not in a docstring (an anchor once matched
+    docstring prose, and the excerpt began with prose and a stray triple quote)."""
+    from numba_flash.ladder import RUNGS
+    for r in RUNGS:
+        path = Path(r.module.__file__)
+        src = path.read_text().splitlines()
+        prose = gen_ladder.docstring_lines(path.read_text())
+        for caption, start, end, *other in gen_ladder.FRAGMENTS[r.number]:
+            if other:            # quoted as text from another file, on purpose
+                continue
+            excerpt = gen_ladder.fragment(path, start, end)
+            _parses(excerpt)
+            lines = excerpt.splitlines()
+            at = [i for i in range(len(src)) if src[i].strip() == lines[0].strip()
+                  and all(a.strip() == b.strip() for a, b in zip(src[i:i + len(lines)], lines))]
+            assert at and not prose & {at[0], at[0] + len(lines) - 1}, (r.name, caption)
+            assert excerpt.count('"""') % 2 == 0, (r.name, caption)
+
+
+def test_measured_paragraph_round_trip(gen_ladder):
+    """The predictions table reads the figures back from the paragraph gen_ladder writes."""
+    doc = {"gpu": {"name": "NVIDIA H200"}, "date": "2026-01-02T00:00:00"}
+    for x, ms, twin in ((1.75, 0.588, 10.1), (0.83, 1.88, 1.2)):
+        row = {"ours": {"ms_median": ms, "tflops": 7.31}, "seed_h200_ms": twin, "vs_previous": x,
+               "validation": {"max_abs_err": 2.1e-5, "valid": True, "tolerance": 1e-4}}
+        got = gen_ladder.measured(gen_ladder.measured_paragraph(row, 7, doc, "abc1234"))
+        assert (got["gpu"], got["date"], got["commit"]) == ("NVIDIA H200", "2026-01-02", "abc1234")
+        assert (got["ms"], got["vs_previous"], got["twin"], got["err"]) == (ms, x, twin, 2.1e-5)
+        assert got["twin_dir"] == ("faster" if ms <= twin else "slower")
+
+
+def test_ladder_figures_have_one_source(gen_ladder):
+    """The Results table and the predictions table of docs/ladder.md show the same run's figures
+    (rung 2 once read 11.50× in one and 11.7× in the other)."""
+    from numba_flash.ladder import RUNGS
+    text = (ROOT / "docs" / "ladder.md").read_text()
+    results = text.split("<!-- BEGIN generated: results")[1].split("<!-- END generated: results")[0]
+    rows = {int(c[0]): c for c in (line.strip("|").split("|") for line in results.splitlines()
+                                   if line.startswith("| ") and line[2:3].isdigit())}
+    predictions = text.split("<!-- BEGIN generated: predictions")[1].split("<!-- END generated: predictions")[0]
+    predicted = {int(line.split("|")[1]): line for line in predictions.splitlines()
+                 if line.startswith("| ") and line[2:3].isdigit()}
+    for r in RUNGS:
+        f = gen_ladder.measured(r.module.__doc__)
+        cells = [c.strip() for c in rows[r.number]]
+        assert float(cells[2]) == f["ms"], r.name
+        if f["vs_previous"] is not None:
+            assert float(cells[3]) == f["vs_previous"], r.name
+            assert f"{f['vs_previous']:.2f}× over rung {r.number - 1}" in predicted[r.number], r.name
+            assert f"({f['ms']:.3f} ms;" in predicted[r.number], r.name
