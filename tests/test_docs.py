@@ -130,3 +130,29 @@ def test_ladder_figures_have_one_source(gen_ladder):
             assert float(cells[3]) == f["vs_previous"], r.name
             assert f"{f['vs_previous']:.2f}× over rung {r.number - 1}" in predicted[r.number], r.name
             assert f"({f['ms']:.3f} ms;" in predicted[r.number], r.name
+
+
+# --------------------------------------------------------------------------- docs/debugging.md
+def test_debugging_tutorial_follows_rung_1(tmp_path, monkeypatch, capsys):
+    """docs/debugging.md edits a copy of rung 1 at lines it quotes (they must still be in the
+    rung), and its driver runs that copy as it is."""
+    import importlib.util
+    import sys
+    from numba_flash import ladder
+    text = (ROOT / "docs" / "debugging.md").read_text()
+    rung = Path(ladder.rung(1).module.__file__).read_text()
+    assert "SIM_TILES = dict(Br=4, Bc=4)" in rung and "4 × 4 tiles (`SIM_TILES`)" in text
+    for line in ("m_new = max(m_i, red[tx, 0])",
+                 "cuda.syncthreads()           # all of S_ij is written before the tree reads it",
+                 "cuda.syncthreads()           # every thread has read red[tx, 0] before red is reused",
+                 "if row < Nq:             # rows past the end score 0 (finite) and are never stored",
+                 "acc += q[row, c] * k[key, c]"):
+        assert line in text and line in rung, line
+    (tmp_path / "my_rung.py").write_text(rung)
+    spec = importlib.util.spec_from_file_location("my_rung", tmp_path / "my_rung.py")
+    mine = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mine)
+    monkeypatch.setitem(sys.modules, "my_rung", mine)
+    driver = text.split("`drive.py`:\n\n```python\n", 1)[1].split("```", 1)[0]
+    exec(compile(driver, "drive.py", "exec"), {})
+    assert float(capsys.readouterr().out.split("=")[-1]) < 1e-6
