@@ -156,3 +156,15 @@ def test_debugging_tutorial_follows_rung_1(tmp_path, monkeypatch, capsys):
     driver = text.split("`drive.py`:\n\n```python\n", 1)[1].split("```", 1)[0]
     exec(compile(driver, "drive.py", "exec"), {})
     assert float(capsys.readouterr().out.split("=")[-1]) < 1e-6
+
+
+# --------------------------------------------------------------------------- packaging
+def test_changelog_and_license_match_the_package():
+    import configparser
+    changelog = (ROOT / "CHANGELOG.md").read_text()
+    assert f"\n## {numba_flash.__version__} " in changelog, "a CHANGELOG.md entry for __version__"
+    assert "`vX.Y.Z`" in changelog and "## Unreleased" in changelog
+    meta = configparser.ConfigParser()
+    meta.read(ROOT / "setup.cfg")
+    assert meta["metadata"]["license"] == "MIT" and "MIT License" in (ROOT / "LICENSE").read_text()
+    assert meta["metadata"]["author"] and meta["metadata"]["url"].startswith("https://")
