@@ -77,7 +77,7 @@ def _user_stacklevel():
         name = frame.f_code.co_filename
         if not ("importlib" in name and "_bootstrap" in name):
             level += 1
-            if not name.startswith(_HERE):
+            if not name.startswith(_HERE + os.sep):
                 break
         frame = frame.f_back
     return max(level, 1)
