@@ -1,0 +1,104 @@
+"""Numba's CUDA simulator, made event-driven (numba-cuda 0.30.4, which is pinned).
+
+The simulator runs each thread of a block as a Python thread. Its ``BlockManager`` waits
+for them by polling: a loop that checks every live thread's "blocked in syncthreads"
+flag and ``is_alive()``, over and over, until the block is done. That loop holds the
+GIL most of the time, so the threads doing the kernel's work wait for it: a profile of a
+small backward call showed 12 million ``is_alive`` calls and about 60% of the time in
+lock acquisition.
+
+Here a block instead keeps one condition variable and two counts, its live threads and
+those waiting at the barrier. ``syncthreads`` waits on the condition; the last thread to
+arrive (or to exit, since an exited thread no longer counts, as in the original) releases
+the others; the manager sleeps until no thread is left or one has raised. Same
+semantics as the original, including what happens on an exception: every other thread
+of the block is aborted at its next barrier and the exception is re-raised by the
+launch, with its traceback.
+"""
+import threading
+
+import numpy as np
+from numba.cuda.simulator import kernel as _kernel
+
+
+class _Block:
+    """The barrier state one block's threads share."""
+    __slots__ = ("cond", "live", "waiting", "generation", "failed")
+
+    def __init__(self, nthreads):
+        self.cond = threading.Condition()
+        self.live = nthreads        # threads not yet finished
+        self.waiting = 0            # threads blocked in syncthreads
+        self.generation = 0         # barrier phases completed
+        self.failed = None          # the first thread that raised
+
+    def _release_if_complete(self):
+        """With the lock held: open the barrier when every live thread has arrived."""
+        if self.waiting and self.waiting == self.live:
+            self.waiting = 0
+            self.generation += 1
+            self.cond.notify_all()
+
+
+def _syncthreads(self):
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads call")
+    block = self._manager._block
+    with block.cond:
+        phase = block.generation
+        block.waiting += 1
+        block._release_if_complete()
+        while block.generation == phase and not self.abort:
+            block.cond.wait()
+    if self.abort:
+        raise RuntimeError("abort flag set on syncthreads clear")
+
+
+def _thread_run(self):
+    block = self._manager._block
+    try:
+        _original_thread_run(self)
+    finally:
+        with block.cond:
+            block.live -= 1
+            if self.exception is not None and block.failed is None:
+                block.failed = self
+            block._release_if_complete()
+            block.cond.notify_all()
+
+
+def _manager_run(self, grid_point, *args):
+    nthreads = int(np.prod(self._block_dim))
+    block = self._block = _Block(nthreads)
+
+    def target():
+        self._f(*args)
+
+    threads = [_kernel.BlockThread(target, self, grid_point, point, self._debug)
+               for point in np.ndindex(*self._block_dim)]
+    for t in threads:
+        t.start()
+    with block.cond:
+        while block.live and block.failed is None:
+            block.cond.wait()
+        failed = block.failed
+        if failed is not None:
+            # Abort every other thread at its next barrier; do not join (as the original).
+            for t in threads:
+                t.abort = True
+            block.cond.notify_all()
+    if failed is not None:
+        raise failed.exception[0].with_traceback(failed.exception[1])
+
+
+_original_thread_run = _kernel.BlockThread.run
+
+
+def install():
+    """Replace the polling block manager (once)."""
+    if getattr(_kernel.BlockManager.run, "event_driven", False):
+        return
+    _manager_run.event_driven = True
+    _kernel.BlockThread.syncthreads = _syncthreads
+    _kernel.BlockThread.run = _thread_run
+    _kernel.BlockManager.run = _manager_run
