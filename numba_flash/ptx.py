@@ -1,21 +1,27 @@
 """Compile every registered kernel specialisation to PTX, without a GPU.
 
-    python -m numba_flash.ptx --cc 9.0          # one JSON line per specialisation
+    python -m numba_flash.ptx                   # one JSON line per kernel and cc (8.0 and 9.0)
+    python -m numba_flash.ptx --list            # the kernels' names
+    python -m numba_flash.ptx --only forward_mma/bfloat16/d64/full --out ptx/   # write its PTX
     python -m numba_flash.ptx --cc 9.0 --ladder # one JSON line per rung of numba_flash.ladder
     python -m numba_flash.ptx --cc 9.0 --ptxas  # ... plus registers and spills, from ptxas
     python -m numba_flash.ptx --cc 9.0 --sass   # ... plus the machine code's hot loops (nvdisasm)
 
-Must run with ``NUMBA_ENABLE_CUDASIM=0`` (the simulator cannot compile); NVVM comes
-from the ``numba-cuda[cu13]`` wheels, so no GPU or CUDA toolkit is needed. The test
-suite runs this in a subprocess and checks what each PTX contains. ``--ptxas`` needs a
+No GPU is needed: NVVM comes from the ``numba-cuda[cu13]`` wheels. Numba's simulator
+cannot compile, so where numba_flash would switch it on (no GPU) this command sets
+``NUMBA_ENABLE_CUDASIM=0`` for itself (``main()`` called in a process that already
+runs the simulator replaces that process with this command, the variable set). Each kernel goes through Numba's front end
+once, and NVVM emits PTX for each compute capability asked for (:func:`compile_ptx`).
+The test suite runs this in subprocesses and checks what each PTX contains. ``--out``
+writes the PTX (a student's view of what their Python became). ``--ptxas`` needs a
 CUDA toolkit's ``ptxas`` (on PATH, under ``CUDA_HOME``, or in ``/usr/local/cuda*``) and
 reports what only the machine code shows: registers per thread and spills. ``--sass``
-also disassembles it (``nvdisasm``, found the same way, or named by ``NVDISASM``) and
-reports each basic block that does the arithmetic (16 or more FFMA, DFMA or HMMA): its
-instruction count, instructions per FMA and the commonest opcodes. That ratio is what a
-kernel bound by instruction issue runs at; it showed, for example, that ``cvt.rna.tf32``
-compiles to three instructions and that signed shared-memory indices cost about one
-more per load (ladder rungs 3 and 8).
+also disassembles it (``nvdisasm``, found the same way, or named by ``NVDISASM``; with
+``--out`` the listing is written too) and reports each basic block that does the
+arithmetic (16 or more FFMA, DFMA or HMMA): its instruction count, instructions per FMA
+and the commonest opcodes. That ratio is what a kernel bound by instruction issue runs
+at; it showed, for example, that ``cvt.rna.tf32`` compiles to three instructions and
+that signed shared-memory indices cost about one more per load (ladder rungs 3 and 8).
 """
 import argparse
 import glob
@@ -71,7 +77,7 @@ _PTXAS_INFO = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\
                          r"|Used (\d+) registers")
 
 
-def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None) -> dict:
+def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None, keep_sass: bool = False) -> dict:
     """Registers per thread, stack frame and spill bytes of a one-kernel PTX, from
     ``ptxas -v``; with ``nvdisasm``, also ``hot_blocks`` (:func:`hot_blocks` of its
     SASS). NVVM may write a newer PTX ISA version than this ptxas reads; the
@@ -102,6 +108,8 @@ def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None) -> dict:
             info.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
     if sass is not None:
         info["hot_blocks"] = hot_blocks(sass)
+        if keep_sass:
+            info["sass"] = sass
     return info
 
 
@@ -134,39 +142,115 @@ def hot_blocks(sass: str, min_fma: int = 16) -> list:
     return found
 
 
-def compile_spec(spec, cc, layout="C"):
+def compile_ptx(pyfunc, signature, ccs, launch_bounds=None):
+    """{cc: PTX} of one kernel for each compute capability in ``ccs``.
+
+    Numba's front end (typing, inlining, lowering to NVVM IR: about 80% of a compile) runs
+    once and NVVM then emits PTX for each target: what Numba would lower for (8, 0) and
+    (9, 0) is the same IR (its only target-dependent lowering, in atomics and ``tanh``, is
+    decided at cc 6.0 and 7.5), so the PTX is the same as one ``cuda.compile_ptx`` per cc
+    but for symbol names. This uses ``numba.cuda.compiler._compile_pyfunc_with_fixup``
+    (numba-cuda 0.30.4, which is pinned), else falls back to a full compile per cc.
+    """
     from numba import cuda
-    kern = spec.kernel()
-    bounds = {} if spec.tiling is None else {"launch_bounds": (spec.tiling.threads, 1)}
-    ptx, _ = cuda.compile_ptx(kern.py_func, spec.signature(layout), cc=cc, **bounds)
-    return ptx
+    from numba.cuda import compiler
+    bounds = {} if launch_bounds is None else {"launch_bounds": launch_bounds}
+    one_front_end = getattr(compiler, "_compile_pyfunc_with_fixup", None)
+    if one_front_end is None:
+        return {cc: cuda.compile_ptx(pyfunc, signature, cc=cc, **bounds)[0] for cc in ccs}
+    lib, _ = one_front_end(pyfunc, signature, device=False, cc=min(ccs), abi="numba", **bounds)
+    return {cc: lib.get_asm_str(cc=cc) for cc in ccs}
 
 
-def compile_rung(rung, cc):
-    """PTX of a ladder rung's kernel at its GPU tile sizes."""
-    from numba import cuda
+def compile_spec(spec, ccs, layout="C"):
+    """{cc: PTX} of a registered specialisation (see :func:`compile_ptx`)."""
+    bounds = None if spec.tiling is None else (spec.tiling.threads, 1)
+    return compile_ptx(spec.kernel().py_func, spec.signature(layout), ccs, bounds)
+
+
+def compile_rung(rung, ccs):
+    """{cc: PTX} of a ladder rung's kernel at its GPU tile sizes."""
     from .ladder import _host
     kern = rung.kernel(simulator=False)
-    ptx, _ = cuda.compile_ptx(kern.py_func, _host.SIGNATURE, cc=cc, launch_bounds=(kern.threads, 1))
-    return ptx
+    return compile_ptx(kern.py_func, _host.SIGNATURE, ccs, (kern.threads, 1))
+
+
+def _file_stem(name, cc):
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.sm_{cc[0]}{cc[1]}"
+
+
+def _parse_shard(text):
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, e.g. 0/2; got {text!r}")
+    if not 0 <= k < n:
+        raise argparse.ArgumentTypeError(f"expected K/N with 0 <= K < N, e.g. 0/2; got {text!r}")
+    return k, n
+
+
+def _parse_ccs(text):
+    try:
+        ccs = tuple(tuple(int(x) for x in cc.split(".")) for cc in text.split(","))
+    except ValueError:
+        ccs = ()
+    if not ccs or any(len(cc) != 2 for cc in ccs):
+        raise argparse.ArgumentTypeError(f"expected compute capabilities like 9.0 or 8.0,9.0; got {text!r}")
+    return ccs
+
+
+EPILOG = """\
+examples:
+  python -m numba_flash.ptx --list                       # the specialisations' names
+  python -m numba_flash.ptx --only forward_mma/bfloat16/d64/full --out ptx/
+                          # write that kernel's PTX for sm_80 and sm_90 to ptx/*.ptx
+  python -m numba_flash.ptx --cc 9.0 --ptxas --sass --only forward_simt/float32/d64/full/async --out ptx/
+                          # ... plus registers/spills, and its SASS in ptx/*.sass
+  python -m numba_flash.ptx --ladder --cc 8.0 --out ptx/  # the ladder's rungs
+
+No GPU is needed: the kernels are compiled, not run. On a machine without a GPU
+numba_flash would switch Numba's CUDA simulator on, which cannot compile, so this
+command sets NUMBA_ENABLE_CUDASIM=0 for itself.
+"""
+
+
+def _ensure_compiler(argv):
+    """Run this module again with NUMBA_ENABLE_CUDASIM=0 if numba came up in the simulator."""
+    from ._runtime import SIMULATOR
+    if SIMULATOR:
+        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+        args = [sys.executable, "-m", "numba_flash.ptx", *(sys.argv[1:] if argv is None else argv)]
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, args, env)
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--cc", default="9.0", help="compute capability, e.g. 8.0 or 9.0")
-    p.add_argument("--layout", default="C", choices=["C", "A"], help="array layout of q, k, v")
-    p.add_argument("--only", default=None, help="substring filter on the specialisation name")
+    p = argparse.ArgumentParser(prog="python -m numba_flash.ptx", description=__doc__.split("\n\n")[0],
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cc", default="8.0,9.0", type=_parse_ccs,
+                   help="compute capabilities, comma-separated (default 8.0,9.0); one JSON line per kernel and cc")
+    p.add_argument("--layout", default="C", choices=["C", "A"], help="array layout of q, k, v (default C)")
+    p.add_argument("--only", default=None, help="substring filter on the kernel name (see --list)")
+    p.add_argument("--list", action="store_true", help="print the kernels' names and exit (no compile)")
     p.add_argument("--ladder", action="store_true", help="compile the rungs of numba_flash.ladder instead")
+    p.add_argument("--shard", default=(0, 1), type=_parse_shard, metavar="K/N",
+                   help="compile only every N-th kernel, starting at the K-th (parallel runs)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="also write each kernel's PTX to DIR/<name>.sm_XY.ptx (and .sass with --sass)")
     p.add_argument("--ptxas", action="store_true",
                    help="also assemble each kernel with ptxas (if found): registers, stack, spills")
     p.add_argument("--sass", action="store_true",
-                   help="with --ptxas: also disassemble (nvdisasm, if found) and report the hot blocks")
+                   help="with ptxas: also disassemble (nvdisasm, if found) and report the hot blocks")
     a = p.parse_args(argv)
-    from ._runtime import SIMULATOR
-    if SIMULATOR:
-        sys.exit("numba_flash.ptx: run with NUMBA_ENABLE_CUDASIM=0 (the simulator cannot compile PTX)")
+    if a.list:
+        from . import registry
+        from .ladder import RUNGS
+        names = [r.name for r in RUNGS] if a.ladder else [s.name for s in registry.specialisations()]
+        print("\n".join(n for n in names if not a.only or a.only in n))
+        return
+    _ensure_compiler(argv)
     from . import registry
-    cc = tuple(int(x) for x in a.cc.split("."))
     ptxas = find_ptxas() if a.ptxas or a.sass else None
     if (a.ptxas or a.sass) and ptxas is None:
         print("numba_flash.ptx: no ptxas found (PATH, CUDA_HOME, /usr/local/cuda*): no register counts",
@@ -175,22 +259,37 @@ def main(argv=None):
     if a.sass and nvdisasm is None:
         print("numba_flash.ptx: no nvdisasm found (NVDISASM, PATH, CUDA_HOME, /usr/local/cuda*): no SASS",
               file=sys.stderr)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
 
-    def row(name, ptx, **extra):
-        r = {"name": name, "cc": a.cc, **extra, **features(ptx)}
-        if ptxas:
-            r.update(assemble(ptx, cc, ptxas, nvdisasm))
-        print(json.dumps(r), flush=True)
+    def rows(name, ptxs, **extra):
+        for cc, ptx in ptxs.items():
+            r = {"name": name, "cc": f"{cc[0]}.{cc[1]}", **extra, **features(ptx)}
+            stem = os.path.join(a.out, _file_stem(name, cc)) if a.out else None
+            if stem:
+                with open(stem + ".ptx", "w") as f:
+                    f.write(ptx)
+            if ptxas:
+                info = assemble(ptx, cc, ptxas, nvdisasm, keep_sass=bool(stem))
+                sass = info.pop("sass", None)
+                if stem and sass:
+                    with open(stem + ".sass", "w") as f:
+                        f.write(sass)
+                r.update(info)
+            print(json.dumps(r), flush=True)
 
+    k, n = a.shard
     if a.ladder:
         from .ladder import RUNGS
-        for rung in RUNGS:
-            if not a.only or a.only in rung.name:
-                row(rung.name, compile_rung(rung, cc))
+        chosen = [rung for rung in RUNGS if not a.only or a.only in rung.name][k::n]
+        for rung in chosen:
+            rows(rung.name, compile_rung(rung, a.cc))
         return
-    for spec in registry.specialisations():
-        if not a.only or a.only in spec.name:
-            row(spec.name, compile_spec(spec, cc, a.layout), dtype=spec.dtype, layout=a.layout)
+    chosen = [s for s in registry.specialisations() if not a.only or a.only in s.name][k::n]
+    if not chosen:
+        sys.exit(f"numba_flash.ptx: no kernel matches --only {a.only!r} (see --list)")
+    for spec in chosen:
+        rows(spec.name, compile_spec(spec, a.cc, a.layout), dtype=spec.dtype, layout=a.layout)
 
 
 if __name__ == "__main__":

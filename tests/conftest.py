@@ -2,9 +2,13 @@
 
 Profiles (``HYPOTHESIS_PROFILE`` picks one; ``ci`` is the default):
 
-* ``ci``: derandomized (the same examples every run), no deadline, few examples: the
-  simulator runs a small launch in 0.1-1 s.
-* ``gpu``: random, no deadline, more examples; for a machine with a CUDA GPU.
+* ``ci``: derandomized (the same examples every run, whatever the machine), no deadline,
+  12 examples per property test in the simulator (40 on a GPU) on top of its pinned
+  ``@example`` edge cases: the quick default, which keeps the suite within about 5
+  minutes on a 2-core machine without a GPU.
+* ``thorough``: random, 200 examples per property test (an hour or more in the
+  simulator); run it before a release or after changing a kernel.
+* ``gpu``: random, no deadline, 150 examples; for a machine with a CUDA GPU.
 
 ``ON_GPU`` is True when kernels run on a real GPU rather than in Numba's CUDA
 simulator; tests use it to choose problem sizes.
@@ -28,12 +32,14 @@ from numba_flash import reference  # noqa: E402
 
 ON_GPU = not numba_flash.SIMULATOR
 
-settings.register_profile(
-    "ci", derandomize=True, deadline=None, print_blob=True, max_examples=40,
-    suppress_health_check=[HealthCheck.too_slow])
-settings.register_profile(
-    "gpu", deadline=None, print_blob=True, max_examples=150,
-    suppress_health_check=[HealthCheck.too_slow])
+# Subprocesses (examples, bench.py, PTX compiles) are killed after this long: a guard
+# against a hang, not a time budget (a slow or busy machine must not fail a test).
+HANG_GUARD_S = 3600
+
+_QUIET = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
+settings.register_profile("ci", derandomize=True, max_examples=40 if ON_GPU else 12, **_QUIET)
+settings.register_profile("thorough", max_examples=200, **_QUIET)
+settings.register_profile("gpu", max_examples=150, **_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # numba's performance warning lives in numba.core.errors; numba-cuda has its own class.
@@ -56,22 +62,31 @@ def pytest_configure(config):
         config.addinivalue_line("filterwarnings", f"ignore::{cls.__module__}.{cls.__qualname__}")
 
 
+# Test modules whose offline compiles run in the background (each has start_runs/stop_runs).
+_BACKGROUND_COMPILES = ("test_ptx", "test_ladder")
+
+
 def pytest_collection_finish(session):
-    """Start the slow PTX compiles of test_ptx.py in the background right away, if selected."""
+    """Start the slow PTX compiles of test_ptx.py and test_ladder.py in the background right
+    away, if those modules were selected: they use the CPU that the single-threaded simulator
+    tests leave idle."""
     if session.config.option.collectonly:
         return
+    started = set()
     for item in session.items:
         mod = getattr(item, "module", None)
-        if mod is not None and mod.__name__ == "test_ptx" and hasattr(mod, "start_runs"):
+        name = getattr(mod, "__name__", None)
+        if name in _BACKGROUND_COMPILES and name not in started and hasattr(mod, "start_runs"):
             mod.start_runs()
-            break
+            started.add(name)
 
 
 def pytest_sessionfinish(session):
     import sys
-    mod = sys.modules.get("test_ptx")
-    if mod is not None and hasattr(mod, "stop_runs"):
-        mod.stop_runs()
+    for name in _BACKGROUND_COMPILES:
+        mod = sys.modules.get(name)
+        if mod is not None and hasattr(mod, "stop_runs"):
+            mod.stop_runs()
 
 
 def pytest_report_header(config):
