@@ -115,7 +115,7 @@ SHAPE_SETS = {
     "seed": [Shape(1, 1, 1024, 1024, 1024)],   # the project's seed problem: one head, d = 1024
     # Simulator-sized; with the simulator's tiling (BM = 16, BN = 8, DK = DO = 16) these cross
     # ragged query/key tile edges, head-dim chunks (d = 24) and output slices.
-    "tiny": [Shape(1, 2, 40, 40, 16), Shape(2, 1, 20, 20, 24)],
+    "tiny": [Shape(1, 2, 19, 19, 16), Shape(2, 1, 11, 11, 24)],
 }
 DEFAULT_SHAPES = ("anchors", "seed")
 QUICK_SHAPES = [Shape(4, 16, 4096, 4096, 128), SHAPE_SETS["seed"][0]]

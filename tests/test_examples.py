@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from conftest import HANG_GUARD_S
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
 
@@ -22,6 +24,6 @@ def test_example_runs(path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
         p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
     proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=600)
+                          timeout=HANG_GUARD_S)
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), f"{path.name} printed nothing"

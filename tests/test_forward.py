@@ -8,7 +8,7 @@ import warnings
 
 import numpy as np
 import pytest
-from hypothesis import example, given, note, settings
+from hypothesis import example, given, note
 from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
@@ -230,7 +230,6 @@ def split_cases(draw):
                 magnitude=draw(st.sampled_from([1.0, 30.0])), seed=draw(st.integers(0, 2**32 - 1)))
 
 
-@settings(max_examples=40 if ON_GPU else 8)
 @example(case=Case((), 19, 33, 17, "float32", causal=True, seed=31), splits=3)   # Nq < Nk, chunked d
 @example(case=Case((2,), 20, 9, 3, "float64", causal=True, seed=32), splits=2)   # rows seeing no key
 @given(case=split_cases(), splits=st.integers(2, 5))
@@ -532,5 +531,14 @@ def test_chunked_oracle_agrees(causal):
     expect = dict(err_out=np.abs(out - ro).max(), err_lse=np.abs(lse[fin] - rl[fin]).max(),
                   base_out=np.abs(bo - ro).max(), base_lse=np.abs(bl[fin] - rl[fin]).max(),
                   sens_out=so, sens_lse=sl, ref_out=np.abs(ro).max(), ref_lse=np.abs(rl[fin]).max())
+    # The float32 baselines are two float32 computations of the same problem with different
+    # row blockings: BLAS rounds them differently per CPU and kernel, so their errors agree
+    # only to within the float32 error bound itself (logit sensitivity plus a few ulps of the
+    # outputs); a wrong chunked baseline would err by O(|v|). Everything else is float64.
+    bounds = dict(base_out=SLACK_ULPS * U32 * (so + np.abs(v).max()),
+                  base_lse=SLACK_ULPS * U32 * (sl + np.abs(rl[fin]).max()))
     for key, val in expect.items():
-        assert r[key] == pytest.approx(val, rel=1e-6, abs=1e-12), key
+        if key in bounds:
+            assert 0 < r[key] <= bounds[key] and 0 < val <= bounds[key], (key, r[key], val, bounds[key])
+        else:
+            assert r[key] == pytest.approx(val, rel=1e-6, abs=1e-12), key

@@ -12,6 +12,7 @@ import pytest
 
 import numba_flash  # noqa: F401  (before numba: decides the simulator)
 from numba_flash import _runtime
+from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -73,7 +74,7 @@ def test_import_numba_first():
     env = {k: v for k, v in os.environ.items() if k != _runtime.ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=120)
+                          timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["ok"] and got["simulator"] == got["cuda_simulator"]
