@@ -1278,7 +1278,7 @@ def _common_options(p=None):
                    help=f"minimum timed repeats (default {DEFAULT_REPEATS}; {TINY_REPEATS} with --tiny)")
     p.add_argument("--min-time", type=float, default=None,
                    help=f"minimum total timed seconds per row (default {DEFAULT_MIN_TIME_S:g}; 0 with --tiny)")
-    p.add_argument("--warmup", type=int, default=None, help=f"untimed calls first (default {DEFAULT_WARMUP})")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed calls first (default {DEFAULT_WARMUP}; with --tiny 1, or 0 in the simulator)")
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch SDPA peers")
     p.add_argument("--no-flush-l2", action="store_true", help="do not overwrite L2 between repeats")
     p.add_argument("--json", default=None, help="JSON output (default: results/bench-<mode>.json)")
@@ -1339,7 +1339,9 @@ def parse_args(argv=None):
     tiny = args.tiny
     args.repeats = args.repeats if args.repeats is not None else (TINY_REPEATS if tiny else DEFAULT_REPEATS)
     args.min_time = args.min_time if args.min_time is not None else (0.0 if tiny else DEFAULT_MIN_TIME_S)
-    args.warmup = args.warmup if args.warmup is not None else (1 if tiny else DEFAULT_WARMUP)
+    # --tiny in the simulator: no warm-up (there is no JIT to keep out of the times, which mean nothing there)
+    args.warmup = args.warmup if args.warmup is not None else (
+        (0 if SIMULATOR else 1) if tiny else DEFAULT_WARMUP)
     args.json = args.json or str(ROOT / "results" / f"bench-{args.mode}.json")
     if args.repeats < 1:
         parser.error(f"--repeats must be at least 1, got {args.repeats}")
