@@ -85,7 +85,7 @@ import ml_dtypes
 import numpy as np
 
 import numba_flash  # first: decides GPU vs simulator before numba is imported
-from numba_flash import SIMULATOR, _arrays, api, reference, registry
+from numba_flash import SIMULATOR, _arrays, api, reference, registry, scores
 from numba_flash.launch import launch
 
 from numba import cuda  # noqa: E402  (after numba_flash, see above)
@@ -304,10 +304,8 @@ def oracle_rows(q, k, v, r0, r1, *, causal):
     rows below r1 see at most the first r1 + Nk − Nq keys, and with exactly those keys the
     reference's own bottom-right mask on the (r1 − r0)-row block is the full problem's.
     """
-    if not causal:
-        return reference.attention_fwd(q[r0:r1], k, v)
-    kv = max(0, r1 + k.shape[0] - q.shape[0])
-    return reference.attention_fwd(q[r0:r1], k[:kv], v[:kv], causal=True)
+    kv = scores.key_end(scores.spec_of(causal), r0, r1 - r0, q.shape[0], k.shape[0])
+    return reference.attention_fwd(q[r0:r1], k[:kv], v[:kv], causal=causal)
 
 
 def validation_blocks(s: Shape):

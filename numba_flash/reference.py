@@ -35,6 +35,8 @@ import math
 
 import numpy as np
 
+from .scores import CAUSAL, spec_of, visible_mask
+
 __all__ = ["causal_mask", "attention_fwd", "attention", "attention_bwd"]
 
 
@@ -69,9 +71,7 @@ def causal_mask(nq, nk):
     *top-left* aligned (``j <= i``, i.e. ``torch.ones(nq, nk).tril()``), so it
     differs from this mask whenever nq != nk.
     """
-    i = np.arange(nq)[:, None]
-    j = np.arange(nk)[None, :]
-    return j <= i + (nk - nq)
+    return visible_mask(CAUSAL, nq, nk)
 
 
 def _prepare(q, k, v, scale):
@@ -93,8 +93,9 @@ def _probs(q, k, causal, scale):
     Rows with no visible key give P_i = 0 and lse_i = -inf.
     """
     s = scale * np.matmul(q, np.swapaxes(k, -1, -2))  # (..., Nq, Nk)
-    if causal:
-        s = np.where(causal_mask(s.shape[-2], s.shape[-1]), s, -np.inf)
+    spec = spec_of(causal)
+    if spec.masks_keys:
+        s = np.where(visible_mask(spec, s.shape[-2], s.shape[-1]), s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # (..., Nq, 1)
     m = np.where(np.isfinite(m), m, 0.0)  # empty rows: avoid -inf - -inf
     e = np.exp(s - m)  # masked entries -> exp(-inf) = 0

@@ -10,6 +10,7 @@ import dataclasses
 import numpy as np
 
 from ._runtime import SIMULATOR
+from .scores import ScoreSpec, spec_of
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.copy import make_copy4
@@ -175,20 +176,20 @@ def _sig_backward(dt, layout):
 
 VARIANTS = {v.name: v for v in (
     Variant("forward_simt", "FlashAttention-2 forward on CUDA cores", forward_tiling,
-            lambda s: make_forward(s.dtype, s.d, s.tiling, s.causal, s.use_async),
+            lambda s: make_forward(s.dtype, s.d, s.tiling, s.scores, s.use_async),
             smem_words, _sig_forward, compact=forward_tiling_compact,
             # ptxas: the plain-load kernel of the d > 256 tiling spills 0.5 KiB per thread
             plain_compact=lambda dt, d: dt == "float32" and d > 256),
     Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,
             lambda s: make_merge(s.dtype), lambda d, t: 0, _sig_forward_merge),
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
-            lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.causal),
+            lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
-            lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.causal, s.use_async),
+            lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward),
     Variant("backward_dq_simt", "backward: dQ (a block per query tile)", backward_tiling,
-            lambda s: make_backward("dq", s.dtype, s.d, s.tiling, s.causal, s.use_async),
+            lambda s: make_backward("dq", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dq"), _sig_backward),
     Variant("backward_delta", "backward pre-pass: delta = rowsum(dO ∘ O)", lambda dt, d, sim: None,
             lambda s: make_delta(s.dtype), lambda d, t: 0,
@@ -214,6 +215,11 @@ class Specialisation:
     def name(self):
         return (f"{self.variant}/{self.dtype}/d{self.d}/{'causal' if self.causal else 'full'}"
                 f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}")
+
+    @property
+    def scores(self) -> ScoreSpec:
+        """The score rules this kernel is compiled for."""
+        return spec_of(self.causal)
 
     @property
     def smem_bytes(self):

@@ -29,6 +29,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 import numba_flash  # noqa: E402
 import numba_flash.api  # noqa: E402
 from numba_flash import reference  # noqa: E402
+from numba_flash.scores import spec_of, visible_mask  # noqa: E402
 
 ON_GPU = not numba_flash.SIMULATOR
 
@@ -150,8 +151,7 @@ def softmax32(q32, k32, causal, scale):
     d = q32.shape[-1]
     sc = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
     s = np.matmul(q32, np.swapaxes(k32, -1, -2)) * sc
-    if causal:
-        s = np.where(reference.causal_mask(s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
+    s = np.where(visible_mask(spec_of(causal), s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     m = np.where(np.isfinite(m), m, np.float32(0))
     e = np.exp(s - m)
@@ -200,7 +200,7 @@ def rounding_sensitivity(q, k, v, causal, scale, ref_out, ref_lse):
     sc = 1.0 / math.sqrt(d) if scale is None else float(scale)
     q3, k3, v3 = q.reshape(-1, nq, d), k.reshape(-1, nk, d), v.reshape(-1, nk, d)
     o3, l3 = np.asarray(ref_out).reshape(-1, nq, d), np.asarray(ref_lse).reshape(-1, nq)
-    mask = reference.causal_mask(nq, nk) if causal else np.ones((nq, nk), bool)
+    mask = visible_mask(spec_of(causal), nq, nk)
     rows = max(1, (1 << 22) // (nk * d))
     s_out = s_lse = 0.0
     for b in range(q3.shape[0]):

@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import numba_flash
 from numba import cuda
 from numba_flash import reference, registry
+from numba_flash.scores import spec_of, visible_mask
 import conftest
 from conftest import ON_GPU, bits, host, make_qkv
 
@@ -38,8 +39,7 @@ def baseline_bwd32(dout, q, k, v, causal, scale):
     dout, q, k, v = (np.asarray(x, np.float32) for x in (dout, q, k, v))
     sc = np.float32(1 / math.sqrt(q.shape[-1]) if scale is None else scale)
     s = np.matmul(q, np.swapaxes(k, -1, -2)) * sc
-    if causal:
-        s = np.where(reference.causal_mask(s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
+    s = np.where(visible_mask(spec_of(causal), s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     e = np.exp(s - np.where(np.isfinite(m), m, np.float32(0)))
     l = e.sum(-1, keepdims=True)

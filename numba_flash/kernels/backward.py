@@ -39,6 +39,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
+from ..scores import ScoreSpec, device_rules
 from . import tiles
 from .forward import LOG2E, Tiling
 from .tiles import PAD
@@ -76,7 +77,7 @@ def smem_words(d, t: Tiling, kind):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bool):
+def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_async: bool):
     """Build the ``dkdv`` or ``dq`` backward kernel for one specialisation.
 
     Arguments (4-D ``(B1, B2, N, D)`` views with any strides, 3-D ``(B1, B2, Nq)`` for
@@ -105,12 +106,13 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, u
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
+    visible, key_end, query_begin, _ = device_rules(scores)
 
     @cuda.jit(**JIT)
     def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale):
         Nq = q.shape[2]
         Nk = k.shape[2]
-        diag = Nk - Nq                  # key j visible to query i iff j <= i + diag
+        diag = Nk - Nq                  # bottom-right alignment (numba_flash.scores)
         tid = cuda.threadIdx.x
         r = tid // CG
         c = tid - r * CG
@@ -129,17 +131,13 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, u
         if DKDV:
             n_rows, n_cols = Nk, Nq
             r0 = bt * R                 # early key tiles have the most visible queries: first
-            c_start = 0
-            if causal:
-                c_start = max(0, r0 - diag) // C
+            c_start = query_begin(r0, diag) // C    # earlier query tiles see none of these keys
             c_end = (Nq + C - 1) // C
         else:
             n_rows, n_cols = Nq, Nk
             r0 = ((Nq + R - 1) // R - 1 - bt) * R   # late query tiles are the heaviest: first
             c_start = 0
-            kv_end = Nk
-            if causal:
-                kv_end = min(Nk, r0 + R + diag)
+            kv_end = key_end(r0, R, Nk, diag)       # later keys: invisible to the whole tile
             c_end = (max(kv_end, 0) + C - 1) // C
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
@@ -209,15 +207,15 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, causal: bool, u
                 for i in range(TM):
                     row = r0 + r * TM + i
                     if DKDV:            # row = key, col = query
-                        visible = col < Nq and row < Nk and (not causal or row <= col + diag)
+                        seen = col < Nq and visible(col, row, Nk, diag)
                         lse_ij = lse_j
                         delta_ij = delta_j
                     else:               # row = query, col = key
-                        visible = col < Nk and (not causal or col <= row + diag)
+                        seen = visible(row, col, Nk, diag)
                         lse_ij = row_lse[i]
                         delta_ij = row_delta[i]
                     p = ZERO
-                    if visible:
+                    if seen:
                         p = math.exp2(s[i, j] * scale_log2 - lse_ij)
                     ds = p * (dp[i, j] - delta_ij)
                     if DKDV:

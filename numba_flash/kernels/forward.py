@@ -71,6 +71,7 @@ from .. import ops, warp
 from . import tiles
 from .tiles import PAD
 from .._runtime import SIMULATOR
+from ..scores import ScoreSpec, device_rules
 
 LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x · log2 e)
 LN2 = 0.6931471805599453
@@ -110,8 +111,8 @@ def smem_words(d, t: Tiling):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bool):
-    """Build the forward kernel for one (dtype, head dim, tiling, causal, async) specialisation.
+def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_async: bool):
+    """Build the forward kernel for one (dtype, head dim, tiling, score rules, async) specialisation.
 
     Kernel arguments: ``q (B1, B2, Nq, D)``, ``k (B1, B2, Nk, D)``, ``v (B1, B2, Nk, D)``
     (any strides; with ``use_async`` the last stride must be 1 and rows 16-byte
@@ -148,20 +149,18 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
+    visible, key_end, _, tile_needs_mask = device_rules(scores)
 
     def softmax_update(smem, s, o, m, l, scale_log2, r, c, q0, k0, Nk, diag):
         """Online softmax on one S tile: rescale O and l, write P = exp2(S - m) to shared memory."""
-        needs_mask = k0 + BN > Nk
-        if causal:
-            needs_mask = needs_mask or k0 + BN - 1 > q0 + diag
+        needs_mask = tile_needs_mask(q0, BM, k0, BN, Nk, diag)
         for i in range(TM):
             row = q0 + r * TM + i
             mx = NEG_INF
             for j in range(TN):
                 x = s[i, j] * scale_log2
                 if needs_mask:
-                    key = k0 + c + CG * j
-                    if key >= Nk or (causal and key > row + diag):
+                    if not visible(row, k0 + c + CG * j, Nk, diag):
                         x = NEG_INF
                 s[i, j] = x
                 mx = max(mx, x)
@@ -206,7 +205,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
         b2 = b - b1 * B2
         q0 = qt * BM
         d0 = cuda.blockIdx.y * DO
-        diag = Nk - Nq                 # key j visible to query i iff j <= i + diag
+        diag = Nk - Nq                 # bottom-right alignment (numba_flash.scores)
         k_lo = z * split_keys
         ob1 = z * q.shape[0] + b1      # this split's slab of out and lse
 
@@ -225,9 +224,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, causal: bool, use_async: bo
             for jo in range(VO):
                 o[i, jo] = ZERO
 
-        kv_end = min(Nk, k_lo + split_keys)
-        if causal:
-            kv_end = min(kv_end, q0 + BM + diag)   # keys past this are invisible to the whole tile
+        kv_end = min(key_end(q0, BM, Nk, diag), k_lo + split_keys)   # later keys: invisible to the tile
         kt0 = k_lo // BN
         n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
 

@@ -37,6 +37,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
+from ..scores import ScoreSpec, device_rules
 from .forward import LN2
 
 ROW_PAD = 8          # elements of padding per shared row (16 bytes)
@@ -75,8 +76,8 @@ def smem_elements(d, t: MmaTiling):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
-    """Build the tensor-core forward kernel for one (dtype, head dim, tiling, causal).
+def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
+    """Build the tensor-core forward kernel for one (dtype, head dim, tiling, score rules).
 
     Kernel arguments: ``q (B1, B2, Nq, D)``, ``k, v (B1, B2, Nk, D)`` as ``uint16`` views
     of the float16/bfloat16 data (unit inner stride, 16-byte aligned rows; ``D`` a
@@ -105,6 +106,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
     ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+    visible, key_end, _, tile_needs_mask = device_rules(scores)
 
     def device(f):
         return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
@@ -154,7 +156,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
         b1 = b // B2
         b2 = b - b1 * B2
         q0 = qt * BM
-        diag = Nk - Nq                 # key j visible to query i iff j <= i + diag
+        diag = Nk - Nq                 # bottom-right alignment (numba_flash.scores)
         warp_row = WR * w              # this warp's first row in the tile
         # This lane's rows: q0 + warp_row + 16·mt + g + 8·half, indexed h = 2·mt + half;
         # in the accumulators, half 0 is elements 0, 1 and half 1 is elements 2, 3.
@@ -176,9 +178,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
             m[h] = NEG_INF
             l[h] = ZERO
 
-        kv_end = Nk
-        if causal:
-            kv_end = min(Nk, q0 + BM + diag)   # keys past this are invisible to the whole tile
+        kv_end = key_end(q0, BM, Nk, diag)     # later keys: invisible to the whole tile
         n_kt = (max(kv_end, 0) + BN - 1) // BN
 
         copy_rows(smem, 0, q, b1, b2, q0, BM, Nq, tid)
@@ -224,9 +224,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
                         mma_pair(s, mt, 2 * n2, qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb0, kb1, kb2, kb3)
 
             # ---- online softmax, per row h ----------------------------------------------------
-            needs_mask = k0 + BN > Nk
-            if causal:
-                needs_mask = needs_mask or k0 + BN - 1 > q0 + diag
+            needs_mask = tile_needs_mask(q0, BM, k0, BN, Nk, diag)
             for h in range(H):
                 mt = h >> 1
                 e0 = 2 * (h & 1)
@@ -236,8 +234,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, causal: bool):
                     for e in range(e0, e0 + 2):
                         x = s[mt, n, e] * scale_log2
                         if needs_mask:
-                            key = k0 + 8 * n + 2 * tq + (e & 1)
-                            if key >= Nk or (causal and key > row + diag):
+                            if not visible(row, k0 + 8 * n + 2 * tq + (e & 1), Nk, diag):
                                 x = NEG_INF
                         s[mt, n, e] = x
                         mx = max(mx, x)
