@@ -781,7 +781,8 @@ def launch_records(launches):
 
 def kernel_record(cfg, use_async):
     s = cfg["shape"]
-    return spec_record(registry.forward_specialisation(cfg["dtype"], s.d, cfg["causal"], use_async), s, s.Nq)
+    spec = registry.forward_specialisation(cfg["dtype"], s.d, scores.spec_of(cfg["causal"]), use_async)
+    return spec_record(spec, s, s.Nq)
 
 
 def out_lse_mib(cfg):
@@ -919,9 +920,8 @@ def validate_backward_config(cfg, bench):
 
 def backward_kernels(cfg, use_async):
     """The dK/dV and dQ specialisations attention_bwd launches (the delta pre-pass has no tiling)."""
-    s = cfg["shape"]
-    return {variant: spec_record(registry.specialisation(variant, cfg["dtype"], s.d, cfg["causal"], use_async),
-                                 s, rows)
+    s, rules = cfg["shape"], scores.spec_of(cfg["causal"])
+    return {variant: spec_record(registry.specialisation(variant, cfg["dtype"], s.d, rules, use_async), s, rows)
             for variant, rows in (("backward_dkdv_simt", s.Nk), ("backward_dq_simt", s.Nq))}
 
 

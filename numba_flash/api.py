@@ -9,6 +9,7 @@ from . import _arrays, _plans, registry
 from ._runtime import SIMULATOR
 from .kernels.forward import LOG2E
 from .launch import context_handle, launch
+from .scores import spec_of
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 LOW_PRECISION = ("float16", "bfloat16")    # tensor-core forward; no backward yet
@@ -36,6 +37,7 @@ class _Inputs:
             raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}). "
                         "Pass causal=bool(...) if it is a flag of another type.")
         self.causal = bool(causal)
+        self.scores = spec_of(self.causal)      # the score rules the kernels compile in
         kinds = [_kind(a, n) for n, a in arrays.items()]
         if len(set(kinds)) > 1:
             desc = ", ".join(f"{n} is a {k} array" for n, k in zip(names, kinds))
@@ -307,7 +309,7 @@ def _plan_forward(q, k, v, causal, scale, splits=None):
     if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
         qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
     sm_count, smem_limit = _device_facts()
-    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.causal, inp.low or all(aligned),
+    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, inp.low or all(aligned),
                                            smem_limit=smem_limit)
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
@@ -342,7 +344,7 @@ def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count,
     t = spec.tiling
     n_kt = -(-inp.nk // t.BN)
     # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
-    z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, sm_count, inp.causal)
+    z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, sm_count, inp.scores.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
                          "let registry.forward_splits choose.")
@@ -528,7 +530,7 @@ def _plan_backward(dout, q, k, v, out, lse, causal, scale):
     dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
     delta = inp.empty_like(inp.lead + (inp.nq,))
     aligned = all(_arrays.rows_aligned16(dev[n]) for n in ("q", "k", "v", "dout"))
-    spec = {name: registry.specialisation(name, inp.dtype.name, inp.d, inp.causal, aligned)
+    spec = {name: registry.specialisation(name, inp.dtype.name, inp.d, inp.scores, aligned)
             for name in ("backward_delta", "backward_dkdv_simt", "backward_dq_simt")}
     k_delta, k_dkdv, k_dq = (s.kernel() for s in spec.values())
     t = spec["backward_dkdv_simt"].tiling

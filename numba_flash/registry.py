@@ -3,14 +3,14 @@
 Everything that needs to know which kernels exist (the API's dispatch, the PTX
 tests, the GPU test-suite, ``bench.py``) asks this module. A *variant* is a kernel
 family with a tiling rule (``VARIANTS``); a *specialisation* is one compiled kernel:
-variant × dtype × head dim × causal × load path (``specialisations()``).
+variant × dtype × head dim × score rules × load path (``specialisations()``).
 """
 import dataclasses
 
 import numpy as np
 
 from ._runtime import SIMULATOR
-from .scores import ScoreSpec, spec_of
+from .scores import FULL, SCORE_SPECS, ScoreSpec
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.copy import make_copy4
@@ -202,24 +202,19 @@ VARIANTS = {v.name: v for v in (
 
 @dataclasses.dataclass(frozen=True)
 class Specialisation:
-    """One compiled kernel: a variant at one dtype, head dim, causality and load path."""
+    """One compiled kernel: a variant at one dtype, head dim, score rules and load path."""
     variant: str
     dtype: str
     d: int
-    causal: bool
+    scores: ScoreSpec   # the score rules compiled in (numba_flash.scores)
     use_async: bool   # cp.async tile loads (needs 16-byte aligned rows and unit inner stride)
     tiling: Tiling
     compact: bool = False   # the variant's tiling for GPUs with less shared memory
 
     @property
     def name(self):
-        return (f"{self.variant}/{self.dtype}/d{self.d}/{'causal' if self.causal else 'full'}"
+        return (f"{self.variant}/{self.dtype}/d{self.d}/{self.scores.tag}"
                 f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}")
-
-    @property
-    def scores(self) -> ScoreSpec:
-        """The score rules this kernel is compiled for."""
-        return spec_of(self.causal)
 
     @property
     def smem_bytes(self):
@@ -238,7 +233,7 @@ def async_possible(dtype_name: str, d: int):
     return d % (16 // itemsize(dtype_name)) == 0
 
 
-def specialisation(variant: str, dtype_name: str, d: int, causal: bool = False, use_async: bool = False,
+def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FULL, use_async: bool = False,
                    simulator: bool = SIMULATOR, smem_limit: int = None, compact: bool = False):
     """The specialisation the API launches for these inputs: the variant's tiling, or its
     compact one when ``compact`` is set, when the first needs more than ``smem_limit``
@@ -247,23 +242,23 @@ def specialisation(variant: str, dtype_name: str, d: int, causal: bool = False, 
     v = VARIANTS[variant]
     t = v.tiling(dtype_name, d, simulator)
     if t is None:                                       # shape-independent kernels
-        return Specialisation(variant, dtype_name, 0, False, False, None)
+        return Specialisation(variant, dtype_name, 0, FULL, False, None)
     use_async = use_async and async_possible(dtype_name, d)
-    spec = Specialisation(variant, dtype_name, d, causal, use_async, t)
+    spec = Specialisation(variant, dtype_name, d, scores, use_async, t)
     if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit
                                   or not use_async and v.plain_compact and v.plain_compact(dtype_name, d)):
         tc = v.compact(dtype_name, d, simulator)
         if tc != t:
-            spec = Specialisation(variant, dtype_name, d, causal, use_async, tc, compact=True)
+            spec = Specialisation(variant, dtype_name, d, scores, use_async, tc, compact=True)
     return spec
 
 
-def forward_specialisation(dtype_name, d, causal, use_async, simulator=SIMULATOR, smem_limit=None):
+def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR, smem_limit=None):
     """The forward kernel for these inputs: tensor cores for 16-bit dtypes (which always
     load with cp.async: the API gives them aligned rows), CUDA cores otherwise."""
     if dtype_name in LOW_DTYPES:
-        return specialisation("forward_mma", dtype_name, d, causal, True, simulator)
-    return specialisation("forward_simt", dtype_name, d, causal, use_async, simulator, smem_limit)
+        return specialisation("forward_mma", dtype_name, d, scores, True, simulator)
+    return specialisation("forward_simt", dtype_name, d, scores, use_async, simulator, smem_limit)
 
 
 # Key splits (forward_simt): at most MAX_SPLITS, each covering at least MIN_SPLIT_TILES
@@ -322,7 +317,7 @@ def specialisations(simulator: bool = False):
 
     The API compiles a kernel per head dim on demand; kernels for head dims that share a
     tiling rule differ only in loop bounds, so each (variant, dtype, thread tile,
-    resident-or-chunked head dim, causal, load path) appears once, at the first of
+    resident-or-chunked head dim, score rules, load path) appears once, at the first of
     ``HEAD_DIMS`` that produces it.
     """
     seen = set()
@@ -331,13 +326,13 @@ def specialisations(simulator: bool = False):
             for d in HEAD_DIMS:
                 if not v.head_dims(d):
                     continue
-                for causal in (False, True):
+                for scores in SCORE_SPECS:
                     for use_async in (True, False) if variant != "forward_mma" else (True,):
                         for compact in (False, True) if v.compact else (False,):
-                            spec = specialisation(variant, dt, d, causal, use_async, simulator, compact=compact)
+                            spec = specialisation(variant, dt, d, scores, use_async, simulator, compact=compact)
                             if compact and not spec.compact:
                                 continue
-                            key = (variant, dt, spec.causal, spec.use_async) + _shape_key(spec.tiling, d)
+                            key = (variant, dt, spec.scores, spec.use_async) + _shape_key(spec.tiling, d)
                             if key not in seen:
                                 seen.add(key)
                                 yield spec

@@ -42,6 +42,9 @@ class ScoreSpec:
 
 FULL = ScoreSpec()
 CAUSAL = ScoreSpec(causal=True)
+# Every rule set a kernel is compiled for: registry.specialisations() (the PTX checks)
+# enumerates these.
+SCORE_SPECS = (FULL, CAUSAL)
 
 
 def spec_of(causal: bool) -> ScoreSpec:

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
 from numba_flash import api, registry
+from numba_flash.scores import CAUSAL
 from conftest import (ON_GPU, SLACK_ULPS, U32, U64, Case, baseline_fwd32, bits, check_forward, host, make_qkv,
                       rounding_sensitivity)
 from numba_flash import reference
@@ -506,9 +507,9 @@ def test_gpu_large_shapes(lead, nq, nk, d, dtype, causal):
 def test_gpu_compact_tilings(d, monkeypatch):
     """A GPU with less shared memory per block (an A100) gets registry.forward_tiling_compact:
     pretend to be one, and check the result and that the compact kernel ran."""
-    first = registry.forward_specialisation("float32", d, True, True)
+    first = registry.forward_specialisation("float32", d, CAUSAL, True)
     monkeypatch.setattr(api, "_device_facts", lambda: (132, first.smem_bytes - 1))
-    spec = registry.forward_specialisation("float32", d, True, True, smem_limit=first.smem_bytes - 1)
+    spec = registry.forward_specialisation("float32", d, CAUSAL, True, smem_limit=first.smem_bytes - 1)
     assert spec.compact and spec.smem_bytes < first.smem_bytes
     q, k, v = make_qkv(d, (2,), 600, 700, d, "float32")
     plan = api.plan_forward(cuda.to_device(q), cuda.to_device(k), cuda.to_device(v), causal=True)

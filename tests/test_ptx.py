@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from numba_flash import registry
+from numba_flash.scores import SCORE_SPECS
 from conftest import HANG_GUARD_S
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -171,7 +172,7 @@ def test_forward_ptx_is_covered():
     """The forward variant is registered with both dtypes, both masks and both load paths."""
     fwd = [s for s in registry.specialisations() if s.variant == FORWARD]
     assert {s.dtype for s in fwd} == {"float32", "float64"}
-    assert {s.causal for s in fwd} == {False, True}
+    assert {s.scores for s in fwd} == set(SCORE_SPECS)
     assert {s.use_async for s in fwd} == {False, True}
 
 
@@ -179,7 +180,7 @@ def test_tensor_core_ptx_is_covered():
     """Both 16-bit dtypes, both masks, and each fast-path head dim get their own PTX check."""
     mma = [s for s in registry.specialisations() if s.variant == MMA]
     assert {s.dtype for s in mma} == set(registry.LOW_DTYPES)
-    assert {s.causal for s in mma} == {False, True}
+    assert {s.scores for s in mma} == set(SCORE_SPECS)
     assert set(registry.MMA_FAST_DIMS) <= {s.d for s in mma}
 
 
