@@ -23,7 +23,9 @@ if not SIMULATOR:
     shfl_down_sync = cuda.shfl_down_sync
 
 else:
-    _TIMEOUT_S = 60.0
+    # A guard against a hang (a lane named in the mask that exited or took another branch),
+    # not a time budget: lanes of a busy 2-core machine reach a shuffle seconds apart at most.
+    _TIMEOUT_S = 600.0
     _slots_lock = threading.Lock()
 
     class _Slot:
