@@ -36,6 +36,29 @@ ON_GPU = not numba_flash.SIMULATOR
 # Subprocesses (examples, bench.py, PTX compiles) are killed after this long: a guard
 # against a hang, not a time budget (a slow or busy machine must not fail a test).
 HANG_GUARD_S = 3600
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def project_env(**overrides):
+    """``os.environ`` with the project's root first on PYTHONPATH, for subprocesses that run
+    its code as a user would; ``NAME=None`` removes a variable."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (ROOT, os.environ.get("PYTHONPATH")) if p))
+    for name, value in overrides.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+def start_ptx_compile(args, env):
+    """``python -m numba_flash.ptx *args`` in the background at a lower priority, so the
+    compiles use the CPU that the simulator tests leave idle (collected with communicate())."""
+    import subprocess
+    import sys
+    nice = (lambda: os.nice(10)) if hasattr(os, "nice") else None
+    return subprocess.Popen([sys.executable, "-m", "numba_flash.ptx", *args], cwd=ROOT, env=env, preexec_fn=nice,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 _QUIET = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", derandomize=True, max_examples=40 if ON_GPU else 12, **_QUIET)

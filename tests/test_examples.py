@@ -2,14 +2,13 @@
 
 Without a GPU the examples choose tiny sizes for the simulator themselves.
 """
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, project_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
@@ -21,9 +20,7 @@ def test_examples_exist():
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
 def test_example_runs(path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=project_env(), capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
     assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
     assert proc.stdout.strip(), f"{path.name} printed nothing"

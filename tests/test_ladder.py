@@ -9,7 +9,6 @@ compiles start in a subprocess when this module's first test runs and are checke
 the last tests of the module.
 """
 import json
-import os
 import re
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import numba_flash  # noqa: F401  (before numba: decides the simulator)
 from numba import cuda
 from numba_flash import ladder, reference
 from numba_flash.ladder import RUNGS
-from conftest import HANG_GUARD_S, ON_GPU, baseline_fwd32
+from conftest import HANG_GUARD_S, ON_GPU, baseline_fwd32, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 CCS = ("8.0", "9.0")
@@ -78,12 +77,8 @@ def start_runs():
     conftest.py calls this as soon as collection finishes, so the compiles overlap the
     simulator tests (at a lower priority); ``ptx_rows`` collects them at the end."""
     if not _PTX:
-        env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0", PYTHONPATH=os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        nice = (lambda: os.nice(10)) if hasattr(os, "nice") else None
-        _PTX["ladder"] = subprocess.Popen(
-            [sys.executable, "-m", "numba_flash.ptx", "--ladder", "--cc", ",".join(CCS)], cwd=ROOT, env=env,
-            preexec_fn=nice, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        _PTX["ladder"] = start_ptx_compile(["--ladder", "--cc", ",".join(CCS)],
+                                           project_env(NUMBA_ENABLE_CUDASIM="0"))
     return _PTX
 
 

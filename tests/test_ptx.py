@@ -8,15 +8,13 @@ collects their output.
 """
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from numba_flash import registry
 from numba_flash.scores import SCORE_SPECS
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {s.name for s in registry.specialisations()}
@@ -59,17 +57,11 @@ def start_runs():
     if not _PROCS:
         import tempfile
         OUT_DIR = tempfile.mkdtemp(prefix="numba_flash_ptx_")
-        base = dict(os.environ, PYTHONPATH=os.pathsep.join(
-            p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-        base.pop("NUMBA_ENABLE_CUDASIM", None)
-        nice = (lambda: os.nice(10)) if hasattr(os, "nice") else None
         for name, args in RUNS.items():
             layout_a = name.startswith("layoutA-")
-            env = base if layout_a else dict(base, NUMBA_ENABLE_CUDASIM="0")
+            env = project_env(NUMBA_ENABLE_CUDASIM=None if layout_a else "0")
             extra = ["--out", os.path.join(OUT_DIR, name)] if layout_a else []
-            _PROCS[name] = subprocess.Popen(
-                [sys.executable, "-m", "numba_flash.ptx", *args, *extra], cwd=ROOT, env=env, preexec_fn=nice,
-                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            _PROCS[name] = start_ptx_compile([*args, *extra], env)
     return _PROCS
 
 

@@ -12,7 +12,7 @@ import pytest
 
 import numba_flash  # noqa: F401  (before numba: decides the simulator)
 from numba_flash import _runtime
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, project_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -71,9 +71,7 @@ def test_import_numba_first():
         "print(json.dumps({'simulator': numba_flash.SIMULATOR, 'cuda_simulator': cuda.is_available.__module__"
         ".startswith('numba.cuda.simulator'), 'ok': bool(np.allclose(out, 1)), "
         "'where': [(w.filename, w.lineno) for w in caught if w.category is numba_flash.SimulatorWarning]}))\n")
-    env = {k: v for k, v in os.environ.items() if k != _runtime.ENV}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=project_env(**{_runtime.ENV: None}), capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.splitlines()[-1])
