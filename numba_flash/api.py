@@ -9,7 +9,7 @@ from . import _arrays, _plans, registry
 from ._runtime import SIMULATOR
 from .kernels.forward import LOG2E
 from .launch import context_handle, launch
-from .scores import spec_of
+from . import scores as _scores
 
 SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
 LOW_PRECISION = ("float16", "bfloat16")    # tensor-core forward; no backward yet
@@ -28,16 +28,16 @@ class _Inputs:
 
     ``arrays`` maps names to arrays; it starts with q, k, v and may add the backward's
     ``dout`` and ``out`` (shaped like q) and ``lse`` (shaped like q without d).
+    ``options``: the score options ``(causal, window, softcap)``; ``slopes``: ALiBi's
+    slopes or None.
     """
 
-    def __init__(self, arrays, causal, scale, low_precision=False):
+    def __init__(self, arrays, options, scale, slopes=None, low_precision=False):
         names = list(arrays)
         values = list(arrays.values())
-        if not isinstance(causal, (bool, np.bool_)):
-            raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}). "
-                        "Pass causal=bool(...) if it is a flag of another type.")
-        self.causal = bool(causal)
-        self.scores = spec_of(self.causal)      # the score rules the kernels compile in
+        causal, window, softcap = options
+        self.rules = _scores.parse(causal, window, softcap, slopes is not None)   # with the values
+        self.scores = self.rules.spec           # the score rules the kernels compile in
         kinds = [_kind(a, n) for n, a in arrays.items()]
         if len(set(kinds)) > 1:
             desc = ", ".join(f"{n} is a {k} array" for n, k in zip(names, kinds))
@@ -68,10 +68,8 @@ class _Inputs:
         for n in ("q", "k", "v"):
             if len(shapes[n]) < 2:
                 raise ValueError(f"{n} must have at least 2 dims (..., N, d), got shape {shapes[n]}.")
-        if not (len(q) == len(k) == len(v) and q[:-2] == k[:-2] == v[:-2]):
-            raise ValueError(f"q, k and v must have identical leading dims, got q {q}, k {k}, v {v}. "
-                             "Broadcast or reshape them first.")
-        self.lead = q[:-2]
+        self.group = _check_heads(q, k, v)     # query heads per K/V head
+        self.lead, self.lead_k = q[:-2], k[:-2]
         self.nq, self.d = q[-2], q[-1]
         self.nk = k[-2]
         if k[-1] != self.d or v[-1] != self.d:
@@ -103,6 +101,42 @@ class _Inputs:
         self.scale = _check_scale(scale, self.d)
         self.batch = math.prod(self.lead)
         self.arrays = dict(zip(names, values))
+        self.slopes = None if slopes is None else _check_slopes(slopes, self.lead, self.on_device, self.acc_dtype)
+
+    def score_args(self, lse):
+        """The kernels' score arguments: window sides, softcap factors and the ALiBi slopes
+        as a ``lead + (1,)`` view (stride 0 on the last axis, as the kernels type it);
+        without ALiBi a view of ``lse`` (the right type, never read), so that every
+        argument is memory a launch plan knows."""
+        left, right = self.rules.band()
+        cap_in, cap_out = (self.acc_dtype.type(x) for x in self.rules.cap_args(self.scale))
+        if self.slopes is not None:
+            src = self.device_slopes()
+            strides = (0,) * (len(self.lead) - len(src.shape)) + tuple(src.strides)
+        else:
+            src, strides = lse, tuple(lse.strides)[:-1]
+        return [left, right, cap_in, cap_out], _arrays.strided_view(src, self.lead + (1,), strides + (0,))
+
+    def device_slopes(self):
+        """The ALiBi slopes on the device, in the accumulator dtype (made once per call)."""
+        if not hasattr(self, "_slopes_dev"):
+            s = self.slopes
+            if not self.on_device:
+                s = np.ascontiguousarray(s, dtype=self.acc_dtype)
+                from numba import cuda
+                s = cuda.to_device(s)
+            self._slopes_dev = s
+        return self._slopes_dev
+
+    def kernel_views(self, like_q, like_k):
+        """:func:`_kernel_views` of arrays shaped like q (leading dims ``(..., Hq)``) and like
+        k (``(..., Hkv)``); with grouped heads both as ``(..., Hkv, G)``: q's head axis
+        split, k's repeated by a stride-0 axis (no copy)."""
+        g = self.group
+        if g > 1:
+            like_q = [_split_heads(a, len(self.lead), g) for a in like_q]
+            like_k = [_split_heads(a, len(self.lead), g, repeat=True) for a in like_k]
+        return _kernel_views(list(like_q) + list(like_k))
 
     def device(self, name):
         """The named input on the device (NumPy inputs are copied, contiguously)."""
@@ -133,6 +167,61 @@ class _Inputs:
 
 
 _STREAMS = {}
+
+
+def _check_heads(q, k, v):
+    """Query heads per K/V head (1 without grouping), or a ValueError naming the fix."""
+    if not (len(k) == len(v) and k[:-2] == v[:-2]):
+        raise ValueError(f"k and v must have identical leading dims, got k {k} and v {v}. Pass the k and v "
+                         "of the same heads.")
+    if len(q) == len(k) and q[:-2] == k[:-2]:
+        return 1
+    if len(q) != len(k) or len(q) < 3 or q[:-3] != k[:-3] or k[-3] == 0 or q[-3] % k[-3]:
+        raise ValueError(f"q, k and v must have identical leading dims, or differ only in the head axis (-3) "
+                         f"with q's heads a multiple of k's (grouped-query attention), got q {q}, k {k}, "
+                         f"v {v}. Broadcast or reshape them first; for GQA pass q (..., Hq, Nq, d) and k, v "
+                         "(..., Hkv, Nk, d) with Hq % Hkv == 0.")
+    return q[-3] // k[-3]
+
+
+def _check_slopes(slopes, lead, on_device, acc_dtype):
+    """ALiBi slopes checked: the same array kind as q, a shape that is a tail of q's
+    leading dims ending at the head axis ((Hq,), (B, Hq), ...), float32 (or the inputs'
+    float64). Device slopes are returned as Numba arrays in the accumulator dtype."""
+    kind = _kind(slopes, "alibi_slopes")
+    if (kind == "device") != on_device:
+        raise TypeError(f"alibi_slopes is a {kind} array but q is {'a device' if on_device else 'a NumPy'} "
+                        "array: pass both on the same side.")
+    shape = tuple(slopes.shape)
+    tails = [lead[len(lead) - n:] for n in range(1, len(lead) + 1)]
+    if not lead:
+        raise ValueError(f"alibi_slopes needs a head axis: q must be (..., H, N, d), got q with leading dims "
+                         f"{lead}. Add a head axis, e.g. q[None].")
+    if shape not in tails:
+        raise ValueError(f"alibi_slopes must have shape {tails[0]} (one slope per query head) or one of "
+                         f"{tails[1:]} (per batch and head), got {shape}.")
+    dt = _arrays.logical_dtype(slopes)
+    if dt not in (np.dtype(np.float32), acc_dtype):
+        raise TypeError(f"alibi_slopes must be float32, got {dt}. Cast it: alibi_slopes.astype(np.float32).")
+    if on_device:
+        slopes = _arrays.as_numba_device(slopes)
+        if dt != acc_dtype:           # float64 inputs with float32 slopes: a small host round trip
+            from numba import cuda
+            slopes = cuda.to_device(slopes.copy_to_host().astype(acc_dtype))
+    return slopes
+
+
+def _split_heads(x, nlead, g, repeat=False):
+    """View ``(..., H, *tail)`` as ``(..., H / g, g, *tail)`` (query-like arrays) or, with
+    ``repeat``, ``(..., H, g, *tail)`` with stride 0 on the new axis (K/V-like arrays)."""
+    shape, strides = tuple(x.shape), tuple(x.strides)
+    h = nlead - 1
+    if repeat:
+        shape, strides = shape[:h + 1] + (g,) + shape[h + 1:], strides[:h + 1] + (0,) + strides[h + 1:]
+    else:
+        shape = shape[:h] + (shape[h] // g, g) + shape[h + 1:]
+        strides = strides[:h] + (strides[h] * g, strides[h]) + strides[h + 1:]
+    return _arrays.strided_view(x, shape, strides)
 
 
 def _launch_stream(arrays):
@@ -284,20 +373,20 @@ def _device_facts():
     return facts
 
 
-def plan_forward(q, k, v, causal=False, scale=None, splits=None):
+def plan_forward(q, k, v, causal=False, scale=None, splits=None, *, window=None, softcap=None, alibi_slopes=None):
     """Everything :func:`attention_fwd` does before its kernel launches: returns
     ``(result, launches)``, where ``result()`` gives what ``attention_fwd`` returns once
     the launches have run and each launch is a tuple of :func:`numba_flash.launch.launch`'s
     arguments. ``bench.py`` uses it to time the kernels alone, next to the whole call.
     ``splits`` forces the number of key splits of the CUDA-core kernel (tests, tuning);
     by default :func:`numba_flash.registry.forward_splits` decides."""
-    return _plan_forward(q, k, v, causal, scale, splits)[:2]
+    return _plan_forward(q, k, v, alibi_slopes, causal, scale, window, softcap, splits)[:2]
 
 
-def _plan_forward(q, k, v, causal, scale, splits=None):
+def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
     """:func:`plan_forward`, and a third item: ``capture(stream)``, the call's
     :class:`numba_flash._plans.Plan` (or None) once its launches have run."""
-    inp = _Inputs({"q": q, "k": k, "v": v}, causal, scale, low_precision=True)
+    inp = _Inputs({"q": q, "k": k, "v": v}, (causal, window, softcap), scale, slopes, low_precision=True)
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
     lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
     launches, scratch = [], []
@@ -313,19 +402,22 @@ def _plan_forward(q, k, v, causal, scale, splits=None):
                                            smem_limit=smem_limit)
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
-    for q4, k4, v4, o4, l3 in _kernel_views([qd, kd, vd, out, lse]):
+    score_args, slopes_full = inp.score_args(lse)
+    for q4, o4, l3, s3, k4, v4 in inp.kernel_views([qd, out, lse, slopes_full], [kd, vd]):
         grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
+        tail = (*score_args, s3)
         if inp.low:
-            launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2),
+            launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2, *tail),
                              inp.stream))
         else:
-            launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2,
+            launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2, tail,
                                         splits, sm_count, scratch)
     if not inp.on_device:
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
+    inputs = [qd, kd, vd] + ([inp.device_slopes()] if inp.slopes is not None else [])
     capture = lambda stream: _plans.capture(  # noqa: E731
-        [qd, kd, vd], [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish, stream)
+        inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish, stream)
     return result, launches, capture
 
 
@@ -336,30 +428,31 @@ def _finish(low_dtype, outs):
     return tuple(_arrays.retyped(a, low_dtype) if a.dtype == np.uint16 else a for a in outs)
 
 
-def _split_launches(inp, spec, kern, grid, arrays, scale_log2, splits, sm_count, scratch):
+def _split_launches(inp, spec, kern, grid, arrays, scale_log2, tail, splits, sm_count, scratch):
     """The CUDA-core forward's launches: one, or with Z key splits (Z blocks per query
     tile) the forward into per-split partial results and then the merge kernel, whose
-    buffers are appended to ``scratch``."""
+    buffers are appended to ``scratch``. ``tail``: the kernel's score arguments."""
     q4, k4, v4, o4, l3 = arrays
     t = spec.tiling
-    n_kt = -(-inp.nk // t.BN)
+    n_kt = _scores.band_tiles(inp.rules, t.BM, t.BN, inp.nq, inp.nk)   # key tiles a query tile sees
     # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
     z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, sm_count, inp.scores.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
                          "let registry.forward_splits choose.")
-    split_keys = -(-n_kt // z) * t.BN            # whole key tiles per split
-    z = -(-inp.nk // split_keys) if inp.nk else 1
+    split_tiles = -(-n_kt // z) if n_kt else 1   # whole key tiles per split
+    z = -(-n_kt // split_tiles) if n_kt else 1
+    split_keys = split_tiles * t.BN
     if z == 1:
-        return [(kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2, split_keys),
-                 inp.stream)]
+        return [(kern, grid, t.threads, spec.smem_bytes,
+                 (q4, k4, v4, o4, l3, scale_log2, max(split_keys, inp.nk), *tail), inp.stream)]
     b1, b2 = q4.shape[0], q4.shape[1]
     parts = inp.empty_like((z * b1, b2, inp.nq, inp.d))
     parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
     scratch += (parts, parts_ml)
     merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
     return [(kern, (grid[0] * z, grid[1]), t.threads, spec.smem_bytes,
-             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys), inp.stream),
+             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys, *tail), inp.stream),
             (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)]
 
 
@@ -373,7 +466,8 @@ def _run(plan):
 def _call(name, planner, arrays, options):
     """A call through its cached launch plan when there is one (:mod:`numba_flash._plans`),
     otherwise through ``planner`` (which then leaves a plan behind)."""
-    sig = _plans.signature(name, arrays, options)
+    options = tuple(tuple(o) if isinstance(o, list) else o for o in options)   # hashable
+    sig = _plans.signature(name, [a for a in arrays if a is not None], options)
     plan = _plans.lookup(sig)
     if plan is not None:
         found = plan.run(sig, _POISON)
@@ -386,17 +480,20 @@ def _call(name, planner, arrays, options):
     return found
 
 
-def attention_fwd(q, k, v, *, causal=False, scale=None):
-    """attention_fwd(q, k, v, *, causal=False, scale=None) -> (out, lse)
+def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
+    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (out, lse)
 
-    Exact attention forward: ``out = softmax(scale · q kᵀ [+ causal mask]) v`` and the
+    Exact attention forward: ``out = softmax(scale · q kᵀ [+ score rules]) v`` and the
     log-sum-exp ``lse`` of each row of scores, which :func:`attention_bwd` needs.
     Equivalent to :func:`numba_flash.reference.attention_fwd` (float64 oracle), fused:
     no ``Nq × Nk`` matrix is ever stored.
 
     Args:
         q: ``(..., Nq, d)``; k, v: ``(..., Nk, d)``, identical leading dims (any number,
-            including none). All one dtype: float32 or float64 (CUDA cores, any d), or
+            including none), except for grouped-query attention (GQA, MQA): q
+            ``(..., Hq, Nq, d)`` and k, v ``(..., Hkv, Nk, d)`` with ``Hq % Hkv == 0``;
+            query head ``h`` reads K/V head ``h // (Hq // Hkv)`` (no copy of K or V is
+            made). All one dtype: float32 or float64 (CUDA cores, any d), or
             float16 or bfloat16 (tensor cores, ``mma.sync``; d a multiple of 8, at most
             256; bfloat16 host arrays as ``ml_dtypes.bfloat16``). NumPy arrays, or CUDA
             device arrays (Numba, CuPy, PyTorch, JAX: anything with
@@ -419,6 +516,17 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
             agree only when ``Nq == Nk``.
         scale: softmax scale applied to ``q kᵀ``; ``None`` means ``1/sqrt(d)``. Must be
             finite and positive.
+        window: ``(left, right)``, each an int >= 0 or None (unbounded): a sliding
+            window. With ``off = Nk - Nq``, query ``i`` sees key ``j`` iff
+            ``i + off - left <= j <= i + off + right``. ``causal=True`` is ``right = 0``;
+            given both, the tighter bound wins. Key tiles outside the band are skipped,
+            so the cost follows the visible area.
+        softcap: ``c > 0`` or None: scores ``s = scale · q kᵀ`` become ``c · tanh(s / c)``
+            before masking and bias (Gemma 2's logit softcapping).
+        alibi_slopes: ALiBi, the bias ``-slope_h · |i + off - j|`` added to the (capped)
+            score of query head ``h``: float32, shape ``(Hq,)`` (one slope per query
+            head) or ``(B, Hq)`` (any tail of q's leading dims ending at the head axis);
+            NumPy or device array, as q.
 
     Returns:
         ``out (..., Nq, d)`` in the input dtype, and ``lse (..., Nq)``, the natural-log
@@ -451,25 +559,28 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
     In the simulator such inputs raise no NumPy ``RuntimeWarning`` from the simulated
     threads; the results are the same as on a GPU.
     """
-    return _call("forward", _plan_forward, (q, k, v), (causal, scale))
+    return _call("forward", _plan_forward, (q, k, v, alibi_slopes), (causal, scale, window, softcap))
 
 
-def attention(q, k, v, *, causal=False, scale=None):
-    """attention(q, k, v, *, causal=False, scale=None) -> out
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
+    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> out
 
-    Exact attention ``out = softmax(scale · q kᵀ [+ causal mask]) v``, fused (no
+    Exact attention ``out = softmax(scale · q kᵀ [+ score rules]) v``, fused (no
     ``Nq × Nk`` matrix is stored): :func:`attention_fwd` without the ``lse``.
     Equivalent to :func:`numba_flash.reference.attention` (float64 oracle).
 
     Args:
         q: ``(..., Nq, d)``; k, v: ``(..., Nk, d)``, identical leading dims (any number,
-            including none). All one dtype: float32, float64, float16 or bfloat16
+            including none; or q ``(..., Hq, Nq, d)`` and k, v ``(..., Hkv, Nk, d)``,
+            ``Hq % Hkv == 0``: grouped-query attention). All one dtype: float32, float64, float16 or bfloat16
             (``ml_dtypes.bfloat16`` on the host; 16-bit: d a multiple of 8, at most 256).
             NumPy arrays, or CUDA device arrays (Numba, CuPy, PyTorch, JAX), any strides.
         causal: mask future keys, bottom-right aligned when ``Nq != Nk``: query ``i``
             sees key ``j`` iff ``j <= i + Nk - Nq`` (PyTorch's ``is_causal`` is top-left
             aligned; the two agree when ``Nq == Nk``). A row that sees no key gives 0.
         scale: multiplies ``q kᵀ`` before the softmax; ``None`` means ``1/sqrt(d)``.
+        window, softcap, alibi_slopes: a sliding window ``(left, right)``, logit
+            softcapping ``c · tanh(s / c)`` and ALiBi slopes: see :func:`attention_fwd`.
 
     Returns:
         ``out (..., Nq, d)`` in the input dtype: a NumPy array for NumPy inputs, a Numba
@@ -478,12 +589,13 @@ def attention(q, k, v, *, causal=False, scale=None):
     Raises ``TypeError`` / ``ValueError``, naming the argument and the fix, before any
     kernel runs. Streams, memory and non-finite inputs: see :func:`attention_fwd`.
     """
-    return _call("forward", _plan_forward, (q, k, v), (causal, scale))[0]
+    return _call("forward", _plan_forward, (q, k, v, alibi_slopes), (causal, scale, window, softcap))[0]
 
 
 # --------------------------------------------------------------------------- backward
-def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
-    """attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None) -> (dq, dk, dv)
+def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None,
+                  alibi_slopes=None):
+    """attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (dq, dk, dv)
 
     Gradients of attention: with ``out = softmax(scale · q kᵀ [+ mask]) v`` and a loss
     ``L``, returns ``dL/dq, dL/dk, dL/dv`` given ``dout = dL/d out``. Equivalent to
@@ -496,11 +608,15 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
         q, k, v: as for :func:`attention_fwd` (float32 or float64 only, so far).
         out, lse: what :func:`attention_fwd` returned for the same ``q, k, v, causal,
             scale`` (``out`` shaped like q, ``lse`` like q without its last axis).
-        causal, scale: as for :func:`attention_fwd`; must be the forward's.
+        causal, scale, window, softcap, alibi_slopes: as for :func:`attention_fwd`; must
+            be the forward's. The softcap's derivative ``1 - tanh²`` is included; the
+            slopes get no gradient.
 
     Returns:
         ``dq (..., Nq, d)``, ``dk (..., Nk, d)``, ``dv (..., Nk, d)`` in the input
-        dtype; NumPy in gives NumPy out, device arrays in give Numba device arrays out.
+        dtype (``dk``, ``dv`` shaped like k and v: with grouped heads, summed over each
+        group's query heads, in a fixed order); NumPy in gives NumPy out, device arrays
+        in give Numba device arrays out.
 
     Same array-kind and stream rules as :func:`attention_fwd`; all six arrays share one
     dtype. Rows with no visible key contribute zero gradient. Non-finite values spread
@@ -509,20 +625,23 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None):
     deterministic: no atomics, every gradient element is written by exactly one thread,
     so equal inputs give bitwise-equal gradients.
     """
-    return _call("backward", _plan_backward, (dout, q, k, v, out, lse), (causal, scale))
+    return _call("backward", _plan_backward, (dout, q, k, v, out, lse, alibi_slopes),
+                 (causal, scale, window, softcap))
 
 
-def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None):
+def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None, *, window=None, softcap=None,
+                  alibi_slopes=None):
     """:func:`attention_bwd` up to its kernel launches; see :func:`plan_forward`."""
-    return _plan_backward(dout, q, k, v, out, lse, causal, scale)[:2]
+    return _plan_backward(dout, q, k, v, out, lse, alibi_slopes, causal, scale, window, softcap)[:2]
 
 
-def _plan_backward(dout, q, k, v, out, lse, causal, scale):
+def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softcap):
     """:func:`plan_backward`, and a third item: ``capture(stream)`` (see :func:`_plan_forward`)."""
-    inp = _Inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, causal, scale)
+    inp = _Inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, (causal, window, softcap),
+                  scale, slopes)
     dq = inp.empty_like(inp.lead + (inp.nq, inp.d))
-    dk = inp.empty_like(inp.lead + (inp.nk, inp.d))
-    dv = inp.empty_like(inp.lead + (inp.nk, inp.d))
+    dk = inp.empty_like(inp.lead_k + (inp.nk, inp.d))
+    dv = inp.empty_like(inp.lead_k + (inp.nk, inp.d))
     launches = []
     result = lambda: inp.result(dq, dk, dv)  # noqa: E731
     if inp.batch == 0 or inp.nq + inp.nk == 0:
@@ -536,23 +655,30 @@ def _plan_backward(dout, q, k, v, out, lse, causal, scale):
     t = spec["backward_dkdv_simt"].tiling
     rows = t.RG * t.TM
     scale_t, scale_log2 = inp.dtype.type(inp.scale), inp.dtype.type(inp.scale * LOG2E)
-    views = _kernel_views([dev["q"], dev["k"], dev["v"], dev["dout"], dev["out"], dev["lse"], delta, dq, dk, dv])
-    for q4, k4, v4, do4, o4, l3, dl3, dq4, dk4, dv4 in views:
+    score_args, slopes_full = inp.score_args(dev["lse"])
+    views = inp.kernel_views([dev["q"], dev["dout"], dev["out"], dev["lse"], delta, dq, slopes_full],
+                             [dev["k"], dev["v"], dk, dv])
+    for q4, do4, o4, l3, dl3, dq4, s3, k4, v4, dk4, dv4 in views:
         b = q4.shape[0] * q4.shape[1]
+        # grouped heads: one dK/dV block sums over the group (the innermost leading axis)
+        group = inp.group
+        assert group == 1 or q4.shape[1] == group, (q4.shape, group)
+        tail = (*score_args, s3)
         if inp.nq:
             launches.append((k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
                              (do4, o4, dl3), inp.stream))
         if inp.nk:
-            launches.append((k_dkdv, _grid(inp, inp.nk, b, rows, t.DO), t.RG * t.CG,
+            launches.append((k_dkdv, _grid(inp, inp.nk, b // group, rows, t.DO), t.RG * t.CG,
                              spec["backward_dkdv_simt"].smem_bytes,
-                             (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t), inp.stream))
+                             (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
         if inp.nq:
             launches.append((k_dq, _grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG,
                              spec["backward_dq_simt"].smem_bytes,
-                             (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t), inp.stream))
+                             (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
     if not inp.on_device or not (inp.nq and inp.nk):
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order
+    inputs += [inp.device_slopes()] if inp.slopes is not None else []
     capture = lambda stream: _plans.capture(  # noqa: E731
         inputs, [(dq, inp.dtype), (dk, inp.dtype), (dv, inp.dtype)], [delta], launches,
         functools.partial(_finish, None), stream)

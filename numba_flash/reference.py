@@ -8,7 +8,9 @@ Notation follows the FlashAttention papers (Dao et al., 2022; Dao, 2023).
 For one head, with Q in R^{Nq x d}, K in R^{Nk x d}, V in R^{Nk x dv}::
 
     S   = scale * Q K^T                      (Nq, Nk), scale = 1/sqrt(d) by default
-    S_ij = -inf where the causal mask hides key j from query i
+    S   = c tanh(S / c)                      softcap c (optional)
+    S_ij -= slope * |i + Nk - Nq - j|        ALiBi (optional)
+    S_ij = -inf where a mask (causal, window) hides key j from query i
     m_i = max_j S_ij                         (Nq,)
     l_i = sum_j exp(S_ij - m_i)              (Nq,)
     L_i = m_i + log l_i   (logsumexp, "lse") (Nq,)
@@ -21,11 +23,16 @@ Backward, given dO = dLoss/dO::
     dP    = dO V^T                           (Nq, Nk)
     D_i   = rowsum(dO * O)_i  ("delta")      (Nq,)
     dS    = P * (dP - D)                     (Nq, Nk)
+            (times 1 - tanh^2(scale Q K^T / c) with a softcap)
     dQ    = scale * dS K                     (Nq, d)
     dK    = scale * dS^T Q                   (Nk, d)
 
 All functions accept any number of leading (batch, head, ...) dims, which
-must be identical for q, k, v (NumPy broadcasting is used).  A query row that
+must be identical for q, k, v, except grouped-query attention: k and v may
+have fewer heads (axis -3) than q, a divisor of q's; query head h reads
+K/V head h // (Hq // Hkv), and dk, dv sum over each group.  The score
+options (causal, window, softcap, alibi_slopes) are those of
+:func:`numba_flash.attention_fwd`.  A query row that
 sees no key at all (causal with Nq > Nk, or Nk == 0) gets O_i = 0,
 L_i = -inf and zero gradients; no NaN and no floating-point warning is ever
 produced for such rows.
@@ -35,7 +42,7 @@ import math
 
 import numpy as np
 
-from .scores import CAUSAL, spec_of, visible_mask
+from .scores import CAUSAL, parse, transform, visible_mask
 
 __all__ = ["causal_mask", "attention_fwd", "attention", "attention_bwd"]
 
@@ -87,15 +94,27 @@ def _prepare(q, k, v, scale):
     return q, k, v, float(scale)
 
 
-def _probs(q, k, causal, scale):
-    """Return (P, lse): softmax probabilities (..., Nq, Nk) and lse (..., Nq).
+def _group(q, k):
+    """Query heads per K/V head (axis -3); 1 when the leading dims agree."""
+    if q.shape[:-2] == k.shape[:-2] or q.ndim < 3 or k.ndim != q.ndim:
+        return 1
+    hq, hk = q.shape[-3], k.shape[-3]
+    if q.shape[:-3] != k.shape[:-3] or hk == 0 or hq % hk:
+        raise ValueError(f"q's heads (axis -3) must be a multiple of k's, got q {q.shape}, k {k.shape}.")
+    return hq // hk
+
+
+def _probs(q, k, scale, options, slopes):
+    """Return (P, lse, grad): softmax probabilities (..., Nq, Nk), lse (..., Nq) and the
+    softcap's derivative (1 without one).
 
     Rows with no visible key give P_i = 0 and lse_i = -inf.
     """
+    rules = parse(*options, slopes is not None)
     s = scale * np.matmul(q, np.swapaxes(k, -1, -2))  # (..., Nq, Nk)
-    spec = spec_of(causal)
-    if spec.masks_keys:
-        s = np.where(visible_mask(spec, s.shape[-2], s.shape[-1]), s, -np.inf)
+    s, grad = transform(rules, s, None if slopes is None else np.asarray(slopes, np.float64))
+    if rules.spec.masks_keys:
+        s = np.where(visible_mask(rules, s.shape[-2], s.shape[-1]), s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # (..., Nq, 1)
     m = np.where(np.isfinite(m), m, 0.0)  # empty rows: avoid -inf - -inf
     e = np.exp(s - m)  # masked entries -> exp(-inf) = 0
@@ -104,11 +123,19 @@ def _probs(q, k, causal, scale):
     p = e / np.where(visible, l, 1.0)
     log_l = np.log(l, out=np.full_like(l, -np.inf), where=visible)
     lse = (m + log_l)[..., 0]
-    return p, lse
+    return p, lse, grad
 
 
-def attention_fwd(q, k, v, *, causal=False, scale=None):
-    """attention_fwd(q, k, v, *, causal=False, scale=None) -> (out, lse)
+def _expand(q, k, v):
+    """k, v with their heads repeated to q's (grouped-query attention), and the group size."""
+    g = _group(q, k)
+    if g > 1:
+        k, v = np.repeat(k, g, axis=-3), np.repeat(v, g, axis=-3)
+    return k, v, g
+
+
+def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
+    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (out, lse)
 
     Attention forward pass in float64.
 
@@ -119,20 +146,22 @@ def attention_fwd(q, k, v, *, causal=False, scale=None):
     ``causal`` uses :func:`causal_mask` (bottom-right aligned).
     """
     q, k, v, scale = _prepare(q, k, v, scale)
-    p, lse = _probs(q, k, causal, scale)
+    k, v, _ = _expand(q, k, v)
+    p, lse, _ = _probs(q, k, scale, (causal, window, softcap), alibi_slopes)
     return np.matmul(p, v), lse
 
 
-def attention(q, k, v, *, causal=False, scale=None):
-    """attention(q, k, v, *, causal=False, scale=None) -> out
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
+    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> out
 
     ``softmax(scale * q k^T [masked]) v`` in float64, shape (..., Nq, dv): the ``out`` of
     :func:`attention_fwd` (same arguments)."""
-    return attention_fwd(q, k, v, causal=causal, scale=scale)[0]
+    return attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
+                         alibi_slopes=alibi_slopes)[0]
 
 
-def attention_bwd(dout, q, k, v, *, causal=False, scale=None):
-    """attention_bwd(dout, q, k, v, *, causal=False, scale=None) -> (dq, dk, dv)
+def attention_bwd(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
+    """attention_bwd(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (dq, dk, dv)
 
     Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, recomputing the forward (so,
     unlike :func:`numba_flash.attention_bwd`, it takes no ``out`` or ``lse``).
@@ -145,13 +174,18 @@ def attention_bwd(dout, q, k, v, *, causal=False, scale=None):
     """
     q, k, v, scale = _prepare(q, k, v, scale)
     dout = np.asarray(dout, dtype=np.float64)
-    p, _ = _probs(q, k, causal, scale)
+    kh, vh = k, v
+    k, v, g = _expand(q, k, v)
+    p, _, grad = _probs(q, k, scale, (causal, window, softcap), alibi_slopes)
     out = np.matmul(p, v)
     pt = np.swapaxes(p, -1, -2)
     dv = np.matmul(pt, dout)
     dp = np.matmul(dout, np.swapaxes(v, -1, -2))
     delta = np.sum(dout * out, axis=-1, keepdims=True)
-    ds = p * (dp - delta)
+    ds = p * (dp - delta) * grad
     dq = scale * np.matmul(ds, k)
     dk = scale * np.matmul(np.swapaxes(ds, -1, -2), q)
+    if g > 1:       # sum each group's query heads into its K/V head
+        dk = dk.reshape(kh.shape[:-2] + (g,) + dk.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(vh.shape[:-2] + (g,) + dv.shape[-2:]).sum(axis=-3)
     return dq, dk, dv

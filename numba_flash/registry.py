@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from ._runtime import SIMULATOR
-from .scores import FULL, SCORE_SPECS, ScoreSpec
+from .scores import FULL, RULE_SPECS, SCORE_SPECS, ScoreSpec
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.copy import make_copy4
@@ -20,6 +20,7 @@ from .kernels.forward_mma import smem_elements as mma_smem_elements
 
 # Head dims the GPU suite, the PTX tests and the benchmark exercise (any other d works too).
 HEAD_DIMS = (32, 64, 96, 128, 256, 1024)
+RULE_SPEC_D = 64      # the head dim at which specialisations() compiles scores.RULE_SPECS
 DTYPES = ("float32", "float64")            # CUDA-core kernels (forward and backward)
 LOW_DTYPES = ("float16", "bfloat16")       # tensor-core forward
 MMA_MAX_D = 256                            # tensor-core forward: d a multiple of 8, at most this
@@ -155,9 +156,15 @@ class Variant:
     plain_compact: object = None  # (dtype, d) -> whether plain-load kernels take the compact tiling
 
 
+def _sig_scores(acc):
+    """The score arguments every attention kernel ends with (``numba_flash.scores``):
+    window sides, softcap factors, ALiBi slopes (a stride-0 view: layout A)."""
+    return f"int64, int64, {acc}, {acc}, {acc}[:, :, :]"
+
+
 def _sig_forward(dt, layout):
     a = _a4(dt, layout)
-    return f"void({a}, {a}, {a}, {dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt}, int64)"
+    return f"void({a}, {a}, {a}, {dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt}, int64, {_sig_scores(dt)})"
 
 
 def _sig_forward_merge(dt, layout):
@@ -166,12 +173,12 @@ def _sig_forward_merge(dt, layout):
 
 def _sig_forward_mma(dt, layout):
     a = _a4("uint16", layout)
-    return f"void({a}, {a}, {a}, uint16[:, :, :, ::1], float32[:, :, ::1], float32)"
+    return f"void({a}, {a}, {a}, uint16[:, :, :, ::1], float32[:, :, ::1], float32, {_sig_scores('float32')})"
 
 
 def _sig_backward(dt, layout):
     a = _a4(dt, layout)
-    return f"void({a}, {a}, {a}, {a}, {dt}[:, :, ::1], {dt}[:, :, ::1], {a}, {a}, {dt}, {dt})"
+    return f"void({a}, {a}, {a}, {a}, {dt}[:, :, ::1], {dt}[:, :, ::1], {a}, {a}, {dt}, {dt}, {_sig_scores(dt)}, int64)"
 
 
 VARIANTS = {v.name: v for v in (
@@ -318,7 +325,9 @@ def specialisations(simulator: bool = False):
     The API compiles a kernel per head dim on demand; kernels for head dims that share a
     tiling rule differ only in loop bounds, so each (variant, dtype, thread tile,
     resident-or-chunked head dim, score rules, load path) appears once, at the first of
-    ``HEAD_DIMS`` that produces it.
+    ``HEAD_DIMS`` that produces it, for the rule sets of ``scores.SCORE_SPECS``; those of
+    ``scores.RULE_SPECS`` (windows, softcap, ALiBi) once per variant and dtype, at
+    ``RULE_SPEC_D`` with cp.async loads.
     """
     seen = set()
     for variant, v in VARIANTS.items():
@@ -336,3 +345,8 @@ def specialisations(simulator: bool = False):
                             if key not in seen:
                                 seen.add(key)
                                 yield spec
+    for variant, v in VARIANTS.items():      # the other rule sets: at RULE_SPEC_D only
+        for dt in v.dtypes:
+            if v.tiling(dt, RULE_SPEC_D, simulator) is not None and v.head_dims(RULE_SPEC_D):
+                for scores in RULE_SPECS:
+                    yield specialisation(variant, dt, RULE_SPEC_D, scores, True, simulator)

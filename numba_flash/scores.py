@@ -1,120 +1,340 @@
 """What a call computes besides ``softmax(scale · q kᵀ) v``: one description, one set of rules.
 
-:class:`ScoreSpec` is the single description of the score rules of a call — today the
-causal mask; sliding windows, softcapping, ALiBi and grouped K/V heads join it as fields.
+A call's score rules are the causal mask, a sliding window, softcapping and ALiBi
+(grouped K/V heads change which heads are read, not the scores: see ``api.py``).
 Everything that needs a rule asks it here instead of writing the rule out:
 
-* the float64 oracle and the tests' baselines: :func:`visible_mask` (host, NumPy);
-* every kernel family, on the device: :func:`device_rules` builds the helpers once per
-  spec — "is key j visible to query i" and "which keys can a tile of queries see" (key
-  tiles outside that range are never loaded) — as ``inline="always"`` device functions
-  (plain Python in the simulator), so the rule is compiled into each kernel with no call.
+* :class:`Scores` is a call's rules with their values (the window's sizes, the cap);
+  :func:`parse` builds it from the public options, with the errors they deserve;
+* :class:`ScoreSpec` is what a kernel is compiled for: which rules are on. The values
+  are kernel *arguments*, so one kernel serves every window size and every cap;
+* the float64 oracle and the tests' baselines use the host rules: :func:`visible_mask`
+  and :func:`transform` (NumPy);
+* every kernel family uses the device rules, :func:`device_rules`: "is key j visible to
+  query i", "which keys can a tile of queries see" and "which queries can a tile of keys
+  be seen by" (tiles outside these ranges are never loaded), "does this tile need the
+  per-element test", and "the score after softcap and bias" with its derivative. They
+  are ``inline="always"`` device functions (plain Python in the simulator) closed over
+  the spec, so a rule the spec does not ask for folds away at compile time.
 
 Coordinates: query ``i`` in ``[0, Nq)``, key ``j`` in ``[0, Nk)``, and ``diag = Nk − Nq``:
-the causal mask is aligned to the bottom-right corner, so query ``i`` sees key ``j`` iff
-``j <= i + diag`` (FlashAttention ≥ 2.1; see :func:`numba_flash.reference.causal_mask`).
+masks are aligned to the bottom-right corner (FlashAttention ≥ 2.1, KV-cache decoding).
+With a window ``(left, right)`` query ``i`` sees key ``j`` iff
+``i + diag − left <= j <= i + diag + right``; causal is ``right = 0``. Scores, in the
+order they are applied (``s = scale · q·k``)::
+
+    s ← c · tanh(s / c)                 softcap c
+    s ← s − slope_h · |i + diag − j|    ALiBi, slope of query head h
+    s ← −inf where j is not visible
 """
 import dataclasses
+import math
+import numbers
 
 import numpy as np
 
 from ._runtime import SIMULATOR
 
+LOG2E = 1.4426950408889634
+# A window side that is not bounded, as the kernels take it (an int64 argument): far
+# beyond any sequence length, with room for the sums the rules form.
+UNBOUNDED = 1 << 40
+
 
 @dataclasses.dataclass(frozen=True)
 class ScoreSpec:
-    """The score rules of one call (hashable: kernel factories are cached on it).
+    """The rules a kernel is compiled for (hashable: kernel factories are cached on it).
 
-    ``causal``: query ``i`` sees key ``j`` only if ``j <= i + Nk − Nq``.
+    ``causal``: query ``i`` sees key ``j`` only if ``j <= i + Nk − Nq`` (no argument).
+    ``window``: the band ``[i + diag − left, i + diag + right]``, ``left`` and ``right``
+    kernel arguments (a causal window is ``right = 0``: ``causal`` is then off).
+    ``softcap``: ``s ← c·tanh(s/c)``, ``c`` an argument. ``alibi``: a per-head slope array.
     """
     causal: bool = False
+    window: bool = False
+    softcap: bool = False
+    alibi: bool = False
 
     @property
     def masks_keys(self) -> bool:
         """True if some in-range key can be invisible to some query."""
-        return self.causal
+        return self.causal or self.window
 
     @property
     def tag(self) -> str:
-        """Short name, as used in kernel names (``full``, ``causal``)."""
-        return "causal" if self.causal else "full"
+        """Short name, as used in kernel names (``full``, ``causal``, ``window+softcap``...)."""
+        base = "window" if self.window else "causal" if self.causal else "full"
+        return base + "".join(f"+{n}" for n in ("softcap", "alibi") if getattr(self, n))
 
 
 FULL = ScoreSpec()
 CAUSAL = ScoreSpec(causal=True)
-# Every rule set a kernel is compiled for: registry.specialisations() (the PTX checks)
-# enumerates these.
+# The rule sets registry.specialisations() (the PTX checks) compiles: the two plain ones
+# at every kernel shape; a window, and every rule at once, at one shape per kernel family
+# and dtype (a rule's code does not depend on the tile shape, and each rule's code is
+# independent of the others', so together they exercise what each does alone).
 SCORE_SPECS = (FULL, CAUSAL)
+RULE_SPECS = (ScoreSpec(window=True), ScoreSpec(causal=True, softcap=True, alibi=True),
+              ScoreSpec(window=True, softcap=True, alibi=True))
+
+
+@dataclasses.dataclass(frozen=True)
+class Scores:
+    """A call's score rules with their values (host side; hashable).
+
+    ``left``, ``right``: the window's sides (None: unbounded), with ``causal`` already
+    folded into ``right``. ``softcap``: the cap ``c`` or None. ``alibi``: whether slopes
+    are given (the slopes themselves are an array argument of the call).
+    """
+    left: int = None
+    right: int = None
+    softcap: float = None
+    alibi: bool = False
+
+    @property
+    def spec(self) -> ScoreSpec:
+        causal = self.left is None and self.right == 0
+        window = not causal and (self.left is not None or self.right is not None)
+        return ScoreSpec(causal=causal, window=window, softcap=self.softcap is not None, alibi=self.alibi)
+
+    def band(self):
+        """``(left, right)`` as the kernels take them (unbounded: :data:`UNBOUNDED`)."""
+        return (UNBOUNDED if self.left is None else self.left, UNBOUNDED if self.right is None else self.right)
+
+    def cap_args(self, scale):
+        """``(cap_in, cap_out)``: the kernels compute ``tanh(q·k · cap_in) · cap_out``, the
+        capped score in log2 units (``cap_in = scale / c``, ``cap_out = c · log2 e``)."""
+        if self.softcap is None:
+            return 0.0, 0.0
+        return scale / self.softcap, self.softcap * LOG2E
+
+
+def parse(causal=False, window=None, softcap=None, alibi=False) -> Scores:
+    """The :class:`Scores` of the public options, or a ``TypeError``/``ValueError`` that
+    names the option and the fix."""
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}). "
+                        "Pass causal=bool(...) if it is a flag of another type.")
+    left = right = None
+    if window is not None:
+        if not isinstance(window, (tuple, list)) or len(window) != 2:
+            raise TypeError(f"window must be a pair (left, right) of ints >= 0 or None, got {window!r}. "
+                            "Example: window=(1024, 0) for a causal sliding window of 1025 keys.")
+        left, right = (_window_side(x, name) for x, name in zip(window, ("left", "right")))
+    if causal:
+        right = 0 if right is None else min(right, 0)
+    if softcap is not None:
+        if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+            raise TypeError(f"softcap must be a positive float or None, got {softcap!r}. Example: softcap=30.0.")
+        softcap = float(softcap)
+        if not (math.isfinite(softcap) and softcap > 0):
+            raise ValueError(f"softcap must be finite and > 0, got {softcap}. Pass None for no softcapping.")
+    return Scores(left, right, softcap, bool(alibi))
+
+
+def _window_side(x, name):
+    if x is None:
+        return None
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral):
+        raise TypeError(f"window {name} must be an int >= 0 or None (unbounded), got {x!r}.")
+    if x < 0:
+        raise ValueError(f"window {name} must be >= 0 or None (unbounded), got {x}. The window is "
+                         "(left, right): keys i + Nk - Nq - left .. i + Nk - Nq + right are visible to query i.")
+    return min(int(x), UNBOUNDED)
+
+
+PLAIN = Scores()
 
 
 def spec_of(causal: bool) -> ScoreSpec:
-    """The spec of the public API's options."""
+    """The spec of ``causal`` alone."""
     return CAUSAL if causal else FULL
 
 
+def of_spec(spec: ScoreSpec, left=3, right=2, softcap=5.0) -> Scores:
+    """Scores that exercise ``spec``, with sample values for its arguments (tests, tools)."""
+    if spec.window:
+        return Scores(left, right if not spec.causal else 0, softcap if spec.softcap else None, spec.alibi)
+    return Scores(None, 0 if spec.causal else None, softcap if spec.softcap else None, spec.alibi)
+
+
 # --------------------------------------------------------------------------- host (NumPy)
-def visible_mask(spec: ScoreSpec, nq: int, nk: int) -> np.ndarray:
-    """Boolean ``(nq, nk)``: True where query ``i`` sees key ``j``."""
-    i = np.arange(nq)[:, None]
-    j = np.arange(nk)[None, :]
+def visible_mask(scores, nq: int, nk: int) -> np.ndarray:
+    """Boolean ``(nq, nk)``: True where query ``i`` sees key ``j`` (``scores``: a
+    :class:`Scores`, or a :class:`ScoreSpec` without a window)."""
+    scores = _as_scores(scores)
+    rel = np.arange(nk)[None, :] - np.arange(nq)[:, None] - (nk - nq)     # j − (i + diag)
     vis = np.ones((nq, nk), dtype=bool)
-    if spec.causal:
-        vis &= j <= i + (nk - nq)
+    if scores.left is not None:
+        vis &= rel >= -scores.left
+    if scores.right is not None:
+        vis &= rel <= scores.right
     return vis
 
 
-def key_end(spec: ScoreSpec, q0: int, rows: int, nq: int, nk: int) -> int:
-    """One past the last key that any of queries ``q0 .. q0 + rows − 1`` can see (host twin
-    of the device rule, for launch planning and tests)."""
-    end = nk
-    if spec.causal:
-        end = min(end, q0 + rows + (nk - nq))
-    return max(end, 0)
+def _as_scores(scores):
+    if isinstance(scores, ScoreSpec):
+        assert not scores.window, "a window's mask needs its sizes: pass a Scores"
+        return Scores(None, 0 if scores.causal else None)
+    return scores
 
 
-def query_begin(spec: ScoreSpec, k0: int, nq: int, nk: int) -> int:
-    """The first query that can see key ``k0`` or a later one."""
-    return max(0, k0 - (nk - nq)) if spec.causal else 0
+def transform(scores: Scores, s, slopes=None):
+    """``(s', dsʹ/ds)``: the scaled scores ``s (..., Nq, Nk)`` after softcap and ALiBi bias
+    (before masking), and the softcap's derivative (1 without one); ``slopes``
+    broadcasts against ``s.shape[:-2]`` (float64 oracle and test baselines)."""
+    nq, nk = s.shape[-2], s.shape[-1]
+    grad = np.ones_like(s)
+    if scores.softcap is not None:
+        t = np.tanh(s / scores.softcap)
+        s = scores.softcap * t
+        grad = 1 - t * t
+    if scores.alibi:
+        dist = np.abs(np.arange(nq)[:, None] + (nk - nq) - np.arange(nk)[None, :]).astype(s.dtype)
+        s = s - np.asarray(slopes, s.dtype)[..., None, None] * dist
+    return s, grad
+
+
+def key_range(scores, q0: int, rows: int, nq: int, nk: int):
+    """``(begin, end)``: the keys any of queries ``q0 .. q0 + rows − 1`` can see lie in
+    ``[begin, end)`` (empty when ``end <= begin``). Host twin of the device rule."""
+    scores = _as_scores(scores)
+    diag = nk - nq
+    begin, end = 0, nk
+    if scores.left is not None:
+        begin = max(0, q0 + diag - scores.left)
+    if scores.right is not None:
+        end = min(end, q0 + rows + diag + scores.right)
+    return begin, max(end, 0)
+
+
+def key_end(spec, q0: int, rows: int, nq: int, nk: int) -> int:
+    """One past the last key any of queries ``q0 .. q0 + rows − 1`` can see."""
+    return key_range(spec, q0, rows, nq, nk)[1]
+
+
+def query_range(scores, k0: int, cols: int, nq: int, nk: int):
+    """``(begin, end)``: the queries that can see any of keys ``k0 .. k0 + cols − 1``."""
+    scores = _as_scores(scores)
+    diag = nk - nq
+    begin, end = 0, nq
+    if scores.right is not None:
+        begin = max(0, k0 - diag - scores.right)
+    if scores.left is not None:
+        end = min(nq, k0 + cols - diag + scores.left)
+    return begin, max(end, 0)
+
+
+def visible_pairs(scores, nq: int, nk: int) -> int:
+    """How many (query, key) pairs are visible: the work of a call, for FLOP counts."""
+    scores = _as_scores(scores)
+    i = np.arange(nq, dtype=np.int64)
+    lo = np.zeros(nq, np.int64) if scores.left is None else np.maximum(0, i + (nk - nq) - scores.left)
+    hi = np.full(nq, nk, np.int64) if scores.right is None else np.minimum(nk, i + (nk - nq) + scores.right + 1)
+    return int(np.maximum(hi - lo, 0).sum())
+
+
+def band_tiles(scores, rows: int, cols: int, nq: int, nk: int) -> int:
+    """The most key tiles of ``cols`` keys (aligned to multiples of ``cols``) that one
+    query tile of ``rows`` rows can see: what a key split divides."""
+    scores = _as_scores(scores)
+    all_tiles = -(-nk // cols)
+    if scores.left is None or scores.right is None:
+        return all_tiles
+    return min(all_tiles, -(-(rows + scores.left + scores.right) // cols) + 1)
 
 
 # --------------------------------------------------------------------------- device
-def device_rules(spec: ScoreSpec):
-    """``(visible, key_end, query_begin, tile_needs_mask)`` for kernels, specialised on ``spec``.
+def device_rules(spec: ScoreSpec, dtype_name: str = "float32"):
+    """``(row_keys, in_row, key_range, query_range, tile_needs_mask, score)`` for kernels,
+    specialised on ``spec``; ``dtype_name`` is the kernel's accumulator dtype. ``geo`` is
+    the tuple ``(Nk, diag, left, right)`` (int64; ``left``, ``right`` the window's sides,
+    read only when ``spec.window``).
 
-    * ``visible(i, j, Nk, diag)``: key ``j`` exists (``j < Nk``) and query ``i`` sees it.
-    * ``key_end(q0, rows, Nk, diag)``: one past the last key that queries ``q0 .. q0+rows−1``
-      can see (may be ≤ 0: the tile sees no key).
-    * ``query_begin(k0, diag)``: the first query that sees key ``k0`` or a later one.
-    * ``tile_needs_mask(q0, rows, k0, cols, Nk, diag)``: False when every key of
-      ``k0 .. k0+cols−1`` exists and is visible to every query of ``q0 .. q0+rows−1``, so
-      the tile's scores need no per-element test.
-
-    Rules that ``spec`` does not ask for fold away at compile time.
+    * ``row_keys(i, geo)``: ``(lo, hi)``, query ``i`` sees the existing keys ``lo <= j <= hi``
+      (computed once per row; ``lo`` is read only for a window);
+    * ``in_row(j, lo, hi)``: whether key ``j`` is among them (query ``i`` sees key ``j`` iff
+      ``in_row(j, *row_keys(i, geo))``).
+    * ``key_range(q0, rows, geo)``: ``(begin, end)``, the keys queries ``q0 .. q0+rows−1``
+      can see (``begin >= 0``; ``end`` may be ``<= begin``: the tile sees no key).
+    * ``query_range(k0, cols, Nq, geo)``: ``(begin, end)``, the queries that can see any of
+      keys ``k0 .. k0+cols−1``.
+    * ``tile_needs_mask(q0, rows, k0, cols, geo)``: False when every key of
+      ``k0 .. k0+cols−1`` exists and is visible to every query of ``q0 .. q0+rows−1``.
+    * ``score(x, i, j, diag, sc)``: ``(score, grad)`` for the raw product ``x = q_i·k_j``,
+      with ``sc = (scale_log2, cap_in, cap_out, slope_log2)``: the score in log2 units
+      after softcap and ALiBi (before masking), and ``d score / d (scale·x)`` in natural
+      units over ``scale``'s (the softcap's ``1 − tanh²``; 1 without one).
     """
-    causal = spec.causal
+    causal, window, softcap, alibi = spec.causal, spec.window, spec.softcap, spec.alibi
+    DT = np.dtype(dtype_name).type
+    ONE, TWO, TWO_LOG2E = DT(1), DT(2), DT(2 * LOG2E)
 
-    def visible(i, j, Nk, diag):
-        return j < Nk and (not causal or j <= i + diag)
+    def row_keys(i, geo):
+        Nk, diag, left, right = geo
+        lo = 0
+        hi = Nk - 1
+        if causal:
+            hi = min(hi, i + diag)
+        if window:
+            lo = i + diag - left
+            hi = min(hi, i + diag + right)
+        return lo, hi
 
-    def key_end_(q0, rows, Nk, diag):
+    def in_row(j, lo, hi):
+        if window:
+            return j >= lo and j <= hi
+        return j <= hi
+
+    def key_range(q0, rows, geo):
+        Nk, diag, left, right = geo
+        begin = 0
         end = Nk
         if causal:
             end = min(end, q0 + rows + diag)
-        return end
+        if window:
+            begin = max(0, q0 + diag - left)
+            end = min(end, q0 + rows + diag + right)
+        return begin, end
 
-    def query_begin_(k0, diag):
-        start = 0
+    def query_range(k0, cols, Nq, geo):
+        Nk, diag, left, right = geo
+        begin = 0
+        end = Nq
         if causal:
-            start = max(0, k0 - diag)
-        return start
+            begin = max(0, k0 - diag)
+        if window:
+            begin = max(0, k0 - diag - right)
+            end = min(Nq, k0 + cols - diag + left)
+        return begin, end
 
-    def tile_needs_mask(q0, rows, k0, cols, Nk, diag):
+    def tile_needs_mask(q0, rows, k0, cols, geo):
+        Nk, diag, left, right = geo
         needs = k0 + cols > Nk
         if causal:
             needs = needs or k0 + cols - 1 > q0 + diag
+        if window:
+            needs = needs or k0 + cols - 1 > q0 + diag + right or k0 < q0 + rows - 1 + diag - left
         return needs
 
-    fns = (visible, key_end_, query_begin_, tile_needs_mask)
+    def score(x, i, j, diag, sc):
+        scale_log2, cap_in, cap_out, slope_log2 = sc
+        grad = ONE
+        if softcap:
+            # tanh(u) = 1 − 2 / (e^{2u} + 1): one exp2 and one division, a few times
+            # shorter than libdevice's tanh (whose size keeps the kernels' score loops
+            # from unrolling); absolute error a few units of 1's last place, exact ±1 in
+            # the tails.
+            t = ONE - TWO / (math.exp2(x * cap_in * TWO_LOG2E) + ONE)
+            y = t * cap_out
+            grad = ONE - t * t
+        else:
+            y = x * scale_log2
+        if alibi:
+            y -= slope_log2 * DT(abs(i + diag - j))
+        return y, grad
+
+    fns = (row_keys, in_row, key_range, query_range, tile_needs_mask, score)
     if SIMULATOR:
         return fns
     from numba import cuda

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from numba_flash import registry
-from numba_flash.scores import SCORE_SPECS
+from numba_flash.scores import RULE_SPECS, SCORE_SPECS
 from conftest import HANG_GUARD_S, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,18 +161,18 @@ def test_no_register_spills(ptx_runs, cc):
 
 
 def test_forward_ptx_is_covered():
-    """The forward variant is registered with both dtypes, both masks and both load paths."""
+    """The forward variant is registered with both dtypes, every rule set and both load paths."""
     fwd = [s for s in registry.specialisations() if s.variant == FORWARD]
     assert {s.dtype for s in fwd} == {"float32", "float64"}
-    assert {s.scores for s in fwd} == set(SCORE_SPECS)
+    assert {s.scores for s in fwd} == set(SCORE_SPECS + RULE_SPECS)
     assert {s.use_async for s in fwd} == {False, True}
 
 
 def test_tensor_core_ptx_is_covered():
-    """Both 16-bit dtypes, both masks, and each fast-path head dim get their own PTX check."""
+    """Both 16-bit dtypes, every rule set, and each fast-path head dim get their own PTX check."""
     mma = [s for s in registry.specialisations() if s.variant == MMA]
     assert {s.dtype for s in mma} == set(registry.LOW_DTYPES)
-    assert {s.scores for s in mma} == set(SCORE_SPECS)
+    assert {s.scores for s in mma} == set(SCORE_SPECS + RULE_SPECS)
     assert set(registry.MMA_FAST_DIMS) <= {s.d for s in mma}
 
 

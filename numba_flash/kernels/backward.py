@@ -81,9 +81,13 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     """Build the ``dkdv`` or ``dq`` backward kernel for one specialisation.
 
     Arguments (4-D ``(B1, B2, N, D)`` views with any strides, 3-D ``(B1, B2, Nq)`` for
-    lse/delta): ``q, k, v, dout, lse, delta, ga, gb, scale_log2, scale``. ``dkdv`` writes
-    ``ga = dK`` and ``gb = dV`` (rows are keys); ``dq`` writes ``ga = dQ`` and ignores
-    ``gb``. Launch with ``grid = (ceil(rows / R) · B1 · B2, ceil(D / DO))``,
+    lse/delta): ``q, k, v, dout, lse, delta, ga, gb, scale_log2, scale``, the score
+    arguments ``left, right, cap_in, cap_out, slopes`` (see ``forward.make_forward``) and
+    ``group``. ``dkdv`` writes ``ga = dK`` and ``gb = dV`` (rows are keys); ``dq`` writes
+    ``ga = dQ`` and ignores ``gb``. Grouped K/V heads: ``k, v, ga, gb`` are views with
+    stride 0 along B2, and a ``dkdv`` block sums over ``group`` consecutive query heads
+    (``group = 1`` otherwise, and always for ``dq``). Launch with
+    ``grid = (ceil(rows / R) · B1 · B2 / group, ceil(D / DO))``,
     ``block = RG · CG`` and ``smem_words(D, t, kind) · itemsize`` bytes.
     """
     assert kind in KINDS
@@ -106,22 +110,26 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
-    visible, key_end, query_begin, _ = device_rules(scores)
+    row_keys, in_row, key_range, query_range, _, score = device_rules(scores, dtype_name)
+    ALIBI = scores.alibi
 
     @cuda.jit(**JIT)
-    def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale):
+    def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
+                 group):
         Nq = q.shape[2]
         Nk = k.shape[2]
         diag = Nk - Nq                  # bottom-right alignment (numba_flash.scores)
+        geo = (Nk, diag, left, right)
         tid = cuda.threadIdx.x
         r = tid // CG
         c = tid - r * CG
-        B2 = q.shape[1]
-        B = q.shape[0] * B2
+        BG = q.shape[1] // group        # blocks per b1 along B2: each takes `group` of them
+        B = q.shape[0] * BG
         bt = cuda.blockIdx.x // B
         b = cuda.blockIdx.x - bt * B
-        b1 = b // B2
-        b2 = b - b1 * B2
+        b1 = b // BG
+        b2_first = (b - b1 * BG) * group
+        b2 = b2_first
         d0 = cuda.blockIdx.y * DO
         # Operand roles (a compile-time choice): rows own the accumulators.
         if DKDV:
@@ -131,14 +139,13 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         if DKDV:
             n_rows, n_cols = Nk, Nq
             r0 = bt * R                 # early key tiles have the most visible queries: first
-            c_start = query_begin(r0, diag) // C    # earlier query tiles see none of these keys
-            c_end = (Nq + C - 1) // C
+            c_begin, c_stop = query_range(r0, R, Nq, geo)   # other queries see none of these keys
         else:
             n_rows, n_cols = Nq, Nk
             r0 = ((Nq + R - 1) // R - 1 - bt) * R   # late query tiles are the heaviest: first
-            c_start = 0
-            kv_end = key_end(r0, R, Nk, diag)       # later keys: invisible to the whole tile
-            c_end = (max(kv_end, 0) + C - 1) // C
+            c_begin, c_stop = key_range(r0, R, geo)  # other keys: invisible to the whole tile
+        c_start = c_begin // C
+        n_ct = max((max(c_stop, 0) + C - 1) // C - c_start, 0)
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
         s = cuda.local.array((TM, TN), nb_dt)
@@ -170,8 +177,15 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
             copy_tile(smem, RA_OFF, QS, ra, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
             copy_tile(smem, RB_OFF, QS, rb, b1, b2, r0, R, 0, TILE_COLS, n_rows, tid)
 
-        for ct in range(c_start, c_end):
+        # dK, dV of grouped K/V heads sum over the group's query heads b2_first ..
+        # b2_first + group − 1, in order (group = 1 without grouping, and for dQ).
+        for it in range(group * n_ct):
+            gi = it // n_ct
+            ct = c_start + it - gi * n_ct
+            b2 = b2_first + gi
             c0 = ct * C
+            slope_log2 = slopes[b1, b2, 0] * LOG2E_T if ALIBI else ZERO
+            sc = (scale_log2, cap_in, cap_out, slope_log2)
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO
@@ -207,17 +221,21 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
                 for i in range(TM):
                     row = r0 + r * TM + i
                     if DKDV:            # row = key, col = query
-                        seen = col < Nq and visible(col, row, Nk, diag)
+                        lo, hi = row_keys(col, geo)
+                        seen = col < Nq and in_row(row, lo, hi)
+                        x, grad = score(s[i, j], col, row, diag, sc)
                         lse_ij = lse_j
                         delta_ij = delta_j
                     else:               # row = query, col = key
-                        seen = visible(row, col, Nk, diag)
+                        lo, hi = row_keys(row, geo)
+                        seen = in_row(col, lo, hi)
+                        x, grad = score(s[i, j], row, col, diag, sc)
                         lse_ij = row_lse[i]
                         delta_ij = row_delta[i]
                     p = ZERO
                     if seen:
-                        p = math.exp2(s[i, j] * scale_log2 - lse_ij)
-                    ds = p * (dp[i, j] - delta_ij)
+                        p = math.exp2(x - lse_ij)
+                    ds = p * (dp[i, j] - delta_ij) * grad
                     if DKDV:
                         smem[P1_OFF + (r * TM + i) * PS + c + CG * j] = p
                         smem[P2_OFF + (r * TM + i) * PS + c + CG * j] = ds
@@ -248,9 +266,9 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
                     for f in range(4):
                         col = d0 + 4 * (c + CG * g) + f
                         if col < D:
-                            ga[b1, b2, row, col] = acc_a[i, 4 * g + f] * scale
+                            ga[b1, b2_first, row, col] = acc_a[i, 4 * g + f] * scale
                             if DKDV:
-                                gb[b1, b2, row, col] = acc_b[i, 4 * g + f]
+                                gb[b1, b2_first, row, col] = acc_b[i, 4 * g + f]
 
     backward.rows_per_block = R
     return backward

@@ -40,9 +40,9 @@ for S = Q Kᵀ. Head dims larger than ``DO`` are split across ``ceil(D / DO)`` b
 (grid axis y): each recomputes S and produces ``DO`` output columns. That trades
 recomputed Q Kᵀ FLOPs for registers and parallelism; see docs/performance.md.
 
-Causal (bottom-right aligned, see ``numba_flash.attention``): query row ``i`` sees key
-``j`` iff ``j <= i + Nk − Nq``. Tiles wholly above the diagonal are never visited; the
-element mask is evaluated only on tiles that cross the diagonal or the end of K.
+Score rules (``numba_flash.scores``: causal, sliding window, softcap, ALiBi): key tiles
+that no query of the block can see are never visited; the element mask is evaluated
+only on tiles that cross a mask edge or the end of K.
 
 Key splits. When a problem has too few query tiles to fill the GPU (one
 head of 1024 queries is 32 blocks), the keys are split into ranges of ``split_keys``
@@ -118,8 +118,12 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     (any strides; with ``use_async`` the last stride must be 1 and rows 16-byte
     aligned), ``out (Z·B1, B2, Nq, D)``, ``lse (B1, B2, Nq)`` or with splits
     ``(2·Z·B1, B2, Nq)`` (see the module docstring), ``scale_log2`` (scale ·
-    log2 e, in the dtype), ``split_keys`` (keys per split: a multiple of ``BN``, at least
-    ``Nk`` when ``Z = 1``). Launch with ``grid = (ceil(Nq / BM) · B1 · B2 · Z, ceil(D / DO))``,
+    log2 e, in the dtype), ``split_keys`` (keys per split: a multiple of ``BN``,
+    counted from the query tile's first visible key tile; at least ``Nk`` when
+    ``Z = 1``), then the score arguments of ``numba_flash.scores``: ``left, right``
+    (int64 window sides), ``cap_in, cap_out`` (softcap), ``slopes (B1, B2, 1)`` (ALiBi
+    slopes, in the dtype; any array of that type when ``scores.alibi`` is off: it is
+    not read). Launch with ``grid = (ceil(Nq / BM) · B1 · B2 · Z, ceil(D / DO))``,
     ``block = RG · CG`` and ``smem_words(D, t) · itemsize`` bytes of dynamic shared memory.
     """
     np_dt = np.dtype(dtype_name)
@@ -143,27 +147,32 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     if use_async:
         assert D % E16 == 0
     DT = np_dt.type
-    ZERO, ONE, NEG_INF, LN2_T = DT(0), DT(1), DT(-np.inf), DT(LN2)
+    ZERO, ONE, NEG_INF, LN2_T, LOG2E_T = DT(0), DT(1), DT(-np.inf), DT(LN2), DT(LOG2E)
     nb_dt = numba.from_dtype(np_dt)
     ALIGN = None if SIMULATOR else 16   # the simulator accepts only alignment=None
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+    ALIBI = scores.alibi
 
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
-    visible, key_end, _, tile_needs_mask = device_rules(scores)
+    row_keys, in_row, key_range, _, tile_needs_mask, score = device_rules(scores, dtype_name)
 
-    def softmax_update(smem, s, o, m, l, scale_log2, r, c, q0, k0, Nk, diag):
+    def softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo):
         """Online softmax on one S tile: rescale O and l, write P = exp2(S - m) to shared memory."""
-        needs_mask = tile_needs_mask(q0, BM, k0, BN, Nk, diag)
+        # Scores in log2 units, then masked: a loop of its own, so that each loop nest
+        # stays small enough for the compiler to unroll completely (registers, not stack).
         for i in range(TM):
-            row = q0 + r * TM + i
+            for j in range(TN):
+                s[i, j], _ = score(s[i, j], q0 + r * TM + i, k0 + c + CG * j, geo[1], sc)
+        if tile_needs_mask(q0, BM, k0, BN, geo):
+            for i in range(TM):
+                lo, hi = row_keys(q0 + r * TM + i, geo)
+                for j in range(TN):
+                    if not in_row(k0 + c + CG * j, lo, hi):
+                        s[i, j] = NEG_INF
+        for i in range(TM):
             mx = NEG_INF
             for j in range(TN):
-                x = s[i, j] * scale_log2
-                if needs_mask:
-                    if not visible(row, k0 + c + CG * j, Nk, diag):
-                        x = NEG_INF
-                s[i, j] = x
-                mx = max(mx, x)
+                mx = max(mx, s[i, j])
             for off in SHUFFLE_OFFSETS:
                 mx = max(mx, warp.shfl_xor_sync(warp.FULL_MASK, mx, off))
             m_new = max(m[i], mx)
@@ -185,7 +194,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         softmax_update = cuda.jit(device=True, inline="always")(softmax_update)
 
     @cuda.jit(**JIT)
-    def forward(q, k, v, out, lse, scale_log2, split_keys):
+    def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
         Nq = q.shape[2]
         Nk = k.shape[2]
         tid = cuda.threadIdx.x
@@ -206,7 +215,9 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         q0 = qt * BM
         d0 = cuda.blockIdx.y * DO
         diag = Nk - Nq                 # bottom-right alignment (numba_flash.scores)
-        k_lo = z * split_keys
+        geo = (Nk, diag, left, right)
+        slope_log2 = slopes[b1, b2, 0] * LOG2E_T if ALIBI else ZERO
+        sc = (scale_log2, cap_in, cap_out, slope_log2)
         ob1 = z * q.shape[0] + b1      # this split's slab of out and lse
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
@@ -224,7 +235,11 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
             for jo in range(VO):
                 o[i, jo] = ZERO
 
-        kv_end = min(key_end(q0, BM, Nk, diag), k_lo + split_keys)   # later keys: invisible to the tile
+        # Keys outside [kv_begin, kv_end) are invisible to the whole tile; split z takes
+        # split_keys of them, counted from the first visible key tile.
+        kv_begin, kv_end = key_range(q0, BM, geo)
+        k_lo = (kv_begin // BN) * BN + z * split_keys
+        kv_end = min(kv_end, k_lo + split_keys)
         kt0 = k_lo // BN
         n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
 
@@ -267,7 +282,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                     mm_abt(smem, slot + Q_OFF, slot + K_OFF, QS, s, qv, kv, r, c)
                     cuda.syncthreads()         # chunk kc fully read before its slot is refilled
 
-            softmax_update(smem, s, o, m, l, scale_log2, r, c, q0, k0, Nk, diag)
+            softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo)
             if NKC == 1:
                 ops.cp_async_wait(0)       # V(kt) has landed
             cuda.syncthreads()             # P and V complete; every thread is done reading K(kt)

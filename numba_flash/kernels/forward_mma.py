@@ -25,7 +25,7 @@ Shared rows are ``DP + 8`` elements (``DP`` = d rounded up to 16; columns past d
 zero-filled): rows 16 bytes apart in bank space, so the eight row addresses of one
 ``ldmatrix`` matrix, and the 16-byte ``cp.async`` stores, hit distinct banks.
 
-Causal masking and tile skipping follow the CUDA-core forward (bottom-right aligned);
+Score rules and tile skipping follow the CUDA-core forward (bottom-right aligned);
 rows and keys past the ends are zero-filled on load and masked to ``-inf``.
 """
 import dataclasses
@@ -38,7 +38,7 @@ from numba import cuda
 from .. import ops, warp
 from .._runtime import SIMULATOR
 from ..scores import ScoreSpec, device_rules
-from .forward import LN2
+from .forward import LN2, LOG2E
 
 ROW_PAD = 8          # elements of padding per shared row (16 bytes)
 E16 = 8              # 16-bit elements per 16-byte cp.async
@@ -82,7 +82,9 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     Kernel arguments: ``q (B1, B2, Nq, D)``, ``k, v (B1, B2, Nk, D)`` as ``uint16`` views
     of the float16/bfloat16 data (unit inner stride, 16-byte aligned rows; ``D`` a
     multiple of 8), ``out (B1, B2, Nq, D)`` (``uint16`` view), ``lse (B1, B2, Nq)``
-    float32, ``scale_log2`` float32. Launch with ``grid = (ceil(Nq / BM) · B1 · B2, 1)``,
+    float32, ``scale_log2`` float32, then the score arguments (``left, right`` int64,
+    ``cap_in, cap_out`` float32, ``slopes (B1, B2, 1)`` float32: see
+    ``numba_flash.kernels.forward.make_forward``). Launch with ``grid = (ceil(Nq / BM) · B1 · B2, 1)``,
     ``block = 32 · WARPS``, ``smem_elements(D, t) · 2`` bytes of dynamic shared memory.
     """
     assert dtype_name in ("float16", "bfloat16") and D % 8 == 0
@@ -106,7 +108,9 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
-    visible, key_end, _, tile_needs_mask = device_rules(scores)
+    row_keys, in_row, key_range, _, tile_needs_mask, score = device_rules(scores, "float32")
+    ALIBI = scores.alibi
+    LOG2E_T = numba.float32(LOG2E)
 
     def device(f):
         return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
@@ -140,7 +144,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
         return ops.ldmatrix_x4(smem, (warp_row + (lane & 15)) * RS + 16 * kc + 8 * (lane >> 4))
 
     @cuda.jit(**JIT)
-    def forward(q, k, v, out, lse, scale_log2):
+    def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes):
         Nq = q.shape[2]
         Nk = k.shape[2]
         tid = cuda.threadIdx.x
@@ -157,6 +161,9 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
         b2 = b - b1 * B2
         q0 = qt * BM
         diag = Nk - Nq                 # bottom-right alignment (numba_flash.scores)
+        geo = (Nk, diag, left, right)
+        slope_log2 = slopes[b1, b2, 0] * LOG2E_T if ALIBI else ZERO
+        sc = (scale_log2, cap_in, cap_out, slope_log2)
         warp_row = WR * w              # this warp's first row in the tile
         # This lane's rows: q0 + warp_row + 16·mt + g + 8·half, indexed h = 2·mt + half;
         # in the accumulators, half 0 is elements 0, 1 and half 1 is elements 2, 3.
@@ -178,25 +185,26 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
             m[h] = NEG_INF
             l[h] = ZERO
 
-        kv_end = key_end(q0, BM, Nk, diag)     # later keys: invisible to the whole tile
-        n_kt = (max(kv_end, 0) + BN - 1) // BN
+        kv_begin, kv_end = key_range(q0, BM, geo)   # other keys: invisible to the whole tile
+        kt0 = kv_begin // BN
+        n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
 
         copy_rows(smem, 0, q, b1, b2, q0, BM, Nq, tid)
-        if n_kt > 0:
-            copy_rows(smem, K_OFF, k, b1, b2, 0, BN, Nk, tid)
-            copy_rows(smem, V_OFF, v, b1, b2, 0, BN, Nk, tid)
+        if n_kt > kt0:
+            copy_rows(smem, K_OFF, k, b1, b2, kt0 * BN, BN, Nk, tid)
+            copy_rows(smem, V_OFF, v, b1, b2, kt0 * BN, BN, Nk, tid)
         ops.cp_async_commit()
 
-        for kt in range(n_kt):
+        for kt in range(kt0, n_kt):
             k0 = kt * BN
-            slot = (kt & 1) * SLOT
+            slot = ((kt - kt0) & 1) * SLOT
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile kt landed for all; every warp is done with kt - 1
             if kt + 1 < n_kt:           # the other slot held tile kt - 1: refill it
                 copy_rows(smem, K_OFF + SLOT - slot, k, b1, b2, k0 + BN, BN, Nk, tid)
                 copy_rows(smem, V_OFF + SLOT - slot, v, b1, b2, k0 + BN, BN, Nk, tid)
                 ops.cp_async_commit()
-            if Q_IN_REGS and kt == 0:
+            if Q_IN_REGS and kt == kt0:
                 for mt in range(MT):
                     for kc in range(KC):
                         qf[mt, kc, 0], qf[mt, kc, 1], qf[mt, kc, 2], qf[mt, kc, 3] = q_fragment(
@@ -224,20 +232,29 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
                         mma_pair(s, mt, 2 * n2, qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb0, kb1, kb2, kb3)
 
             # ---- online softmax, per row h ----------------------------------------------------
-            needs_mask = tile_needs_mask(q0, BM, k0, BN, Nk, diag)
+            # Scores in log2 units, then masked: a loop of its own, so that each loop
+            # nest stays small enough for the compiler to unroll it completely (the
+            # accumulators then stay in registers).
+            for mt in range(MT):
+                for n in range(NB):
+                    for e in range(4):
+                        s[mt, n, e], _ = score(s[mt, n, e], q0 + warp_row + 16 * mt + g + 8 * (e >> 1),
+                                               k0 + 8 * n + 2 * tq + (e & 1), diag, sc)
+            if tile_needs_mask(q0, BM, k0, BN, geo):
+                for h in range(H):
+                    mt = h >> 1
+                    lo, hi = row_keys(q0 + warp_row + 16 * mt + g + 8 * (h & 1), geo)
+                    for n in range(NB):
+                        for e in range(2 * (h & 1), 2 * (h & 1) + 2):
+                            if not in_row(k0 + 8 * n + 2 * tq + (e & 1), lo, hi):
+                                s[mt, n, e] = NEG_INF
             for h in range(H):
                 mt = h >> 1
                 e0 = 2 * (h & 1)
-                row = q0 + warp_row + 16 * mt + g + 8 * (h & 1)
                 mx = NEG_INF
                 for n in range(NB):
                     for e in range(e0, e0 + 2):
-                        x = s[mt, n, e] * scale_log2
-                        if needs_mask:
-                            if not visible(row, k0 + 8 * n + 2 * tq + (e & 1), Nk, diag):
-                                x = NEG_INF
-                        s[mt, n, e] = x
-                        mx = max(mx, x)
+                        mx = max(mx, s[mt, n, e])
                 for off in (1, 2):
                     mx = max(mx, warp.shfl_xor_sync(warp.FULL_MASK, mx, off))
                 m_new = max(m[h], mx)
