@@ -7,6 +7,7 @@
     python bench.py backward               # attention_bwd vs SDPA backward, same shapes and options
     python bench.py ladder                 # the kernel ladder (numba_flash.ladder) on the seed problem
     python bench.py ladder --tiny          # ... in the simulator, as a smoke test
+    python bench.py variants               # GQA, windows, softcap, ALiBi vs the plain call, SDPA, FlexAttention
 
 Every mode does the same four things, in this order:
 
@@ -1247,6 +1248,231 @@ def write_markdown(path, doc, columns, notes):
     path.write_text(render_markdown(doc, columns, notes))
 
 
+# --------------------------------------------------------------------------- variants
+@dataclasses.dataclass(frozen=True)
+class VariantRow:
+    """One ``variants`` row: q (B, Hq, N, d), k, v (B, Hkv, N, d) and the score options.
+    ``base``: the label of the row (same dtype) this one's time is compared with."""
+    label: str
+    B: int
+    Hq: int
+    Hkv: int
+    N: int
+    d: int
+    dtype: str
+    causal: bool = False
+    window: tuple = None
+    softcap: float = None
+    alibi: bool = False
+    base: str = None
+
+    def options(self, slopes=None):
+        return {"causal": self.causal, "window": self.window, "softcap": self.softcap,
+                "alibi_slopes": slopes if self.alibi else None}
+
+
+def _variant_rows(dtypes, B, H, N, d, long_n, left):
+    rows = []
+    for dt in dtypes:
+        rows += [VariantRow("mha", B, 2 * H, 2 * H, N, d, dt),
+                 VariantRow("gqa 4:1", B, 2 * H, H // 2, N, d, dt, base="mha"),
+                 VariantRow("plain", B, H, H, N, d, dt),
+                 VariantRow("softcap", B, H, H, N, d, dt, softcap=30.0, base="plain"),
+                 VariantRow("alibi", B, H, H, N, d, dt, alibi=True, base="plain"),
+                 VariantRow("softcap+alibi", B, H, H, N, d, dt, softcap=30.0, alibi=True, base="plain"),
+                 VariantRow("causal", 1, H, H, long_n, d, dt, causal=True),
+                 VariantRow(f"window {left}", 1, H, H, long_n, d, dt, causal=True, window=(left, 0), base="causal")]
+    return rows
+
+
+# The issue's targets: GQA (4, 32 -> 8, 4096, 128) within 5% of MHA's TFLOP/s; a causal
+# window of 1024 at N = 16384 in <= 0.15x full causal's time; softcap, ALiBi <= 10% slower.
+VARIANT_ROWS = _variant_rows(("bfloat16", "float32"), 4, 16, 4096, 128, 16384, 1024)
+TINY_VARIANT_ROWS = _variant_rows(("float32", "bfloat16"), 1, 4, 19, 16, 40, 5)
+VARIANT_VALIDATE_N = 2048      # validated on the first batch index, N cut to this, two K/V heads
+
+
+def alibi_slopes(h):
+    """The ALiBi paper's slopes for h heads: 2^(-8 i / h), i = 1 .. h."""
+    return (2.0 ** (-8.0 * np.arange(1, h + 1) / h)).astype(np.float32)
+
+
+def variant_flops(r: VariantRow) -> float:
+    """4·d per visible (query, key) pair per head: the FlashAttention convention for the
+    visible area (a causal square is half of N², plus its diagonal)."""
+    rules = scores.parse(r.causal, r.window, r.softcap, r.alibi)
+    return 4.0 * r.d * r.B * r.Hq * scores.visible_pairs(rules, r.N, r.N)
+
+
+def variant_inputs(r: VariantRow, bench, n=None, b=None, hq=None):
+    n, b, hq = n or r.N, b or r.B, hq or r.Hq
+    hk = hq * r.Hkv // r.Hq
+    q, k, v = random_arrays([(b, hq, n, r.d), (b, hk, n, r.d), (b, hk, n, r.d)], r.dtype, bench.kind, bench.torch)
+    slopes = alibi_slopes(r.Hq)[:hq]
+    if bench.kind == "torch":
+        slopes = bench.torch.from_numpy(slopes).cuda()
+    elif bench.kind == "numba":
+        slopes = cuda.to_device(slopes)
+    return q, k, v, slopes
+
+
+def validate_variant(r: VariantRow, bench):
+    """Ours against the float64 oracle on a cut of the row's problem: batch 0, N at most
+    ``VARIANT_VALIDATE_N``, the first two K/V heads and their query heads (same kernels)."""
+    g = r.Hq // r.Hkv
+    n = min(r.N, VARIANT_VALIDATE_N)
+    q, k, v, slopes = variant_inputs(r, bench, n=n, b=1, hq=g * min(2, r.Hkv))
+    try:
+        out, lse = numba_flash.attention_fwd(q, k, v, **r.options(slopes))
+        host = [to_host(x).astype(np.float64) for x in (q, k, v)]
+        opts = r.options(to_host(slopes).astype(np.float64))
+        ref_out, ref_lse = reference.attention_fwd(*host, **opts)
+        err = max(max_abs_err(to_host(out).astype(np.float64), ref_out), max_abs_err(to_host(lse), ref_lse))
+        ok = bool(err <= TOLERANCE[r.dtype])
+        return {"valid": ok, "max_abs_err": err, "tolerance": TOLERANCE[r.dtype], "n": n, "error": None}
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        return {"valid": False, "max_abs_err": None, "error": f"{type(exc).__name__}: {exc}",
+                "traceback": traceback.format_exc()}
+
+
+def variant_peers(r: VariantRow, q, k, v, slopes, torch, flex):
+    """{name: call} of the PyTorch peers that compute this row: SDPA (GQA through
+    ``enable_gqa``, a window as a boolean ``attn_mask``, ALiBi as a float ``attn_mask``
+    bias; softcap it cannot express) and FlexAttention under ``torch.compile`` (``flex``)."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    peers = {}
+    n = r.N
+    i = torch.arange(n, device="cuda")[:, None]
+    j = torch.arange(n, device="cuda")[None, :]
+    if r.softcap is None:
+        if r.window is not None:
+            left, right = r.window
+            mask = (j <= i + (0 if r.causal else right)) & (j >= i - left)
+            peers["sdpa mask"] = lambda: sdpa(q, k, v, attn_mask=mask)
+        elif r.alibi:
+            bias = (-slopes[:, None, None] * (i - j).abs()).to(q.dtype)[None]
+            peers["sdpa bias"] = lambda: sdpa(q, k, v, attn_mask=bias, is_causal=False)
+        else:
+            peers["sdpa"] = lambda: sdpa(q, k, v, is_causal=r.causal, enable_gqa=r.Hq != r.Hkv)
+    if flex is not None:
+        fa, create_block_mask = flex
+        block_mask, mods = None, []
+        if r.window is not None or r.causal:
+            left = None if r.window is None else r.window[0]
+            block_mask = create_block_mask(
+                lambda b, h, qi, kj: (qi >= kj) & ((qi - kj <= left) if left is not None else (qi >= 0)),
+                None, None, n, n)
+        cap = r.softcap
+
+        def score_mod(score, b, h, qi, kj):
+            if cap is not None:
+                score = cap * torch.tanh(score / cap)
+            if r.alibi:
+                score = score - slopes[h] * (qi - kj).abs()
+            return score
+        mod = score_mod if (cap is not None or r.alibi) else None
+        peers["flex"] = lambda: fa(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=r.Hq != r.Hkv)
+    return peers
+
+
+def _flex(torch):
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        return torch.compile(flex_attention), create_block_mask
+    except Exception:  # noqa: BLE001 - an older torch
+        return None
+
+
+def run_variants(args):
+    """GQA, sliding window, softcap and ALiBi rows: validated, then timed against the row
+    they vary (``base``) and the PyTorch peers that express them."""
+    bench = make_bench(args)
+    env = environment(bench.torch)
+    print(_header(env), flush=True)
+    rows_cfg = TINY_VARIANT_ROWS if args.tiny else VARIANT_ROWS
+    rows_cfg = [r for r in rows_cfg if r.dtype in args.variant_dtypes]
+    flex = _flex(bench.torch) if bench.torch is not None and not args.no_flex else None
+    rows, by_label, status = [], {}, 0
+    for r in rows_cfg:
+        val = validate_variant(r, bench)
+        rec = {"mode": "variants", "row": dataclasses.asdict(r), "flops": variant_flops(r), "validation": val,
+               "valid": val["valid"], "ours": {}, "peers": {}}
+        if not val["valid"]:
+            status = 1
+            print(f"VALIDATION FAILED for {r.label} {r.dtype}: {val.get('error') or val['max_abs_err']}\n"
+                  f"{val.get('traceback', '')}", file=sys.stderr, flush=True)
+        else:
+            q, k, v, slopes = variant_inputs(r, bench)
+            opts = r.options(slopes)
+            rec["ours"] = time_numba(lambda: numba_flash.attention_fwd(q, k, v, **opts), bench, rec["flops"],
+                                     lambda: api.plan_forward(q, k, v, **opts))
+            base = by_label.get((r.base, r.dtype))
+            if base is not None and base["ours"].get("ms_median") and rec["ours"].get("ms_median"):
+                rec["vs_base"] = {"base": r.base, "time_ratio": rec["ours"]["ms_median"] / base["ours"]["ms_median"],
+                                  "tflops_ratio": rec["ours"]["tflops"] / base["ours"]["tflops"]}
+            if bench.torch is not None and bench.peers:
+                for name, call in variant_peers(r, q, k, v, slopes, bench.torch, flex).items():
+                    try:
+                        peer = time_torch(call, bench, rec["flops"])
+                    except Exception as exc:  # noqa: BLE001 - unsupported, out of memory, no compiler
+                        peer = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                    peer["ratio"] = ratio(rec["ours"], peer)
+                    rec["peers"][name] = peer
+                    bench.torch.cuda.empty_cache()
+            del q, k, v
+        by_label[(r.label, r.dtype)] = rec
+        rows.append(rec)
+        print(f"  {variant_line(rec)}", flush=True)
+    doc = {"mode": "variants", **env, "settings": _settings(args, bench), "rows": rows}
+    write_json(args.json, doc)
+    table = "\n".join([VARIANT_HEADER, "-" * len(VARIANT_HEADER)] + [variant_line(r) for r in rows])
+    if args.markdown:
+        Path(args.markdown).write_text(render_variants_markdown(doc))
+    print(f"Wrote {args.json}" + (f" and {args.markdown}" if args.markdown else ""))
+    print()
+    print(table)
+    print("TFLOP/s count 4·d per visible (query, key) pair. vs base: ours ms ÷ the base row's ms (same dtype). "
+          "ratio: ours TFLOP/s ÷ the peer's. sdpa mask / sdpa bias: SDPA with an explicit attn_mask; flex: "
+          "FlexAttention under torch.compile.")
+    return status
+
+
+VARIANT_HEADER = (f"{'row':>14} {'dtype':>8} {'shape (B,Hq/Hkv,N,d)':>22} {'ours ms':>8} {'TF/s':>7} "
+                  f"{'vs base':>14} {'valid':>7}  peers (TF/s, ours/peer)")
+
+
+def variant_line(rec):
+    r, o = rec["row"], rec["ours"]
+    shape = f"({r['B']},{r['Hq']}/{r['Hkv']},{r['N']},{r['d']})"
+    vb = rec.get("vs_base")
+    vs = f"{vb['time_ratio']:.3f}x {vb['base']}" if vb else "—"
+    peers = "; ".join(f"{n} {_fmt(p.get('tflops'), '.1f')} ({_fmt(p.get('ratio'), '.2f')})"
+                      + (f" [{p['error'][:60]}]" if p.get("error") else "") for n, p in rec["peers"].items())
+    return (f"{r['label']:>14} {r['dtype']:>8} {shape:>22} {_fmt(o.get('ms_median'), '.3f'):>8} "
+            f"{_fmt(o.get('tflops'), '.1f'):>7} {vs:>14} {'ok' if rec['valid'] else 'INVALID':>7}  {peers}")
+
+
+def render_variants_markdown(doc):
+    lines = [f"**variants** · {doc['date']} · {doc['gpu']['name']} · git `{(doc['git_sha'] or '?')[:12]}`", "",
+             "| row | dtype | shape (B,Hq/Hkv,N,d) | ours ms | ours TFLOP/s | vs base (time) | peers: TFLOP/s (ours/peer) |",
+             "|---|---|---|---:|---:|---:|---|"]
+    for rec in doc["rows"]:
+        r, o, vb = rec["row"], rec["ours"], rec.get("vs_base")
+        vs = "—" if not vb else f"{vb['time_ratio']:.3f}× {vb['base']}"
+        peers = "; ".join(f"{n} {_fmt(p.get('tflops'), '.1f')} ({_fmt(p.get('ratio'), '.2f')})"
+                          for n, p in rec["peers"].items() if not p.get("error")) or "—"
+        lines.append(f"| {r['label']} | {r['dtype']} | ({r['B']},{r['Hq']}/{r['Hkv']},{r['N']},{r['d']}) | "
+                     f"{_fmt(o.get('ms_median'), '.3f')} | {_fmt(o.get('tflops'), '.1f')} | "
+                     f"{vs} | {peers} |")
+    return "\n".join(lines) + "\n"
+
+
+def variants_options(p):
+    p.add_argument("--variant-dtypes", type=_csv_choice(("float32", "bfloat16")), default=["bfloat16", "float32"],
+                   help="dtypes of the variants rows (default: bfloat16,float32)")
+    p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (torch.compile)")
+
+
 # --------------------------------------------------------------------------- command line
 def _csv_choice(choices):
     def parse(text):
@@ -1296,6 +1522,8 @@ MODES = {
     "backward": Mode("attention_bwd (dq, dk, dv) vs PyTorch SDPA backward", run_backward),
     "ladder": Mode("the kernel ladder (numba_flash.ladder): the seed's Results table, rung by rung",
                    run_ladder, ladder_options),
+    "variants": Mode("GQA, sliding window, softcap, ALiBi: vs the plain call and PyTorch's SDPA / FlexAttention",
+                     run_variants, variants_options),
 }
 DEFAULT_MODE = "forward"
 NO_GPU = ("bench.py times kernels with CUDA events, so it needs a CUDA GPU, and none was found "
