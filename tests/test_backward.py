@@ -18,7 +18,6 @@ from hypothesis import strategies as st
 import numba_flash
 from numba import cuda
 from numba_flash import reference, registry
-from numba_flash.scores import spec_of, visible_mask
 import conftest
 from conftest import ON_GPU, bits, host, make_qkv
 
@@ -35,11 +34,14 @@ class Case(conftest.Case):
 
 
 def baseline_bwd32(dout, q, k, v, causal, scale):
-    """The oracle's backward formulas evaluated in plain float32 NumPy."""
+    """The oracle's backward formulas evaluated in plain float32 NumPy. ``causal``: a bool or
+    a dict of score options (:func:`conftest.score_options`); with fewer K/V heads than
+    query heads (GQA) dk, dv are summed over each group, shaped like k, v."""
     dout, q, k, v = (np.asarray(x, np.float32) for x in (dout, q, k, v))
+    kh, vh = k, v
+    k, v = conftest.expand_heads(q, k, v)
     sc = np.float32(1 / math.sqrt(q.shape[-1]) if scale is None else scale)
-    s = np.matmul(q, np.swapaxes(k, -1, -2)) * sc
-    s = np.where(visible_mask(spec_of(causal), s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
+    s, grad = conftest.scores32(q, k, causal, scale)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)
     e = np.exp(s - np.where(np.isfinite(m), m, np.float32(0)))
     l = e.sum(-1, keepdims=True)
@@ -47,8 +49,13 @@ def baseline_bwd32(dout, q, k, v, causal, scale):
     out = p @ v
     dv = np.swapaxes(p, -1, -2) @ dout
     dp = dout @ np.swapaxes(v, -1, -2)
-    ds = p * (dp - (dout * out).sum(-1, keepdims=True))
-    return (ds @ k) * sc, (np.swapaxes(ds, -1, -2) @ q) * sc, dv
+    ds = p * (dp - (dout * out).sum(-1, keepdims=True)) * grad
+    dq, dk = (ds @ k) * sc, (np.swapaxes(ds, -1, -2) @ q) * sc
+    if kh.shape != k.shape:     # sum each group's query heads into its K/V head
+        g = q.shape[-3] // kh.shape[-3]
+        dk = dk.reshape(kh.shape[:-2] + (g,) + dk.shape[-2:]).sum(axis=-3)
+        dv = dv.reshape(vh.shape[:-2] + (g,) + dv.shape[-2:]).sum(axis=-3)
+    return dq, dk, dv
 
 
 def _max_abs(x):
@@ -56,9 +63,17 @@ def _max_abs(x):
 
 
 def check_backward(grads, dout, q, k, v, causal, scale):
+    """Assert the gradients against the oracle's by the module's rule; ``causal``: a bool or
+    a dict of score options (:func:`conftest.score_options`). The logit-rounding slack
+    counts ALiBi's largest bias as logit size too (a float32 program rounds the biased
+    score)."""
     dtype = np.asarray(q).dtype
-    ref = reference.attention_bwd(dout, q, k, v, causal=causal, scale=scale)
-    base = baseline_bwd32(dout, q, k, v, causal, scale) if dtype == np.float32 else None
+    options = conftest.score_options(causal)
+    ref = reference.attention_bwd(dout, q, k, v, scale=scale, **options)
+    base = baseline_bwd32(dout, q, k, v, options, scale) if dtype == np.float32 else None
+    bias = 0.0
+    if options["alibi_slopes"] is not None:
+        bias = _max_abs(options["alibi_slopes"]) * max(0, max(np.shape(q)[-2], np.shape(k)[-2]) - 1)
     for i, (name, g, r) in enumerate(zip(("dq", "dk", "dv"), grads, ref)):
         assert isinstance(g, np.ndarray) and g.dtype == dtype and g.shape == r.shape, name
         assert not np.isnan(g).any(), f"NaN in {name} (an element the kernel never wrote?)"
@@ -67,7 +82,7 @@ def check_backward(grads, dout, q, k, v, causal, scale):
         if dtype == np.float64:
             tol = 1e-10 * size
         else:
-            mag = max(1.0, _max_abs(q), _max_abs(k)) ** 2 * math.sqrt(q.shape[-1])
+            mag = max(1.0, _max_abs(q), _max_abs(k)) ** 2 * math.sqrt(q.shape[-1]) + bias
             tol = 3 * _max_abs(base[i].astype(np.float64) - r) + 1e-6 * size + 2**-24 * 8 * mag * size
         assert err <= tol, f"{name}: max error {err:.3e} > tolerance {tol:.3e}"
 

@@ -20,7 +20,8 @@ from hypothesis import strategies as st
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba_flash import reference, registry
 from numba_flash.kernels.forward_mma import MmaTiling
-from conftest import ON_GPU, SLACK_ULPS, U32, Case, _max_abs, bits, host, rounding_sensitivity, softmax32
+from conftest import (ON_GPU, SLACK_ULPS, U32, Case, _max_abs, bits, expand_heads, host, rounding_sensitivity,
+                      score_options, softmax32)
 
 DTYPES = ("float16", "bfloat16")
 NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
@@ -28,17 +29,22 @@ NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfl
 
 def baseline_fwd_low(q, k, v, causal, scale):
     """What an ordinary 16-bit tensor-core attention gets: float32 scores and softmax,
-    P rounded to the input dtype, float32 P·V, output rounded to the input dtype."""
+    P rounded to the input dtype, float32 P·V, output rounded to the input dtype.
+    ``causal``: a bool or a dict of score options (:func:`conftest.score_options`); k, v
+    may have fewer heads than q (GQA)."""
     dt = q.dtype
     q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
     p, m, l, visible = softmax32(q32, k32, causal, scale)
+    (v32,) = expand_heads(q32, v32)
     out = np.matmul(p.astype(dt).astype(np.float32), v32).astype(dt)
     lse = (m + np.log(l, out=np.full_like(l, -np.inf), where=visible))[..., 0]
     return out, lse
 
 
 def check_forward_low(out, lse, q, k, v, causal, scale):
-    """Assert ``(out, lse)`` from numba_flash against the oracle, by the module's rule."""
+    """Assert ``(out, lse)`` from numba_flash against the oracle, by the module's rule.
+    ``causal``: a bool or a dict of score options (:func:`conftest.score_options`), given to
+    the oracle, the baseline and the rounding sensitivity alike."""
     dt = q.dtype
     lead, nq, d = q.shape[:-2], q.shape[-2], q.shape[-1]
     assert isinstance(out, np.ndarray) and out.dtype == dt and out.shape == lead + (nq, d)
@@ -49,7 +55,7 @@ def check_forward_low(out, lse, q, k, v, causal, scale):
     assert np.isfinite(out64).all() and not np.isposinf(lse).any()
 
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
-    ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, causal=causal, scale=scale)
+    ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, scale=scale, **score_options(causal))
     empty = np.isneginf(ref_lse)
     np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse must be -inf exactly where no key is visible")
     assert np.all(out64[empty] == 0), "rows with no visible key must be exactly 0"
