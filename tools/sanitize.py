@@ -7,7 +7,8 @@ NVIDIA's compute-sanitizer (on a GPU machine)::
 
 Each call is checked against the float64 oracle as well, so a run that the sanitizer
 passes also computed the right thing. Exits 1 on a wrong result. ``--quick``: the first
-shape only (racecheck is slow).
+shape only (racecheck is slow); ``--transforms``: softcap and ALiBi on a grouped-head
+shape, float32 and bfloat16 only.
 """
 import sys
 
@@ -27,13 +28,19 @@ OPTIONS = [
 ]
 # (Hq, Hkv, Nq, Nk, d): ragged against every tile size, Nq > Nk and Nq < Nk, GQA and MQA
 SHAPES = [(2, 2, 37, 53, 40), (4, 2, 70, 29, 64), (3, 1, 17, 131, 24)]
+DTYPES = (("float32", 1e-4), ("float64", 1e-10), ("float16", 2e-2), ("bfloat16", 8e-2))   # and tolerances
 
 
 def main():
     rng = np.random.default_rng(0)
     bad = 0
-    for (hq, hkv, nq, nk, d) in SHAPES[:1] if "--quick" in sys.argv else SHAPES:
-        for opts in OPTIONS:
+    shapes, options, dtypes = SHAPES, OPTIONS, DTYPES
+    if "--quick" in sys.argv:
+        shapes = SHAPES[:1]
+    if "--transforms" in sys.argv:
+        shapes, options, dtypes = SHAPES[1:2], OPTIONS[4:], DTYPES[::3]
+    for (hq, hkv, nq, nk, d) in shapes:
+        for opts in options:
             opts = dict(opts)
             q = rng.standard_normal((2, hq, nq, d))
             k, v = (rng.standard_normal((2, hkv, nk, d)) for _ in range(2))
@@ -42,7 +49,7 @@ def main():
             ref_out, _ = reference.attention_fwd(q, k, v, **opts)
             dout = rng.standard_normal(ref_out.shape)
             ref_grads = reference.attention_bwd(dout, q, k, v, **opts)
-            for dt, tol in (("float32", 1e-4), ("float64", 1e-10), ("float16", 2e-2), ("bfloat16", 8e-2)):
+            for dt, tol in dtypes:
                 if dt in ("float16", "bfloat16") and d % 8:
                     continue
                 npdt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
