@@ -977,9 +977,9 @@ def time_backward_row(cfg, val, refs, bench):
 
 
 def run_backward(args):
-    low = [dt for dt in args.dtype if dt not in registry.DTYPES]
+    low = [dt for dt in args.dtype if dt not in registry.dtypes("backward")]
     if low:
-        sys.exit(f"bench.py backward: no {', '.join(low)} backward yet; choose from {', '.join(registry.DTYPES)}")
+        sys.exit(f"bench.py backward: no {', '.join(low)} backward yet; choose from {', '.join(registry.dtypes('backward'))}")
     settings = {"tolerance": BWD_TOLERANCE, "tolerance_kind": "per gradient: max abs err <= tol * max(1, max|ref|)",
                 "validation": {"leading_index": list(BWD_LEAD), "full_inputs_up_to_n": BWD_FULL_N,
                                "else_separate_problem_n": BWD_VALIDATE_N},
@@ -1491,7 +1491,7 @@ def _common_options(p=None):
     p.add_argument("--shapes", type=_csv_choice([k for k in SHAPE_SETS if k != "tiny"]),
                    default=list(DEFAULT_SHAPES),
                    help=f"shape sets, comma-separated (default: {','.join(DEFAULT_SHAPES)})")
-    dtypes = registry.DTYPES + registry.LOW_DTYPES
+    dtypes = registry.dtypes("forward")
     p.add_argument("--dtype", type=_csv_choice(dtypes), default=["float32"],
                    help="dtypes, comma-separated, from " + ", ".join(dtypes) + " (default: float32; "
                         "float16 and bfloat16: forward only)")

@@ -11,8 +11,6 @@ from .kernels.forward import LOG2E
 from .launch import context_handle, launch
 from . import scores as _scores
 
-SUPPORTED_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
-LOW_PRECISION = ("float16", "bfloat16")    # tensor-core forward; no backward yet
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
 MAX_LEN = 2**31 - 1
@@ -32,7 +30,7 @@ class _Inputs:
     slopes or None.
     """
 
-    def __init__(self, arrays, options, scale, slopes=None, low_precision=False):
+    def __init__(self, arrays, options, scale, slopes=None, direction="backward"):
         names = list(arrays)
         values = list(arrays.values())
         causal, window, softcap = options
@@ -46,13 +44,13 @@ class _Inputs:
         self.on_device = kinds[0] == "device"
         dtypes = [_arrays.logical_dtype(a) for a in values]
         for n, dt in zip(names, dtypes):
-            _check_dtype(dt, n, low_precision)
+            _check_dtype(dt, n, direction)
         if len(set(dtypes)) > 1:
             desc = ", ".join(f"{n}.dtype={dt}" for n, dt in zip(names, dtypes))
             raise TypeError(f"{', '.join(names)} must have the same dtype, got {desc}. Cast them to one "
                             f"dtype first (e.g. {names[1]}.astype({names[0]}.dtype)).")
         self.dtype = dtypes[0]
-        self.low = self.dtype.name in LOW_PRECISION
+        self.low = self.dtype.name in registry.LOW_DTYPES     # 16-bit: the tensor-core family
         # 16-bit floats travel as their uint16 bits: the kernels only move and convert them.
         self.storage = np.dtype(np.uint16) if self.low else self.dtype
         self.acc_dtype = np.dtype(np.float32) if self.low else self.dtype
@@ -251,17 +249,20 @@ def _kind(x, name):
                     f"got {type(x).__name__}. Wrap lists with np.asarray({name}, dtype=np.float32).")
 
 
-def _check_dtype(dt, name, low_precision):
-    if dt in SUPPORTED_DTYPES:
+def _check_dtype(dt, name, direction):
+    """``dt`` must be one the registry computes ``direction`` in."""
+    allowed = registry.dtypes(direction)
+    if isinstance(dt, np.dtype) and dt.name in allowed:
         return
-    if isinstance(dt, np.dtype) and dt.name in LOW_PRECISION:
-        if low_precision:
-            return
-        raise TypeError(f"{name} has dtype {dt.name}: the backward supports float32 and float64 only so "
+    if isinstance(dt, np.dtype) and dt.name in registry.dtypes("forward"):
+        raise TypeError(f"{name} has dtype {dt.name}: the {direction} supports {_or(allowed, 'and')} only so "
                         "far. Cast the inputs to float32 for the backward (e.g. x.astype(np.float32)).")
-    expected = "float32, float64, float16 or bfloat16" if low_precision else "float32 or float64"
-    raise TypeError(f"{name} has dtype {dt}; expected {expected}. Cast it first, e.g. "
+    raise TypeError(f"{name} has dtype {dt}; expected {_or(allowed)}. Cast it first, e.g. "
                     f"{name}.astype(np.float32).")
+
+
+def _or(names, word="or"):
+    return ", ".join(names[:-1]) + f" {word} " + names[-1] if len(names) > 1 else names[0]
 
 
 def _check_scale(scale, d):
@@ -386,7 +387,7 @@ def plan_forward(q, k, v, causal=False, scale=None, splits=None, *, window=None,
 def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
     """:func:`plan_forward`, and a third item: ``capture(stream)``, the call's
     :class:`numba_flash._plans.Plan` (or None) once its launches have run."""
-    inp = _Inputs({"q": q, "k": k, "v": v}, (causal, window, softcap), scale, slopes, low_precision=True)
+    inp = _Inputs({"q": q, "k": k, "v": v}, (causal, window, softcap), scale, slopes, "forward")
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
     lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
     launches, scratch = [], []

@@ -152,6 +152,7 @@ class Variant:
     signature: object       # (dtype, layout) -> numba signature string
     dtypes: tuple = DTYPES
     head_dims: object = lambda d: True   # d -> whether this variant supports it
+    direction: str = None   # "forward" / "backward": a family computing that direction (None: a helper)
     compact: object = None  # (dtype, d, simulator) -> Tiling for GPUs with less shared memory
     plain_compact: object = None  # (dtype, d) -> whether plain-load kernels take the compact tiling
 
@@ -184,20 +185,21 @@ def _sig_backward(dt, layout):
 VARIANTS = {v.name: v for v in (
     Variant("forward_simt", "FlashAttention-2 forward on CUDA cores", forward_tiling,
             lambda s: make_forward(s.dtype, s.d, s.tiling, s.scores, s.use_async),
-            smem_words, _sig_forward, compact=forward_tiling_compact,
+            smem_words, _sig_forward, compact=forward_tiling_compact, direction="forward",
             # ptxas: the plain-load kernel of the d > 256 tiling spills 0.5 KiB per thread
             plain_compact=lambda dt, d: dt == "float32" and d > 256),
     Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,
             lambda s: make_merge(s.dtype), lambda d, t: 0, _sig_forward_merge),
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
-            mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D),
+            mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
+            direction="forward"),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
-            lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward),
+            lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
     Variant("backward_dq_simt", "backward: dQ (a block per query tile)", backward_tiling,
             lambda s: make_backward("dq", s.dtype, s.d, s.tiling, s.scores, s.use_async),
-            lambda d, t: bwd_smem_words(d, t, "dq"), _sig_backward),
+            lambda d, t: bwd_smem_words(d, t, "dq"), _sig_backward, direction="backward"),
     Variant("backward_delta", "backward pre-pass: delta = rowsum(dO ∘ O)", lambda dt, d, sim: None,
             lambda s: make_delta(s.dtype), lambda d, t: 0,
             lambda dt, layout: f"void({_a4(dt, layout)}, {_a4(dt, layout)}, {dt}[:, :, ::1])"),
@@ -205,6 +207,22 @@ VARIANTS = {v.name: v for v in (
             lambda dt, d, sim: None, lambda s: make_copy4(), lambda d, t: 0,
             lambda dt, layout: f"void({_a4('uint16', 'A')}, {_a4('uint16', 'C')})", ("uint16",)),
 )}
+
+
+DIRECTIONS = ("forward", "backward")
+
+
+def dtypes(direction: str) -> tuple:
+    """The dtypes the package computes ``direction`` ("forward", "backward") in: those of
+    the kernel families registered for it, in registry order. Tests, ``bench.py`` and the
+    API's input checks ask here."""
+    if direction not in DIRECTIONS:
+        raise ValueError(f"direction must be one of {DIRECTIONS}, got {direction!r}")
+    found = []
+    for v in VARIANTS.values():
+        if v.direction == direction:
+            found += [dt for dt in v.dtypes if dt not in found]
+    return tuple(found)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,7 +21,7 @@ from numba_flash import reference, registry
 import conftest
 from conftest import ON_GPU, bits, host, make_qkv
 
-DTYPES = ("float32", "float64")
+DTYPES = registry.dtypes("backward")
 
 
 class Case(conftest.Case):

@@ -19,7 +19,7 @@ from conftest import (ON_GPU, SLACK_ULPS, U32, U64, Case, baseline_fwd32, bits, 
                       rounding_sensitivity)
 from numba_flash import reference
 
-DTYPES = ("float32", "float64")
+DTYPES = registry.VARIANTS["forward_simt"].dtypes   # the CUDA-core forward
 
 
 # --------------------------------------------------------------------------- cases

@@ -23,7 +23,7 @@ from numba_flash.kernels.forward_mma import MmaTiling
 from conftest import (ON_GPU, SLACK_ULPS, U32, Case, _max_abs, bits, expand_heads, host, rounding_sensitivity,
                       score_options, softmax32)
 
-DTYPES = ("float16", "bfloat16")
+DTYPES = registry.VARIANTS["forward_mma"].dtypes     # the tensor-core forward
 NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
 
 

@@ -176,7 +176,7 @@ def test_no_register_spills(ptx_runs, cc):
 def test_forward_ptx_is_covered():
     """The forward variant is registered with both dtypes, every rule set and both load paths."""
     fwd = [s for s in registry.specialisations() if s.variant == FORWARD]
-    assert {s.dtype for s in fwd} == {"float32", "float64"}
+    assert {s.dtype for s in fwd} == set(registry.VARIANTS[FORWARD].dtypes)
     assert {s.scores for s in fwd} == set(SCORE_SPECS + RULE_SPECS)
     assert {s.use_async for s in fwd} == {False, True}
 
@@ -237,3 +237,13 @@ def test_hot_blocks_reads_an_nvdisasm_listing():
     assert blocks == [{"instructions": 19, "fma": 17, "per_fma": round(19 / 17, 2),
                        "mix": {"FFMA": 16, "LDS": 1, "IMAD": 1, "HMMA": 1}}]
     assert hot_blocks(SASS_SAMPLE, min_fma=100) == []
+
+
+def test_registry_is_the_source_of_dtypes():
+    """Each direction's dtypes are those of the families registered for it (what the API
+    accepts, and what the tests and bench.py enumerate)."""
+    assert registry.dtypes("forward") == registry.DTYPES + registry.LOW_DTYPES
+    assert registry.dtypes("backward") == registry.DTYPES
+    assert {v.direction for v in registry.VARIANTS.values()} == {"forward", "backward", None}
+    with pytest.raises(ValueError, match="direction must be one of"):
+        registry.dtypes("sideways")

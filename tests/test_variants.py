@@ -28,8 +28,8 @@ from conftest import ON_GPU, bits, check_forward, host, np_dtype
 from test_backward import check_backward
 from test_forward_mma import check_forward_low
 
-FWD_DTYPES = ("float32", "float64", "float16", "bfloat16")
-BWD_DTYPES = ("float32", "float64")
+FWD_DTYPES = registry.dtypes("forward")
+BWD_DTYPES = registry.dtypes("backward")
 LOW = ("float16", "bfloat16")
 
 if ON_GPU:
