@@ -204,18 +204,16 @@ def capture(inputs, outputs, scratch, launches, finish, stream):
         if gid in roots or not a.size:
             return None                                 # the same memory twice, or empty
         roots[gid] = (index, offset)
-    ctx_handle = _launch.context_handle()
     plans = []
     for kern, grid, block, smem, args, launch_stream in launches:
         if _arrays.stream_handle(launch_stream) != stream:
             return None
-        argkey = tuple(_launch._arg_key(a) for a in args)
-        entry = _launch._fast.get((kern, ctx_handle, argkey))
+        entry = _launch.compiled(kern, args)
         if entry is None or smem > entry[2]:
             return None
         values, slots = [], []
         for a in args:
-            if type(a) in _launch._SCALAR_CTYPES:
+            if _launch.is_scalar(a):
                 values.append(a)
                 continue
             root = roots.get(id(a.gpu_data))

@@ -5,14 +5,11 @@ import numbers
 
 import numpy as np
 
-from . import _arrays, _plans, registry
+from . import _arrays, _plans, families, registry
 from ._runtime import SIMULATOR
-from .kernels.forward import LOG2E
 from .launch import context_handle, launch
 from . import scores as _scores
 
-MAX_GRID_X = 2**31 - 1
-MAX_GRID_Y = 65535
 MAX_LEN = 2**31 - 1
 
 # Test hook: fill freshly allocated outputs with this value before a launch (NaN in the
@@ -336,15 +333,6 @@ def _drop_tail(x4):
     return _arrays.strided_view(x4, tuple(x4.shape)[:3], tuple(x4.strides)[:3])
 
 
-def _grid(inp, rows, b, rows_per_block, cols_per_block):
-    grid = (-(-rows // rows_per_block) * b, -(-inp.d // cols_per_block))
-    if grid[0] > MAX_GRID_X or grid[1] > MAX_GRID_Y:
-        raise ValueError(f"problem too large for one launch: {b} leading indices × {rows} rows "
-                         f"needs {grid[0]} blocks (limit {MAX_GRID_X}). Split the batch (the leading dims) "
-                         "and call once per part.")
-    return grid
-
-
 # --------------------------------------------------------------------------- forward
 def _contiguous_copy(x, stream):
     """A C-contiguous device copy of a device array, made on the device."""
@@ -399,20 +387,8 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
     if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
         qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
     sm_count, smem_limit = _device_facts()
-    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, inp.low or all(aligned),
-                                           smem_limit=smem_limit)
-    t, kern = spec.tiling, spec.kernel()
-    scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
-    score_args, slopes_full = inp.score_args(lse)
-    for q4, o4, l3, s3, k4, v4 in inp.kernel_views([qd, out, lse, slopes_full], [kd, vd]):
-        grid = _grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
-        tail = (*score_args, s3)
-        if inp.low:
-            launches.append((kern, grid, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2, *tail),
-                             inp.stream))
-        else:
-            launches += _split_launches(inp, spec, kern, grid, (q4, k4, v4, o4, l3), scale_log2, tail,
-                                        splits, sm_count, scratch)
+    launches += families.forward(inp, qd, kd, vd, out, lse, inp.low or all(aligned), sm_count, smem_limit,
+                                 splits, scratch)
     if not inp.on_device:
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
@@ -427,34 +403,6 @@ def _finish(low_dtype, outs):
     if low_dtype is None:
         return tuple(outs)
     return tuple(_arrays.retyped(a, low_dtype) if a.dtype == np.uint16 else a for a in outs)
-
-
-def _split_launches(inp, spec, kern, grid, arrays, scale_log2, tail, splits, sm_count, scratch):
-    """The CUDA-core forward's launches: one, or with Z key splits (Z blocks per query
-    tile) the forward into per-split partial results and then the merge kernel, whose
-    buffers are appended to ``scratch``. ``tail``: the kernel's score arguments."""
-    q4, k4, v4, o4, l3 = arrays
-    t = spec.tiling
-    n_kt = _scores.band_tiles(inp.rules, t.BM, t.BN, inp.nq, inp.nk)   # key tiles a query tile sees
-    # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
-    z = splits or registry.forward_splits(grid[0] * grid[1], n_kt, sm_count, inp.scores.causal)
-    if not 1 <= z <= registry.MAX_SPLITS:
-        raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
-                         "let registry.forward_splits choose.")
-    split_tiles = -(-n_kt // z) if n_kt else 1   # whole key tiles per split
-    z = -(-n_kt // split_tiles) if n_kt else 1
-    split_keys = split_tiles * t.BN
-    if z == 1:
-        return [(kern, grid, t.threads, spec.smem_bytes,
-                 (q4, k4, v4, o4, l3, scale_log2, max(split_keys, inp.nk), *tail), inp.stream)]
-    b1, b2 = q4.shape[0], q4.shape[1]
-    parts = inp.empty_like((z * b1, b2, inp.nq, inp.d))
-    parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
-    scratch += (parts, parts_ml)
-    merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
-    return [(kern, (grid[0] * z, grid[1]), t.threads, spec.smem_bytes,
-             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys, *tail), inp.stream),
-            (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)]
 
 
 def _run(plan):
@@ -650,32 +598,8 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
     dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
     delta = inp.empty_like(inp.lead + (inp.nq,))
     aligned = all(_arrays.rows_aligned16(dev[n]) for n in ("q", "k", "v", "dout"))
-    spec = {name: registry.specialisation(name, inp.dtype.name, inp.d, inp.scores, aligned)
-            for name in ("backward_delta", "backward_dkdv_simt", "backward_dq_simt")}
-    k_delta, k_dkdv, k_dq = (s.kernel() for s in spec.values())
-    t = spec["backward_dkdv_simt"].tiling
-    rows = t.RG * t.TM
-    scale_t, scale_log2 = inp.dtype.type(inp.scale), inp.dtype.type(inp.scale * LOG2E)
-    score_args, slopes_full = inp.score_args(dev["lse"])
-    views = inp.kernel_views([dev["q"], dev["dout"], dev["out"], dev["lse"], delta, dq, slopes_full],
-                             [dev["k"], dev["v"], dk, dv])
-    for q4, do4, o4, l3, dl3, dq4, s3, k4, v4, dk4, dv4 in views:
-        b = q4.shape[0] * q4.shape[1]
-        # grouped heads: one dK/dV block sums over the group (the innermost leading axis)
-        group = inp.group
-        assert group == 1 or q4.shape[1] == group, (q4.shape, group)
-        tail = (*score_args, s3)
-        if inp.nq:
-            launches.append((k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
-                             (do4, o4, dl3), inp.stream))
-        if inp.nk:
-            launches.append((k_dkdv, _grid(inp, inp.nk, b // group, rows, t.DO), t.RG * t.CG,
-                             spec["backward_dkdv_simt"].smem_bytes,
-                             (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
-        if inp.nq:
-            launches.append((k_dq, _grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG,
-                             spec["backward_dq_simt"].smem_bytes,
-                             (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
+    launches += families.backward(inp, *(dev[n] for n in ("q", "k", "v", "dout", "out", "lse")), delta, dq, dk, dv,
+                                  aligned)
     if not inp.on_device or not (inp.nq and inp.nk):
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order

@@ -104,6 +104,22 @@ def _record(kern, key, args, smem_bytes):
     _fast[key] = [handle, tuple(ptypes), max(smem_bytes, DEFAULT_SMEM_LIMIT)]
 
 
+def compiled(kern, args):
+    """``(CUfunction, parameter ctypes, dynamic shared memory opted in to)`` of ``kern`` for
+    the types of ``args`` in the current context, once :func:`launch` has launched it
+    with such arguments (None before, or for arguments the fast path does not take).
+    Launch plans (``numba_flash._plans``) build on it."""
+    argkey = tuple(_arg_key(a) for a in args)
+    if None in argkey:
+        return None
+    return _fast.get((kern, context_handle(), argkey))
+
+
+def is_scalar(a):
+    """Whether a kernel argument is a scalar (passed by value) rather than an array."""
+    return type(a) in _SCALAR_CTYPES
+
+
 def dims3(n):
     """A grid or block (an int or a tuple of up to 3) as (x, y, z)."""
     return (tuple(n) + (1, 1))[:3] if isinstance(n, tuple) else (n, 1, 1)

@@ -150,7 +150,7 @@ KNOWN_SPILLS = {
             "forward_simt/float32/d64/causal+softcap+alibi/async": 96,
             "forward_simt/float32/d64/window+softcap+alibi/async": 104,
             "backward_dkdv_simt/float64/d96/full/plain": 8,
-            "backward_dkdv_simt/float64/d96/causal/plain": 56},
+            "backward_dkdv_simt/float64/d96/causal/plain": 60},
     "9.0": {"forward_simt/float32/d64/causal+softcap+alibi/async": 48,
             "forward_simt/float32/d64/window+softcap+alibi/async": 56,
             "backward_dkdv_simt/float64/d96/full/plain": 8},

@@ -1,0 +1,109 @@
+"""Each kernel family's launches, built from a call's checked inputs.
+
+``api.py`` checks the inputs, allocates the outputs and hands the device arrays here; a
+family chooses its specialisations (``registry``), folds the arrays into the views its
+kernels take (``inp.kernel_views``), and returns its launches as
+:func:`numba_flash.launch.launch` argument tuples ``(kernel, grid, block, shared memory,
+arguments, stream)``, its kernels' arguments in their declared order (the kernel
+factories' docstrings; ``registry``'s signatures). Launch plans (``_plans``) replay
+these tuples.
+
+Every attention kernel's arguments end with the score arguments of
+``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
+"""
+from . import registry, scores
+from .kernels.forward import LOG2E
+
+MAX_GRID_X = 2**31 - 1
+MAX_GRID_Y = 65535
+
+
+def grid(inp, rows, b, rows_per_block, cols_per_block):
+    """``(x, y)``: ``rows`` rows of ``b`` leading indices in blocks of ``rows_per_block``,
+    the head dim in slices of ``cols_per_block``; a ValueError past the GPU's limits."""
+    g = (-(-rows // rows_per_block) * b, -(-inp.d // cols_per_block))
+    if g[0] > MAX_GRID_X or g[1] > MAX_GRID_Y:
+        raise ValueError(f"problem too large for one launch: {b} leading indices × {rows} rows "
+                         f"needs {g[0]} blocks (limit {MAX_GRID_X}). Split the batch (the leading dims) "
+                         "and call once per part.")
+    return g
+
+
+# --------------------------------------------------------------------------- forward
+def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scratch):
+    """The forward's launches: the tensor-core family for 16-bit inputs, the CUDA-core
+    one otherwise (with key splits and their merge when the grid is small; the split
+    buffers are appended to ``scratch``)."""
+    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit)
+    t, kern = spec.tiling, spec.kernel()
+    scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
+    score_args, slopes = inp.score_args(lse)
+    launches = []
+    for q4, o4, l3, s3, k4, v4 in inp.kernel_views([q, out, lse, slopes], [k, v]):
+        g = grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
+        tail = (*score_args, s3)
+        if spec.variant == "forward_mma":
+            launches.append((kern, g, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2, *tail),
+                             inp.stream))
+        else:
+            launches += _split_launches(inp, spec, kern, g, (q4, k4, v4, o4, l3), scale_log2, tail,
+                                        splits, sm_count, scratch)
+    return launches
+
+
+def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_count, scratch):
+    """The CUDA-core forward's launches: one, or with Z key splits (Z blocks per query
+    tile) the forward into per-split partial results and then the merge kernel."""
+    q4, k4, v4, o4, l3 = arrays
+    t = spec.tiling
+    n_kt = scores.band_tiles(inp.rules, t.BM, t.BN, inp.nq, inp.nk)   # key tiles a query tile sees
+    # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
+    z = splits or registry.forward_splits(g[0] * g[1], n_kt, sm_count, inp.scores.causal)
+    if not 1 <= z <= registry.MAX_SPLITS:
+        raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
+                         "let registry.forward_splits choose.")
+    split_tiles = -(-n_kt // z) if n_kt else 1   # whole key tiles per split
+    z = -(-n_kt // split_tiles) if n_kt else 1
+    split_keys = split_tiles * t.BN
+    if z == 1:
+        return [(kern, g, t.threads, spec.smem_bytes,
+                 (q4, k4, v4, o4, l3, scale_log2, max(split_keys, inp.nk), *tail), inp.stream)]
+    b1, b2 = q4.shape[0], q4.shape[1]
+    parts = inp.empty_like((z * b1, b2, inp.nq, inp.d))
+    parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
+    scratch += (parts, parts_ml)
+    merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
+    return [(kern, (g[0] * z, g[1]), t.threads, spec.smem_bytes,
+             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys, *tail), inp.stream),
+            (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)]
+
+
+# --------------------------------------------------------------------------- backward
+def backward(inp, q, k, v, dout, out, lse, delta, dq, dk, dv, use_async):
+    """The backward's launches, per view: ``delta = rowsum(dout ∘ out)``, then dK/dV (a
+    block per key tile; with grouped heads it sums its group's query heads) and dQ (a
+    block per query tile)."""
+    specs = [registry.specialisation(name, inp.dtype.name, inp.d, inp.scores, use_async)
+             for name in ("backward_delta", "backward_dkdv_simt", "backward_dq_simt")]
+    k_delta, k_dkdv, k_dq = (s.kernel() for s in specs)
+    t = specs[1].tiling
+    rows = t.RG * t.TM
+    scale_t, scale_log2 = inp.dtype.type(inp.scale), inp.dtype.type(inp.scale * LOG2E)
+    score_args, slopes = inp.score_args(lse)
+    launches = []
+    for q4, do4, o4, l3, dl3, dq4, s3, k4, v4, dk4, dv4 in inp.kernel_views(
+            [q, dout, out, lse, delta, dq, slopes], [k, v, dk, dv]):
+        b = q4.shape[0] * q4.shape[1]
+        group = inp.group          # the innermost leading axis of the views, when > 1
+        assert group == 1 or q4.shape[1] == group, (q4.shape, group)
+        tail = (*score_args, s3)
+        if inp.nq:
+            launches.append((k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
+                             (do4, o4, dl3), inp.stream))
+        if inp.nk:
+            launches.append((k_dkdv, grid(inp, inp.nk, b // group, rows, t.DO), t.RG * t.CG, specs[1].smem_bytes,
+                             (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
+        if inp.nq:
+            launches.append((k_dq, grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG, specs[2].smem_bytes,
+                             (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
+    return launches
