@@ -163,6 +163,20 @@ def strided_view(ary, shape, strides):
     return DeviceNDArray(tuple(shape), tuple(strides), ary.dtype, gpu_data=ary.gpu_data)
 
 
+def sub_array(ary, index):
+    """``ary[index]`` for a tuple of leading integer indices, as a view with the remaining
+    shape and strides. (Numba's device-array indexing collapses a stride-0 axis it does not
+    index to size 1, and changes a stride-0 axis's stride: broadcast views, like the
+    repeated K/V heads of grouped-query attention, need this instead.)"""
+    shape, strides = tuple(ary.shape), tuple(ary.strides)
+    n = len(index)
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(ary._ary[tuple(index)])
+    offset = sum(i * s for i, s in zip(index, strides))
+    return DeviceNDArray(shape[n:], strides[n:], ary.dtype, gpu_data=ary.gpu_data.view(offset))
+
+
 def retyped(ary, dtype):
     """The same device memory, shape and strides, read as another dtype of the same size
     (float16/bfloat16 <-> their uint16 bits)."""

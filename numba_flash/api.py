@@ -319,7 +319,7 @@ def _fold(arrays):
     index = (0,) * first
     launches = []
     for i in range(lead[first]):
-        launches += _fold([a[index + (i,)] for a in arrays])
+        launches += _fold([_arrays.sub_array(a, index + (i,)) for a in arrays])
     return launches
 
 

@@ -290,6 +290,28 @@ def test_gqa_backward_is_deterministic():
     check_backward(first, dout, q, k, v, options, None)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_grouped_heads_over_several_launches(dtype):
+    """Leading dims that fold into more than two groups run one launch per batch index:
+    here the slopes of shape (Hq,) broadcast over the batch (stride 0), so batch and K/V
+    head cannot merge. Each launch's views of the repeated K/V heads (stride 0) must keep
+    their shape: Numba's device-array indexing collapsed them (out-of-bounds reads that
+    compute-sanitizer found), ``_arrays.sub_array`` does not."""
+    case = VCase((2,), 4, 2, 9, 7, 16, dtype, window=(3, None), softcap=3.0, alibi="head", seed=33)
+    q, k, v, dout, slopes = case.inputs()
+    options = case.options(slopes)
+    _, launches = numba_flash.api.plan_forward(q, k, v, **options)
+    assert len(launches) == 2, "one launch per batch index"
+    for launch in launches:
+        q4, k4 = launch[4][0], launch[4][1]
+        assert tuple(k4.shape)[:2] == tuple(q4.shape)[:2] == (2, 2) and k4.strides[1] == 0
+    out, lse = numba_flash.attention_fwd(q, k, v, **options)
+    _check_forward(case, out, lse, q, k, v, options)
+    if dtype == "float32":
+        grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **options)
+        check_backward(grads, dout, q, k, v, options, None)
+
+
 def test_oracle_groups_are_repeated_heads():
     """The oracle's GQA is its plain attention on K/V heads repeated (dk, dv summed back):
     the baselines of these tests rely on it."""
