@@ -162,14 +162,20 @@ def of_spec(spec: ScoreSpec, left=3, right=2, softcap=5.0) -> Scores:
 def visible_mask(scores, nq: int, nk: int) -> np.ndarray:
     """Boolean ``(nq, nk)``: True where query ``i`` sees key ``j`` (``scores``: a
     :class:`Scores`, or a :class:`ScoreSpec` without a window)."""
+    lo, hi = key_bounds(scores, 0, nq, nq, nk)
+    j = np.arange(nk)[None, :]
+    return (j >= lo[:, None]) & (j <= hi[:, None])
+
+
+def key_bounds(scores, r0: int, r1: int, nq: int, nk: int):
+    """``(lo, hi)``, int64 arrays over queries ``r0 .. r1 − 1``: query ``i`` sees the keys
+    ``lo[i] <= j <= hi[i]`` (none when ``hi < lo``). Host twin of the device ``row_keys``,
+    for oracles that work on row blocks."""
     scores = _as_scores(scores)
-    rel = np.arange(nk)[None, :] - np.arange(nq)[:, None] - (nk - nq)     # j − (i + diag)
-    vis = np.ones((nq, nk), dtype=bool)
-    if scores.left is not None:
-        vis &= rel >= -scores.left
-    if scores.right is not None:
-        vis &= rel <= scores.right
-    return vis
+    i = np.arange(r0, r1, dtype=np.int64) + (nk - nq)
+    lo = np.zeros_like(i) if scores.left is None else np.maximum(0, i - scores.left)
+    hi = np.full_like(i, nk - 1) if scores.right is None else np.minimum(nk - 1, i + scores.right)
+    return lo, hi
 
 
 def _as_scores(scores):

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
 from numba_flash import api, registry
-from numba_flash.scores import CAUSAL
+from numba_flash.scores import CAUSAL, key_bounds, spec_of
 from conftest import (ON_GPU, SLACK_ULPS, U32, U64, Case, baseline_fwd32, bits, check_forward, host, make_qkv,
                       rounding_sensitivity)
 from numba_flash import reference
@@ -444,7 +444,9 @@ def _chunked_errors(q, k, v, out, lse, causal, be, rows=None):
         for r0 in range(0, nq, rows):
             r1 = min(nq, r0 + rows)
             qi = be.asarray(q3[b, r0:r1], be.f64)
-            vis = (be.arange(0, nk)[None, :] <= be.arange(r0, r1)[:, None] + (nk - nq)) if causal else None
+            if causal:                # the rule's row bounds (numba_flash.scores), on the backend
+                lo, hi = (be.asarray(x, be.f64)[:, None] for x in key_bounds(spec_of(True), r0, r1, nq, nk))
+                vis = (be.arange(0, nk)[None, :] >= lo) & (be.arange(0, nk)[None, :] <= hi)
             s = (qi @ kb.T) * sc
             if causal:
                 s = be.where(vis, s, -math.inf)
