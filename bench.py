@@ -1329,10 +1329,31 @@ def validate_variant(r: VariantRow, bench):
         ref_out, ref_lse = reference.attention_fwd(*host, **opts)
         err = max(max_abs_err(to_host(out).astype(np.float64), ref_out), max_abs_err(to_host(lse), ref_lse))
         ok = bool(err <= TOLERANCE[r.dtype])
-        return {"valid": ok, "max_abs_err": err, "tolerance": TOLERANCE[r.dtype], "n": n, "error": None}
+        val = {"valid": ok, "max_abs_err": err, "tolerance": TOLERANCE[r.dtype], "n": n, "error": None}
+        if has_backward(r):     # dq, dk, dv: max abs error relative to max(1, max|oracle|)
+            dout = random_arrays([tuple(q.shape)], r.dtype, bench.kind, bench.torch, SEED + 1)[0]
+            grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **r.options(slopes))
+            refs = reference.attention_bwd(to_host(dout).astype(np.float64), *host, **opts)
+            bwd = max(max_abs_err(to_host(g), ref) / max(1.0, float(np.abs(ref).max())) for g, ref in zip(grads, refs))
+            val.update(bwd_rel_err=bwd, bwd_tolerance=BWD_TOLERANCE[r.dtype])
+            val["valid"] = ok and bool(bwd <= BWD_TOLERANCE[r.dtype])
+        return val
     except Exception as exc:  # noqa: BLE001 - reported in the row
         return {"valid": False, "max_abs_err": None, "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc()}
+
+
+def has_backward(r: VariantRow):
+    return r.dtype in registry.dtypes("backward")
+
+
+def time_variant_backward(r: VariantRow, q, k, v, slopes, bench, flops):
+    """``attention_bwd`` alone (out and lse from one forward call), as ``time_numba``."""
+    opts = r.options(slopes)
+    out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+    dout = random_arrays([tuple(q.shape)], r.dtype, bench.kind, bench.torch, SEED + 1)[0]
+    return time_numba(lambda: numba_flash.attention_bwd(dout, q, k, v, out, lse, **opts), bench,
+                      BWD_FLOP_FACTOR * flops, lambda: api.plan_backward(dout, q, k, v, out, lse, **opts))
 
 
 def variant_peers(r: VariantRow, q, k, v, slopes, torch, flex):
@@ -1406,10 +1427,14 @@ def run_variants(args):
             opts = r.options(slopes)
             rec["ours"] = time_numba(lambda: numba_flash.attention_fwd(q, k, v, **opts), bench, rec["flops"],
                                      lambda: api.plan_forward(q, k, v, **opts))
+            if has_backward(r) and args.variant_backward:
+                rec["backward"] = time_variant_backward(r, q, k, v, slopes, bench, rec["flops"])
             base = by_label.get((r.base, r.dtype))
-            if base is not None and base["ours"].get("ms_median") and rec["ours"].get("ms_median"):
-                rec["vs_base"] = {"base": r.base, "time_ratio": rec["ours"]["ms_median"] / base["ours"]["ms_median"],
-                                  "tflops_ratio": rec["ours"]["tflops"] / base["ours"]["tflops"]}
+            for key, name in (("ours", "vs_base"), ("backward", "bwd_vs_base")):
+                mine, theirs = rec.get(key, {}), (base or {}).get(key, {})
+                if mine.get("ms_median") and theirs.get("ms_median"):
+                    rec[name] = {"base": r.base, "time_ratio": mine["ms_median"] / theirs["ms_median"],
+                                 "tflops_ratio": mine["tflops"] / theirs["tflops"]}
             if bench.torch is not None and bench.peers:
                 for name, call in variant_peers(r, q, k, v, slopes, bench.torch, flex).items():
                     try:
@@ -1446,10 +1471,14 @@ def variant_line(rec):
     shape = f"({r['B']},{r['Hq']}/{r['Hkv']},{r['N']},{r['d']})"
     vb = rec.get("vs_base")
     vs = f"{vb['time_ratio']:.3f}x {vb['base']}" if vb else "—"
+    bw = rec.get("backward") or {}
+    bvb = rec.get("bwd_vs_base")
+    bwd = (f"  bwd {_fmt(bw.get('ms_median'), '.3f')} ms {_fmt(bw.get('tflops'), '.1f')} TF/s"
+           + (f" ({bvb['time_ratio']:.3f}x)" if bvb else "")) if bw else ""
     peers = "; ".join(f"{n} {_fmt(p.get('tflops'), '.1f')} ({_fmt(p.get('ratio'), '.2f')})"
                       + (f" [{p['error'][:60]}]" if p.get("error") else "") for n, p in rec["peers"].items())
     return (f"{r['label']:>14} {r['dtype']:>8} {shape:>22} {_fmt(o.get('ms_median'), '.3f'):>8} "
-            f"{_fmt(o.get('tflops'), '.1f'):>7} {vs:>14} {'ok' if rec['valid'] else 'INVALID':>7}  {peers}")
+            f"{_fmt(o.get('tflops'), '.1f'):>7} {vs:>14} {'ok' if rec['valid'] else 'INVALID':>7}  {peers}{bwd}")
 
 
 def render_variants_markdown(doc):
@@ -1471,6 +1500,8 @@ def variants_options(p):
     p.add_argument("--variant-dtypes", type=_csv_choice(("float32", "bfloat16")), default=["bfloat16", "float32"],
                    help="dtypes of the variants rows (default: bfloat16,float32)")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (torch.compile)")
+    p.add_argument("--no-backward", dest="variant_backward", action="store_false",
+                   help="skip timing attention_bwd on the rows whose dtype has a backward")
 
 
 # --------------------------------------------------------------------------- command line

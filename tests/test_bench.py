@@ -202,3 +202,27 @@ def test_unsupported_dtype_head_dim_pairs_are_left_out():
     seed = bench.SHAPE_SETS["seed"][0]
     assert [c["dtype"] for c in configs if c["shape"] == seed] == ["float32", "float32"]
     assert sum(c["dtype"] == "bfloat16" for c in configs) == 2 * len(bench.SHAPE_SETS["anchors"])
+
+
+# --------------------------------------------------------------------------- variants mode
+def test_tiny_variants_run(tmp_path):
+    """``bench.py variants --tiny`` (the 16-bit rows, forward only: the simulator's budget):
+    every row validated against the oracle, compared with its base row, FLOPs from the
+    visible area."""
+    js = tmp_path / "v.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "variants", "--tiny", "--variant-dtypes", "bfloat16",
+                           "--no-backward", "--repeats", "1", "--json", str(js)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(js.read_text())["rows"]
+    expected = [r for r in bench.TINY_VARIANT_ROWS if r.dtype == "bfloat16"]
+    assert [r["row"]["label"] for r in rows] == [r.label for r in expected]
+    for rec, r in zip(rows, expected):
+        assert rec["valid"] and rec["validation"]["max_abs_err"] <= bench.TOLERANCE["bfloat16"], rec["validation"]
+        assert rec["flops"] == bench.variant_flops(r) > 0
+        assert rec["ours"]["ms_median"] > 0
+        assert ("vs_base" in rec) == (r.base is not None)
+    window = next(rec for rec in rows if rec["row"]["window"])
+    causal = next(rec for rec in rows if rec["row"]["label"] == "causal")
+    assert window["flops"] < causal["flops"], "a window's FLOPs count its visible area only"
+    assert proc.stdout.rstrip().splitlines()[-1].startswith("TFLOP/s count"), "the table ends the log"
