@@ -475,7 +475,9 @@ def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=Non
         alibi_slopes: ALiBi, the bias ``-slope_h · |i + off - j|`` added to the (capped)
             score of query head ``h``: float32, shape ``(Hq,)`` (one slope per query
             head) or ``(B, Hq)`` (any tail of q's leading dims ending at the head axis);
-            NumPy or device array, as q.
+            NumPy or device array, as q. With float64 inputs the slopes may be float64;
+            float32 device slopes are then converted through the host (a small copy
+            each call, and no launch plan).
 
     Returns:
         ``out (..., Nq, d)`` in the input dtype, and ``lse (..., Nq)``, the natural-log
