@@ -12,7 +12,7 @@ Every attention kernel's arguments end with the score arguments of
 ``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
 """
 from . import registry, scores
-from .kernels.forward import LOG2E
+from .scores import LOG2E
 
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535

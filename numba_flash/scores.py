@@ -35,7 +35,7 @@ import numpy as np
 
 from ._runtime import SIMULATOR
 
-LOG2E = 1.4426950408889634
+LOG2E = 1.4426950408889634   # 1 / ln 2: exp(x) = exp2(x · log2 e)
 # A window side that is not bounded, as the kernels take it (an int64 argument): far
 # beyond any sequence length, with room for the sums the rules form.
 UNBOUNDED = 1 << 40
@@ -143,19 +143,9 @@ def _window_side(x, name):
     return min(int(x), UNBOUNDED)
 
 
-PLAIN = Scores()
-
-
 def spec_of(causal: bool) -> ScoreSpec:
     """The spec of ``causal`` alone."""
     return CAUSAL if causal else FULL
-
-
-def of_spec(spec: ScoreSpec, left=3, right=2, softcap=5.0) -> Scores:
-    """Scores that exercise ``spec``, with sample values for its arguments (tests, tools)."""
-    if spec.window:
-        return Scores(left, right if not spec.causal else 0, softcap if spec.softcap else None, spec.alibi)
-    return Scores(None, 0 if spec.causal else None, softcap if spec.softcap else None, spec.alibi)
 
 
 # --------------------------------------------------------------------------- host (NumPy)
@@ -252,7 +242,7 @@ def band_tiles(scores, rows: int, cols: int, nq: int, nk: int) -> int:
 
 # --------------------------------------------------------------------------- device
 def device_rules(spec: ScoreSpec, dtype_name: str = "float32"):
-    """``(row_keys, in_row, key_range, query_range, tile_needs_mask, score)`` for kernels,
+    """``(row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts)`` for kernels,
     specialised on ``spec``; ``dtype_name`` is the kernel's accumulator dtype. ``geo`` is
     the tuple ``(Nk, diag, left, right)`` (int64; ``left``, ``right`` the window's sides,
     read only when ``spec.window``).
@@ -271,10 +261,13 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32"):
       with ``sc = (scale_log2, cap_in, cap_out, slope_log2)``: the score in log2 units
       after softcap and ALiBi (before masking), and ``d score / d (scale·x)`` in natural
       units over ``scale``'s (the softcap's ``1 − tanh²``; 1 without one).
+    * ``score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)``: ``score``'s ``sc`` for
+      leading index ``(b1, b2)`` (ALiBi's slope read from ``slopes[b1, b2, 0]`` only when
+      the spec has ALiBi).
     """
     causal, window, softcap, alibi = spec.causal, spec.window, spec.softcap, spec.alibi
     DT = np.dtype(dtype_name).type
-    ONE, TWO, TWO_LOG2E, CLAMP = DT(1), DT(2), DT(2 * LOG2E), DT(126)
+    ZERO, ONE, TWO, TWO_LOG2E, CLAMP, LOG2E_T = DT(0), DT(1), DT(2), DT(2 * LOG2E), DT(126), DT(LOG2E)
 
     def row_keys(i, geo):
         Nk, diag, left, right = geo
@@ -341,7 +334,11 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32"):
             y -= slope_log2 * DT(abs(i + diag - j))
         return y, grad
 
-    fns = (row_keys, in_row, key_range, query_range, tile_needs_mask, score)
+    def score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2):
+        slope_log2 = slopes[b1, b2, 0] * LOG2E_T if alibi else ZERO
+        return scale_log2, cap_in, cap_out, slope_log2
+
+    fns = (row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts)
     if SIMULATOR:
         return fns
     from numba import cuda

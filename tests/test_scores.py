@@ -98,7 +98,7 @@ def test_host_rules(left, right, causal, nq, nk):
 @example(left=None, right=None, causal=True, nq=9, nk=5, rows=8, cols=8)
 def test_device_rules_agree_with_the_mask(left, right, causal, nq, nk, rows, cols):
     rules = parse(causal, (left, right))
-    row_keys, in_row, key_range, query_range, tile_needs_mask, _ = device_rules(rules.spec)
+    row_keys, in_row, key_range, query_range, tile_needs_mask, *_ = device_rules(rules.spec)
     diag = nk - nq
     geo = (nk, diag) + rules.band()
     mask = visible_mask(rules, nq, nk)
@@ -127,7 +127,7 @@ def test_device_rules_agree_with_the_mask(left, right, causal, nq, nk, rows, col
        nq=st.integers(1, 12), nk=st.integers(1, 12), seed=st.integers(0, 2**32 - 1))
 def test_device_score_matches_the_host_transform(dtype, cap, slope, scale, nq, nk, seed):
     rules = parse(softcap=cap, alibi=slope is not None)
-    *_, score = device_rules(rules.spec, dtype)
+    *_, score, _ = device_rules(rules.spec, dtype)
     DT = np.dtype(dtype).type
     x = np.random.default_rng(seed).standard_normal((nq, nk)) * 20
     cap_in, cap_out = rules.cap_args(scale)

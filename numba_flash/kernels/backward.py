@@ -39,9 +39,9 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import ScoreSpec, device_rules
+from ..scores import LOG2E, ScoreSpec, device_rules
 from . import tiles
-from .forward import LOG2E, Tiling
+from .forward import Tiling
 from .tiles import PAD
 
 KINDS = ("dkdv", "dq")
@@ -110,8 +110,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
-    row_keys, in_row, key_range, query_range, _, score = device_rules(scores, dtype_name)
-    ALIBI = scores.alibi
+    row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name)
 
     @cuda.jit(**JIT)
     def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
@@ -184,8 +183,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
             ct = c_start + it - gi * n_ct
             b2 = b2_first + gi
             c0 = ct * C
-            slope_log2 = slopes[b1, b2, 0] * LOG2E_T if ALIBI else ZERO
-            sc = (scale_log2, cap_in, cap_out, slope_log2)
+            sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO

@@ -73,7 +73,6 @@ from .tiles import PAD
 from .._runtime import SIMULATOR
 from ..scores import ScoreSpec, device_rules
 
-LOG2E = 1.4426950408889634  # 1 / ln 2: exp(x) = exp2(x · log2 e)
 LN2 = 0.6931471805599453
 
 
@@ -147,14 +146,13 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     if use_async:
         assert D % E16 == 0
     DT = np_dt.type
-    ZERO, ONE, NEG_INF, LN2_T, LOG2E_T = DT(0), DT(1), DT(-np.inf), DT(LN2), DT(LOG2E)
+    ZERO, ONE, NEG_INF, LN2_T = DT(0), DT(1), DT(-np.inf), DT(LN2)
     nb_dt = numba.from_dtype(np_dt)
     ALIGN = None if SIMULATOR else 16   # the simulator accepts only alignment=None
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
-    ALIBI = scores.alibi
 
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
-    row_keys, in_row, key_range, _, tile_needs_mask, score = device_rules(scores, dtype_name)
+    row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name)
 
     def softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo):
         """Online softmax on one S tile: rescale O and l, write P = exp2(S - m) to shared memory."""
@@ -216,8 +214,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         d0 = cuda.blockIdx.y * DO
         diag = Nk - Nq                 # bottom-right alignment (numba_flash.scores)
         geo = (Nk, diag, left, right)
-        slope_log2 = slopes[b1, b2, 0] * LOG2E_T if ALIBI else ZERO
-        sc = (scale_log2, cap_in, cap_out, slope_log2)
+        sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
         ob1 = z * q.shape[0] + b1      # this split's slab of out and lse
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)

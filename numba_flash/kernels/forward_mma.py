@@ -38,7 +38,7 @@ from numba import cuda
 from .. import ops, warp
 from .._runtime import SIMULATOR
 from ..scores import ScoreSpec, device_rules
-from .forward import LN2, LOG2E
+from .forward import LN2
 
 ROW_PAD = 8          # elements of padding per shared row (16 bytes)
 E16 = 8              # 16-bit elements per 16-byte cp.async
@@ -108,9 +108,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
-    row_keys, in_row, key_range, _, tile_needs_mask, score = device_rules(scores, "float32")
-    ALIBI = scores.alibi
-    LOG2E_T = numba.float32(LOG2E)
+    row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, "float32")
 
     def device(f):
         return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
@@ -162,8 +160,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
         q0 = qt * BM
         diag = Nk - Nq                 # bottom-right alignment (numba_flash.scores)
         geo = (Nk, diag, left, right)
-        slope_log2 = slopes[b1, b2, 0] * LOG2E_T if ALIBI else ZERO
-        sc = (scale_log2, cap_in, cap_out, slope_log2)
+        sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
         warp_row = WR * w              # this warp's first row in the tile
         # This lane's rows: q0 + warp_row + 16·mt + g + 8·half, indexed h = 2·mt + half;
         # in the accumulators, half 0 is elements 0, 1 and half 1 is elements 2, 3.
