@@ -106,22 +106,19 @@ class _Inputs:
         left, right = self.rules.band()
         cap_in, cap_out = (self.acc_dtype.type(x) for x in self.rules.cap_args(self.scale))
         if self.slopes is not None:
-            src = self.device_slopes()
+            src = self.device_slopes
             strides = (0,) * (len(self.lead) - len(src.shape)) + tuple(src.strides)
         else:
             src, strides = lse, tuple(lse.strides)[:-1]
         return [left, right, cap_in, cap_out], _arrays.strided_view(src, self.lead + (1,), strides + (0,))
 
+    @functools.cached_property
     def device_slopes(self):
-        """The ALiBi slopes on the device, in the accumulator dtype (made once per call)."""
-        if not hasattr(self, "_slopes_dev"):
-            s = self.slopes
-            if not self.on_device:
-                s = np.ascontiguousarray(s, dtype=self.acc_dtype)
-                from numba import cuda
-                s = cuda.to_device(s)
-            self._slopes_dev = s
-        return self._slopes_dev
+        """The ALiBi slopes on the device, in the accumulator dtype (copied once per call)."""
+        if self.on_device:
+            return self.slopes
+        from numba import cuda
+        return cuda.to_device(np.ascontiguousarray(self.slopes, dtype=self.acc_dtype))
 
     def kernel_views(self, like_q, like_k):
         """:func:`_kernel_views` of arrays shaped like q (leading dims ``(..., Hq)``) and like
@@ -392,7 +389,7 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
     if not inp.on_device:
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
-    inputs = [qd, kd, vd] + ([inp.device_slopes()] if inp.slopes is not None else [])
+    inputs = [qd, kd, vd] + ([inp.device_slopes] if inp.slopes is not None else [])
     capture = lambda stream: _plans.capture(  # noqa: E731
         inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish, stream)
     return result, launches, capture
@@ -605,7 +602,7 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
     if not inp.on_device or not (inp.nq and inp.nk):
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order
-    inputs += [inp.device_slopes()] if inp.slopes is not None else []
+    inputs += [inp.device_slopes] if inp.slopes is not None else []
     capture = lambda stream: _plans.capture(  # noqa: E731
         inputs, [(dq, inp.dtype), (dk, inp.dtype), (dv, inp.dtype)], [delta], launches,
         functools.partial(_finish, None), stream)
