@@ -1377,7 +1377,7 @@ def variant_peers(r: VariantRow, q, k, v, slopes, torch, flex):
             peers["sdpa"] = lambda: sdpa(q, k, v, is_causal=r.causal, enable_gqa=r.Hq != r.Hkv)
     if flex is not None:
         fa, create_block_mask = flex
-        block_mask, mods = None, []
+        block_mask = None
         if r.window is not None or r.causal:
             left = None if r.window is None else r.window[0]
             block_mask = create_block_mask(

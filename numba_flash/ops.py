@@ -332,6 +332,30 @@ if not SIMULATOR:
     pack_bf16x2 = _pack("bf16")
     pack_f16x2 = _pack("f16")
 
+    def _unary_f32(instr):
+        def op(typingctx, x):
+            if not isinstance(x, types.Float):
+                return None
+
+            def codegen(ctx, builder, sig, args):
+                f = ctx.cast(builder, args[0], sig.args[0], types.float32)
+                asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.FloatType()]), f"{instr} $0, $1;", "=f,f")
+                return builder.call(asm, [f])
+            return types.float32(x), codegen
+        return op
+
+    @intrinsic
+    def tanh_approx(typingctx, x):
+        """``tanh(x)`` in float32 by the special-function unit (``tanh.approx.f32``, one
+        instruction; relative error about 2⁻¹¹, measured in docs/performance.md)."""
+        return _unary_f32("tanh.approx.f32")(typingctx, x)
+
+    @intrinsic
+    def rcp_approx(typingctx, x):
+        """``1 / x`` in float32 by the special-function unit (``rcp.approx.ftz.f32``: one
+        instruction, within 1 ulp; subnormals flush to zero)."""
+        return _unary_f32("rcp.approx.ftz.f32")(typingctx, x)
+
 else:
     def ld_shared_x4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
@@ -442,6 +466,12 @@ else:
 
     def pack_bf16x2(lo, hi):
         return _np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+    def tanh_approx(x):
+        return _np.float32(_np.tanh(_np.float32(x)))
+
+    def rcp_approx(x):
+        return _np.float32(1) / _np.float32(x)
 
     def pack_f16x2(lo, hi):
         return _np.uint32(_f16_bits(lo) | (_f16_bits(hi) << 16))

@@ -48,6 +48,8 @@ def features(ptx: str) -> dict:
         "cp.async": ptx.count("cp.async.cg"),
         "cvt.rna.tf32": ptx.count("cvt.rna.tf32"),
         "bar.sync": ptx.count("bar.sync"),
+        "tanh.approx": ptx.count("tanh.approx"),
+        "rcp.approx": ptx.count("rcp.approx"),
     }
 
 

@@ -33,6 +33,7 @@ import numbers
 
 import numpy as np
 
+from . import ops
 from ._runtime import SIMULATOR
 
 LOG2E = 1.4426950408889634   # 1 / ln 2: exp(x) = exp2(x · log2 e)
@@ -241,7 +242,16 @@ def band_tiles(scores, rows: int, cols: int, nq: int, nk: int) -> int:
 
 
 # --------------------------------------------------------------------------- device
-def device_rules(spec: ScoreSpec, dtype_name: str = "float32"):
+# How each input dtype's kernels compute the softcap's tanh (``device_rules``): float64
+# exactly; float32 with the special-function reciprocal (within a few units of the last
+# place, as the exact form, and 11% faster in the float32 forward on the H200); float16
+# and bfloat16 with the special-function tanh, whose error (2⁻¹¹ relative at most by the
+# PTX manual, 2⁻¹⁶·⁶ measured on the H200) is below the rounding of P to 16 bits before
+# P·V (docs/performance.md, item 22).
+SOFTCAP_TANH = {"float64": "exact", "float32": "rcp", "float16": "approx", "bfloat16": "approx"}
+
+
+def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None):
     """``(row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts)`` for kernels,
     specialised on ``spec``; ``dtype_name`` is the kernel's accumulator dtype. ``geo`` is
     the tuple ``(Nk, diag, left, right)`` (int64; ``left``, ``right`` the window's sides,
@@ -264,7 +274,16 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32"):
     * ``score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)``: ``score``'s ``sc`` for
       leading index ``(b1, b2)`` (ALiBi's slope read from ``slopes[b1, b2, 0]`` only when
       the spec has ALiBi).
+
+    ``tanh`` is how the softcap's tanh is computed (``SOFTCAP_TANH`` of the kernel's input
+    dtype; default: that of ``dtype_name``): "exact" as ``1 − 2 / (e^{2u} + 1)`` with a
+    correctly rounded division (a few units of the last place); "rcp" the same with the
+    special-function reciprocal (``rcp.approx``, within 1 ulp: a few units of the last
+    place too, in a handful of instructions fewer); "approx" the special-function tanh
+    (``tanh.approx``, one instruction). The last two are float32 only.
     """
+    tanh = tanh or SOFTCAP_TANH[dtype_name]
+    assert tanh == "exact" or (tanh in ("rcp", "approx") and dtype_name == "float32"), (tanh, dtype_name)
     causal, window, softcap, alibi = spec.causal, spec.window, spec.softcap, spec.alibi
     DT = np.dtype(dtype_name).type
     ZERO, ONE, TWO, TWO_LOG2E, CLAMP, LOG2E_T = DT(0), DT(1), DT(2), DT(2 * LOG2E), DT(126), DT(LOG2E)
@@ -325,7 +344,12 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32"):
             # from unrolling); absolute error a few units of 1's last place, exact ±1 in
             # the tails.
             # (the exponent is clamped where t is already 1: no overflow to raise in the simulator)
-            t = ONE - TWO / (math.exp2(min(x * cap_in * TWO_LOG2E, CLAMP)) + ONE)
+            if tanh == "approx":
+                t = ops.tanh_approx(x * cap_in)
+            elif tanh == "rcp":
+                t = ONE - TWO * ops.rcp_approx(math.exp2(min(x * cap_in * TWO_LOG2E, CLAMP)) + ONE)
+            else:
+                t = ONE - TWO / (math.exp2(min(x * cap_in * TWO_LOG2E, CLAMP)) + ONE)
             y = t * cap_out
             grad = ONE - t * t
         else:

@@ -218,3 +218,27 @@ def test_mma_tf32_reads_only_the_tf32_bits():
     launch(_mma_kernel, 1, 32, 0, (a, b, c, d_raw))
     launch(_mma_kernel, 1, 32, 0, (clear(a), clear(b), c, d_clear))
     np.testing.assert_array_equal(d_raw, d_clear)
+
+
+_SFU = {"tanh_approx": (_round_kernel(ops.tanh_approx), np.tanh, 2.0**-11),   # PTX ISA's bound
+        "rcp_approx": (_round_kernel(ops.rcp_approx), np.reciprocal, 2.0**-23)}  # 1 ulp (float32)
+
+
+@pytest.mark.parametrize("name", sorted(_SFU))
+def test_special_function_ops_within_their_bounds(name):
+    """``tanh_approx`` and ``rcp_approx`` (the softcap's tanh, ``scores.SOFTCAP_TANH``):
+    relative error within the PTX manual's bound over a range that covers the tails, and
+    exact signs. (The simulator twins are NumPy's float32 functions.)"""
+    kern, ref, bound = _SFU[name]
+    rng = np.random.default_rng()
+    x = np.concatenate([rng.uniform(-12, 12, 4000), rng.uniform(-1e-3, 1e-3, 500),
+                        [1e-30, -1e-30, 40.0, -40.0, 0.5, -0.5]]).astype(np.float32)
+    if name == "rcp_approx":
+        x = x[np.abs(x) >= 1e-30]
+    out = np.full_like(x, np.nan)
+    launch(kern, -(-x.size // 128), 128, 0, (x, out))
+    want = ref(x.astype(np.float64))
+    rel = np.abs(out.astype(np.float64) - want) / np.abs(want)
+    assert not np.isnan(out).any()
+    assert np.sign(out).tolist() == np.sign(want).tolist()
+    assert rel.max() <= bound, f"{name}: relative error {rel.max():.3e} > {bound:.3e} at x = {x[rel.argmax()]}"

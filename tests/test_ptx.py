@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from numba_flash import registry
-from numba_flash.scores import RULE_SPECS, SCORE_SPECS
+from numba_flash.scores import RULE_SPECS, SCORE_SPECS, SOFTCAP_TANH
 from conftest import HANG_GUARD_S, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,6 +119,15 @@ def _check_row(r):
         for feature in ("mma.sync", "ldmatrix", "cp.async", "shfl.sync"):
             if r[feature] == 0:
                 bad.append(f"no {feature} in the tensor-core forward")
+    # the softcap's tanh by the special-function unit (numba_flash.scores.SOFTCAP_TANH)
+    if "softcap" in name.split("/")[3]:
+        tanh = SOFTCAP_TANH[r["dtype"]]
+        if tanh == "approx" and r["tanh.approx"] == 0:
+            bad.append("a 16-bit softcap kernel without tanh.approx")
+        if tanh == "rcp" and r["rcp.approx"] == 0:
+            bad.append("a float32 softcap kernel without rcp.approx")
+        if tanh == "exact" and r["tanh.approx"] + r["rcp.approx"]:
+            bad.append("an approximate tanh in a float64 kernel")
     return [f"{name}: {b}" for b in bad]
 
 

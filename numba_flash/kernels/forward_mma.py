@@ -37,7 +37,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import ScoreSpec, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules
 from .forward import LN2
 
 ROW_PAD = 8          # elements of padding per shared row (16 bytes)
@@ -90,7 +90,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     assert dtype_name in ("float16", "bfloat16") and D % 8 == 0
     mma = ops.mma_bf16_m16n8k16 if dtype_name == "bfloat16" else ops.mma_f16_m16n8k16
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    WARPS, BN, BM, NT, MT = t.WARPS, t.BN, t.BM, t.threads, t.MT
+    BN, BM, NT, MT = t.BN, t.BM, t.threads, t.MT
     WR = 16 * MT                       # query rows per warp
     H = 2 * MT                         # query rows per lane
     assert BN % 16 == 0
@@ -108,7 +108,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
-    row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, "float32")
+    row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
+        scores, "float32", SOFTCAP_TANH[dtype_name])
 
     def device(f):
         return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
