@@ -1483,16 +1483,20 @@ def variant_line(rec):
 
 def render_variants_markdown(doc):
     lines = [f"**variants** · {doc['date']} · {doc['gpu']['name']} · git `{(doc['git_sha'] or '?')[:12]}`", "",
-             "| row | dtype | shape (B,Hq/Hkv,N,d) | ours ms | ours TFLOP/s | vs base (time) | peers: TFLOP/s (ours/peer) |",
-             "|---|---|---|---:|---:|---:|---|"]
+             "| row | dtype | shape (B,Hq/Hkv,N,d) | ours ms | kernels ms | ours TFLOP/s | vs base (time) "
+             "| peers: TFLOP/s (ours/peer) | backward ms | bwd vs base |",
+             "|---|---|---|---:|---:|---:|---:|---|---:|---:|"]
     for rec in doc["rows"]:
         r, o, vb = rec["row"], rec["ours"], rec.get("vs_base")
         vs = "—" if not vb else f"{vb['time_ratio']:.3f}× {vb['base']}"
+        bb = rec.get("bwd_vs_base")
         peers = "; ".join(f"{n} {_fmt(p.get('tflops'), '.1f')} ({_fmt(p.get('ratio'), '.2f')})"
                           for n, p in rec["peers"].items() if not p.get("error")) or "—"
         lines.append(f"| {r['label']} | {r['dtype']} | ({r['B']},{r['Hq']}/{r['Hkv']},{r['N']},{r['d']}) | "
-                     f"{_fmt(o.get('ms_median'), '.3f')} | {_fmt(o.get('tflops'), '.1f')} | "
-                     f"{vs} | {peers} |")
+                     f"{_fmt(o.get('ms_median'), '.3f')} | {_fmt(o.get('kernel_ms_median'), '.3f')} | "
+                     f"{_fmt(o.get('tflops'), '.1f')} | {vs} | {peers} | "
+                     f"{_fmt(rec.get('backward', {}).get('ms_median'), '.3f')} | "
+                     f"{'—' if not bb else format(bb['time_ratio'], '.3f') + '×'} |")
     return "\n".join(lines) + "\n"
 
 
