@@ -344,6 +344,24 @@ if not SIMULATOR:
             return types.float32(x), codegen
         return op
 
+    def _widen(kind):
+        def widen(typingctx, bits):
+            if not isinstance(bits, types.Integer):
+                return None
+
+            def codegen(ctx, builder, sig, args):
+                b = builder.trunc(args[0], ir.IntType(16)) if sig.args[0].bitwidth > 16 else args[0]
+                if kind == "bf16":      # the upper half of a float32
+                    return builder.bitcast(builder.shl(builder.zext(b, ir.IntType(32)), ir.IntType(32)(16)),
+                                           ir.FloatType())
+                return builder.fpext(builder.bitcast(b, ir.HalfType()), ir.FloatType())
+            return types.float32(bits), codegen
+        widen.__doc__ = f"The float32 value of {kind} bits (the low 16 bits of an integer): exact."
+        return intrinsic(widen)
+
+    bf16_to_f32 = _widen("bf16")
+    f16_to_f32 = _widen("f16")
+
     @intrinsic
     def tanh_approx(typingctx, x):
         """``tanh(x)`` in float32 by the special-function unit (``tanh.approx.f32``, one
@@ -466,6 +484,12 @@ else:
 
     def pack_bf16x2(lo, hi):
         return _np.uint32(_bf16_bits(lo) | (_bf16_bits(hi) << 16))
+
+    def bf16_to_f32(bits):
+        return _np.uint32((int(bits) & 0xFFFF) << 16).view(_np.float32)
+
+    def f16_to_f32(bits):
+        return _np.float32(_np.uint16(int(bits) & 0xFFFF).view(_np.float16))
 
     def tanh_approx(x):
         return _np.float32(_np.tanh(_np.float32(x)))

@@ -22,8 +22,7 @@ A lane holds rows ``g`` and ``g + 8`` of each of its warp's 16-row blocks, colum
 (over the ``t`` lanes).
 
 Shared rows are ``DP + 8`` elements (``DP`` = d rounded up to 16; columns past d are
-zero-filled): rows 16 bytes apart in bank space, so the eight row addresses of one
-``ldmatrix`` matrix, and the 16-byte ``cp.async`` stores, hit distinct banks.
+zero-filled; see ``mma_parts``, whose loads and fragment reads the backward shares).
 
 Score rules and tile skipping follow the CUDA-core forward (bottom-right aligned);
 rows and keys past the ends are zero-filled on load and masked to ``-inf``.
@@ -39,9 +38,8 @@ from .. import ops, warp
 from .._runtime import SIMULATOR
 from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules
 from .forward import LN2
+from .mma_parts import ROW_PAD, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
-ROW_PAD = 8          # elements of padding per shared row (16 bytes)
-E16 = 8              # 16-bit elements per 16-byte cp.async
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,10 +64,6 @@ class MmaTiling:
         return 1 << 30    # the whole head dim in one block
 
 
-def padded_dim(d):
-    return -(-d // 16) * 16
-
-
 def smem_elements(d, t: MmaTiling):
     """Q tile plus two K and two V slots, rows of ``DP + ROW_PAD`` 16-bit elements."""
     return (t.BM + 4 * t.BN) * (padded_dim(d) + ROW_PAD)
@@ -87,9 +81,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     ``numba_flash.kernels.forward.make_forward``). Launch with ``grid = (ceil(Nq / BM) · B1 · B2, 1)``,
     ``block = 32 · WARPS``, ``smem_elements(D, t) · 2`` bytes of dynamic shared memory.
     """
-    assert dtype_name in ("float16", "bfloat16") and D % 8 == 0
-    mma = ops.mma_bf16_m16n8k16 if dtype_name == "bfloat16" else ops.mma_f16_m16n8k16
-    pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
+    assert D % 8 == 0
+    mma, pack = operand_kinds(dtype_name)
     BN, BM, NT, MT = t.BN, t.BM, t.threads, t.MT
     WR = 16 * MT                       # query rows per warp
     H = 2 * MT                         # query rows per lane
@@ -99,7 +92,6 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     KC = DP // 16                      # k16 steps of S = Q Kᵀ
     NB = BN // 8                       # 8-key blocks of S
     ND = DP // 8                       # 8-column blocks of O
-    CPR = DP // E16                    # 16-byte chunks per row
     K_OFF = BM * RS                    # Q tile first, then the two K slots, then the two V slots
     V_OFF = K_OFF + 2 * BN * RS
     SLOT = BN * RS
@@ -111,36 +103,9 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
 
-    def device(f):
-        return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
-
-    @device
-    def copy_rows(smem, off, src, b1, b2, row0, NROWS, n_lim, tid):
-        """smem[off + r·RS + c] = src[b1, b2, row0 + r, c] (r < NROWS, c < DP), zero outside,
-        by 16-byte ``cp.async`` (complete at ``cp_async_wait``)."""
-        for it in range(-(-NROWS * CPR // NT)):
-            ch = tid + it * NT
-            if ch < NROWS * CPR:
-                r = ch // CPR
-                c = (ch - r * CPR) * E16
-                ok = row0 + r < n_lim and c < D
-                # a zero-byte copy still needs a valid address: point it at element 0
-                ops.cp_async16(smem, off + r * RS + c, src, b1, b2, row0 + r if ok else 0, c if ok else 0,
-                               16 if ok else 0)
-
-    @device
-    def mma_pair(acc, mt, n, a0, a1, a2, a3, b0, b1, b2, b3):
-        """``acc[mt, n] += A·B₀`` and ``acc[mt, n + 1] += A·B₁``: one A fragment against the
-        two 8-column B fragments (``b0, b1`` and ``b2, b3``) of one ``ldmatrix_x4``."""
-        acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3] = mma(
-            a0, a1, a2, a3, b0, b1, acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3])
-        acc[mt, n + 1, 0], acc[mt, n + 1, 1], acc[mt, n + 1, 2], acc[mt, n + 1, 3] = mma(
-            a0, a1, a2, a3, b2, b3, acc[mt, n + 1, 0], acc[mt, n + 1, 1], acc[mt, n + 1, 2], acc[mt, n + 1, 3])
-
-    @device
-    def q_fragment(smem, kc, lane, warp_row):
-        """A fragment of Q rows ``warp_row … +15``, columns ``16 kc … +15``."""
-        return ops.ldmatrix_x4(smem, (warp_row + (lane & 15)) * RS + 16 * kc + 8 * (lane >> 4))
+    copy_rows = make_copy_rows(D, NT)
+    mma_pair = make_mma_pair(mma)
+    a_frag, b_frag, bt_frag = make_fragments(RS)
 
     @cuda.jit(**JIT)
     def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes):
@@ -205,8 +170,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
             if Q_IN_REGS and kt == kt0:
                 for mt in range(MT):
                     for kc in range(KC):
-                        qf[mt, kc, 0], qf[mt, kc, 1], qf[mt, kc, 2], qf[mt, kc, 3] = q_fragment(
-                            smem, kc, lane, warp_row + 16 * mt)
+                        qf[mt, kc, 0], qf[mt, kc, 1], qf[mt, kc, 2], qf[mt, kc, 3] = a_frag(
+                            smem, (warp_row + 16 * mt) * RS + 16 * kc, lane)
 
             # ---- S = Q Kᵀ: each K fragment feeds MT row blocks --------------------------------
             for mt in range(MT):
@@ -219,13 +184,11 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
                         for e in range(4):
                             qa[mt, e] = qf[mt, kc, e]
                     else:
-                        qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3] = q_fragment(smem, kc, lane,
-                                                                                warp_row + 16 * mt)
+                        qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3] = a_frag(
+                            smem, (warp_row + 16 * mt) * RS + 16 * kc, lane)
                 for n2 in range(NB // 2):
                     # keys 16·n2 … +15 of the tile, head-dim columns 16·kc … +15
-                    kb0, kb1, kb2, kb3 = ops.ldmatrix_x4(
-                        smem, K_OFF + slot + (16 * n2 + (lane & 7) + 8 * (lane >> 4)) * RS
-                        + 16 * kc + 8 * ((lane >> 3) & 1))
+                    kb0, kb1, kb2, kb3 = b_frag(smem, K_OFF + slot + 16 * n2 * RS + 16 * kc, lane)
                     for mt in range(MT):
                         mma_pair(s, mt, 2 * n2, qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb0, kb1, kb2, kb3)
 
@@ -281,9 +244,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
                     pa[mt, 3] = pack(s[mt, n + 1, 2], s[mt, n + 1, 3])
                 for d2 in range(ND // 2):
                     # keys 16·kc … +15, head-dim columns 16·d2 … +15, transposed
-                    vb0, vb1, vb2, vb3 = ops.ldmatrix_x4_trans(
-                        smem, V_OFF + slot + (16 * kc + (lane & 7) + 8 * ((lane >> 3) & 1)) * RS
-                        + 16 * d2 + 8 * (lane >> 4))
+                    vb0, vb1, vb2, vb3 = bt_frag(smem, V_OFF + slot + 16 * kc * RS + 16 * d2, lane)
                     for mt in range(MT):
                         mma_pair(o, mt, 2 * d2, pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], vb0, vb1, vb2, vb3)
 

@@ -1,0 +1,91 @@
+"""Device pieces the tensor-core kernels share (float16 and bfloat16 operands).
+
+Tiles live in shared memory as rows of ``DP + ROW_PAD`` 16-bit elements (``DP`` = d
+rounded up to 16, columns past d zero-filled): rows 16 bytes apart in bank space, so the
+eight row addresses of one ``ldmatrix`` matrix, and the 16-byte ``cp.async`` stores,
+hit distinct banks. Fragment layouts: ``numba_flash.ops``.
+"""
+from numba import cuda
+
+from .. import ops
+from .._runtime import SIMULATOR
+
+ROW_PAD = 8          # elements of padding per shared row (16 bytes)
+E16 = 8              # 16-bit elements per 16-byte cp.async
+
+
+def padded_dim(d):
+    return -(-d // 16) * 16
+
+
+def device(f):
+    """``f`` as an inlined device function (plain Python in the simulator)."""
+    return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
+
+
+def operand_kinds(dtype_name):
+    """``(mma, pack)``: the m16n8k16 product and the float32-pair packing of the dtype."""
+    assert dtype_name in ("float16", "bfloat16"), dtype_name
+    if dtype_name == "bfloat16":
+        return ops.mma_bf16_m16n8k16, ops.pack_bf16x2
+    return ops.mma_f16_m16n8k16, ops.pack_f16x2
+
+
+def make_copy_rows(D, NT):
+    """``copy_rows(smem, off, src, b1, b2, row0, NROWS, n_lim, tid)``: ``smem[off + r·RS + c]
+    = src[b1, b2, row0 + r, c]`` for ``r < NROWS``, ``c < DP``, zero outside the array
+    (rows ``>= n_lim``, columns ``>= D``), by 16-byte ``cp.async`` from the ``NT``
+    threads of a block (complete at ``cp_async_wait``)."""
+    DP = padded_dim(D)
+    RS = DP + ROW_PAD
+    CPR = DP // E16                    # 16-byte chunks per row
+
+    @device
+    def copy_rows(smem, off, src, b1, b2, row0, NROWS, n_lim, tid):
+        for it in range(-(-NROWS * CPR // NT)):
+            ch = tid + it * NT
+            if ch < NROWS * CPR:
+                r = ch // CPR
+                c = (ch - r * CPR) * E16
+                ok = row0 + r < n_lim and c < D
+                # a zero-byte copy still needs a valid address: point it at element 0
+                ops.cp_async16(smem, off + r * RS + c, src, b1, b2, row0 + r if ok else 0, c if ok else 0,
+                               16 if ok else 0)
+    return copy_rows
+
+
+def make_mma_pair(mma):
+    """``mma_pair(acc, mt, n, a0..a3, b0..b3)``: ``acc[mt, n] += A·B₀`` and ``acc[mt, n + 1]
+    += A·B₁``, one A fragment against the two 8-column B fragments (``b0, b1`` and ``b2,
+    b3``) of one ``ldmatrix_x4``."""
+    @device
+    def mma_pair(acc, mt, n, a0, a1, a2, a3, b0, b1, b2, b3):
+        acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3] = mma(
+            a0, a1, a2, a3, b0, b1, acc[mt, n, 0], acc[mt, n, 1], acc[mt, n, 2], acc[mt, n, 3])
+        acc[mt, n + 1, 0], acc[mt, n + 1, 1], acc[mt, n + 1, 2], acc[mt, n + 1, 3] = mma(
+            a0, a1, a2, a3, b2, b3, acc[mt, n + 1, 0], acc[mt, n + 1, 1], acc[mt, n + 1, 2], acc[mt, n + 1, 3])
+    return mma_pair
+
+
+def make_fragments(RS):
+    """``(a_frag, b_frag, bt_frag)``, ``ldmatrix_x4`` reads of a 16 × 16 block whose first
+    element is ``smem[off]`` (rows ``RS`` apart):
+
+    * ``a_frag``: the A fragment of rows ``0..15``, columns ``0..15`` (row-major A);
+    * ``b_frag``: the B fragments of two 8-column blocks of ``Bᵀ`` stored as rows: rows
+      ``0..15`` are B's columns, columns ``0..15`` its k (a K tile for ``Q Kᵀ``);
+    * ``bt_frag``: the B fragments of rows ``0..15`` as k, columns ``0..7`` and ``8..15``
+      as n (a V tile for ``P V``), by ``ldmatrix.trans``.
+    """
+    @device
+    def a_frag(smem, off, lane):
+        return ops.ldmatrix_x4(smem, off + (lane & 15) * RS + 8 * (lane >> 4))
+
+    @device
+    def b_frag(smem, off, lane):
+        return ops.ldmatrix_x4(smem, off + ((lane & 7) + 8 * (lane >> 4)) * RS + 8 * ((lane >> 3) & 1))
+
+    @device
+    def bt_frag(smem, off, lane):
+        return ops.ldmatrix_x4_trans(smem, off + ((lane & 7) + 8 * ((lane >> 3) & 1)) * RS + 8 * (lane >> 4))
+    return a_frag, b_frag, bt_frag
