@@ -39,24 +39,30 @@ class _Inputs:
             raise TypeError(f"{', '.join(names)} must all be NumPy arrays or all be CUDA device arrays; "
                             f"{desc}. Move them to the same side first (numba.cuda.to_device or .copy_to_host()).")
         self.on_device = kinds[0] == "device"
-        dtypes = [_arrays.logical_dtype(a) for a in values]
-        for n, dt in zip(names, dtypes):
-            _check_dtype(dt, n, direction)
-        if len(set(dtypes)) > 1:
-            desc = ", ".join(f"{n}.dtype={dt}" for n, dt in zip(names, dtypes))
-            raise TypeError(f"{', '.join(names)} must have the same dtype, got {desc}. Cast them to one "
-                            f"dtype first (e.g. {names[1]}.astype({names[0]}.dtype)).")
-        self.dtype = dtypes[0]
+        dtypes = {n: _arrays.logical_dtype(a) for n, a in arrays.items()}
+        data = [n for n in names if n != "lse"]      # lse has the accumulator dtype (checked below)
+        for n in data:
+            _check_dtype(dtypes[n], n, direction)
+        if len({dtypes[n] for n in data}) > 1:
+            desc = ", ".join(f"{n}.dtype={dtypes[n]}" for n in data)
+            raise TypeError(f"{', '.join(data)} must have the same dtype, got {desc}. Cast them to one "
+                            f"dtype first (e.g. {data[1]}.astype({data[0]}.dtype)).")
+        self.dtype = dtypes["q"]
         self.low = self.dtype.name in registry.LOW_DTYPES     # 16-bit: the tensor-core family
         # 16-bit floats travel as their uint16 bits: the kernels only move and convert them.
         self.storage = np.dtype(np.uint16) if self.low else self.dtype
         self.acc_dtype = np.dtype(np.float32) if self.low else self.dtype
+        if "lse" in dtypes and dtypes["lse"] != self.acc_dtype:
+            raise TypeError(f"lse must have dtype {self.acc_dtype.name} for {self.dtype.name} inputs (as "
+                            f"attention_fwd returns it), got {dtypes['lse']}. Pass the lse that attention_fwd "
+                            "returned for these q, k, v.")
         self.stream = 0
         if self.on_device:
             self.stream = _launch_stream(values)
-            values = [_arrays.as_numba_device(a, self.storage if self.low else None) for a in values]
+            values = [_arrays.as_numba_device(a, self.storage if self.low and n != "lse" else None)
+                      for n, a in zip(names, values)]
         elif self.low:
-            values = [a.view(np.uint16) for a in values]
+            values = [a if n == "lse" else a.view(np.uint16) for n, a in zip(names, values)]
         # tuple(): the simulator's device-array shapes do not support negative indices
         shapes = {n: tuple(a.shape) for n, a in zip(names, values)}
         q, k, v = shapes["q"], shapes["k"], shapes["v"]
@@ -386,7 +392,7 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
     sm_count, smem_limit = _device_facts()
     launches += families.forward(inp, qd, kd, vd, out, lse, inp.low or all(aligned), sm_count, smem_limit,
                                  splits, scratch)
-    if not inp.on_device:
+    if not inp.on_device or inp.low and not all(aligned):   # no plan: it would skip the copies
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
     inputs = [qd, kd, vd] + ([inp.device_slopes] if inp.slopes is not None else [])
@@ -595,15 +601,21 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
     if inp.batch == 0 or inp.nq + inp.nk == 0:
         return result, launches, None
     dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
-    delta = inp.empty_like(inp.lead + (inp.nq,))
+    delta = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
     aligned = all(_arrays.rows_aligned16(dev[n]) for n in ("q", "k", "v", "dout"))
+    copied = False
+    if inp.low:   # the tensor-core kernels read rows with cp.async only: copy the others
+        for n in ("q", "k", "v", "dout"):
+            if not _arrays.rows_aligned16(dev[n]):
+                dev[n], copied = _contiguous_copy(dev[n], inp.stream), True
+        aligned = True
     launches += families.backward(inp, *(dev[n] for n in ("q", "k", "v", "dout", "out", "lse")), delta, dq, dk, dv,
                                   aligned)
-    if not inp.on_device or not (inp.nq and inp.nk):
+    if not inp.on_device or not (inp.nq and inp.nk) or copied:   # no plan: it would skip the copies
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order
     inputs += [inp.device_slopes] if inp.slopes is not None else []
     capture = lambda stream: _plans.capture(  # noqa: E731
         inputs, [(dq, inp.dtype), (dk, inp.dtype), (dv, inp.dtype)], [delta], launches,
-        functools.partial(_finish, None), stream)
+        functools.partial(_finish, inp.dtype if inp.low else None), stream)
     return result, launches, capture

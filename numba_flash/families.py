@@ -79,16 +79,21 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
 
 
 # --------------------------------------------------------------------------- backward
+BACKWARD_FAMILIES = {False: ("backward_dkdv_simt", "backward_dq_simt"),    # CUDA cores
+                     True: ("backward_dkdv_mma", "backward_dq_mma")}       # tensor cores (16-bit)
+
+
 def backward(inp, q, k, v, dout, out, lse, delta, dq, dk, dv, use_async):
     """The backward's launches, per view: ``delta = rowsum(dout ∘ out)``, then dK/dV (a
     block per key tile; with grouped heads it sums its group's query heads) and dQ (a
-    block per query tile)."""
+    block per query tile): on tensor cores for 16-bit inputs, CUDA cores otherwise."""
     specs = [registry.specialisation(name, inp.dtype.name, inp.d, inp.scores, use_async)
-             for name in ("backward_delta", "backward_dkdv_simt", "backward_dq_simt")]
+             for name in ("backward_delta",) + BACKWARD_FAMILIES[inp.low]]
     k_delta, k_dkdv, k_dq = (s.kernel() for s in specs)
-    t = specs[1].tiling
-    rows = t.RG * t.TM
-    scale_t, scale_log2 = inp.dtype.type(inp.scale), inp.dtype.type(inp.scale * LOG2E)
+    t, tq = specs[1].tiling, specs[2].tiling
+    rows, rows_q = t.RG * t.TM, tq.RG * tq.TM
+    threads, threads_q = (t.threads, tq.threads) if inp.low else (t.RG * t.CG, tq.RG * tq.CG)
+    scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
     score_args, slopes = inp.score_args(lse)
     launches = []
     for q4, do4, o4, l3, dl3, dq4, s3, k4, v4, dk4, dv4 in inp.kernel_views(
@@ -101,9 +106,9 @@ def backward(inp, q, k, v, dout, out, lse, delta, dq, dk, dv, use_async):
             launches.append((k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
                              (do4, o4, dl3), inp.stream))
         if inp.nk:
-            launches.append((k_dkdv, grid(inp, inp.nk, b // group, rows, t.DO), t.RG * t.CG, specs[1].smem_bytes,
+            launches.append((k_dkdv, grid(inp, inp.nk, b // group, rows, t.DO), threads, specs[1].smem_bytes,
                              (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
         if inp.nq:
-            launches.append((k_dq, grid(inp, inp.nq, b, rows, t.DO), t.RG * t.CG, specs[2].smem_bytes,
+            launches.append((k_dq, grid(inp, inp.nq, b, rows_q, tq.DO), threads_q, specs[2].smem_bytes,
                              (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
     return launches

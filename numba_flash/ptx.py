@@ -48,8 +48,8 @@ def features(ptx: str) -> dict:
         "cp.async": ptx.count("cp.async.cg"),
         "cvt.rna.tf32": ptx.count("cvt.rna.tf32"),
         "bar.sync": ptx.count("bar.sync"),
-        "tanh.approx": ptx.count("tanh.approx"),
-        "rcp.approx": ptx.count("rcp.approx"),
+        "tanh.approx.f32": ptx.count("tanh.approx.f32"),
+        "rcp.approx.f32": ptx.count("rcp.approx.ftz.f32") + ptx.count("rcp.approx.f32"),
     }
 
 

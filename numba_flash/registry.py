@@ -13,6 +13,8 @@ from ._runtime import SIMULATOR
 from .scores import FULL, RULE_SPECS, SCORE_SPECS, ScoreSpec
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
+from .kernels.backward_mma import MmaBwdTiling, make_backward_mma
+from .kernels.backward_mma import smem_elements as mma_bwd_smem_elements
 from .kernels.copy import make_copy4
 from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
@@ -22,8 +24,8 @@ from .kernels.forward_mma import smem_elements as mma_smem_elements
 HEAD_DIMS = (32, 64, 96, 128, 256, 1024)
 RULE_SPEC_D = 64      # the head dim at which specialisations() compiles scores.RULE_SPECS
 DTYPES = ("float32", "float64")            # CUDA-core kernels (forward and backward)
-LOW_DTYPES = ("float16", "bfloat16")       # tensor-core forward
-MMA_MAX_D = 256                            # tensor-core forward: d a multiple of 8, at most this
+LOW_DTYPES = ("float16", "bfloat16")       # tensor-core kernels
+MMA_MAX_D = 256                            # tensor-core kernels: d a multiple of 8, at most this
 
 
 def _round_up(x, m):
@@ -137,6 +139,26 @@ def backward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Til
     raise KeyError(dtype_name)
 
 
+def mma_backward_tiling(kind: str):
+    """The tiling rule of the tensor-core backward kernel ``kind`` ("dkdv", "dq"):
+    ``(dtype, d, simulator) -> MmaBwdTiling``.
+
+    * 4 warps × 16 rows (64 keys or queries per block); streamed tiles of 64 columns,
+      32 beyond d = 64 (the 16 × d accumulators per warp take the registers: at d = 128
+      the dQ kernel spilt with 64);
+    * the head dim's outputs in one block up to d = 128, in 128-column slices beyond
+      (grid axis y; each slice recomputes S and dP).
+    * In the simulator: one warp, 16-column tiles and 16-column output slices, so that
+      tiny shapes cross tile edges and slices.
+    """
+    def rule(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> MmaBwdTiling:
+        if simulator:
+            return MmaBwdTiling(WARPS=1, BC=16, DO=16)
+        dp = _round_up(d, 16)
+        return MmaBwdTiling(WARPS=4, BC=64 if d <= 64 else 32, DO=min(dp, 128))
+    return rule
+
+
 def _a4(dtype, layout):
     return f"{dtype}[:, :, :, ::1]" if layout == "C" else f"{dtype}[:, :, :, :]"
 
@@ -155,6 +177,7 @@ class Variant:
     direction: str = None   # "forward" / "backward": a family computing that direction (None: a helper)
     compact: object = None  # (dtype, d, simulator) -> Tiling for GPUs with less shared memory
     plain_compact: object = None  # (dtype, d) -> whether plain-load kernels take the compact tiling
+    async_only: bool = False      # cp.async loads only (the API gives such kernels aligned rows)
 
 
 def _sig_scores(acc):
@@ -178,8 +201,16 @@ def _sig_forward_mma(dt, layout):
 
 
 def _sig_backward(dt, layout):
-    a = _a4(dt, layout)
-    return f"void({a}, {a}, {a}, {a}, {dt}[:, :, ::1], {dt}[:, :, ::1], {a}, {a}, {dt}, {dt}, {_sig_scores(dt)}, int64)"
+    acc = "float32" if dt in LOW_DTYPES else dt
+    a = _a4("uint16" if dt in LOW_DTYPES else dt, layout)
+    return (f"void({a}, {a}, {a}, {a}, {acc}[:, :, ::1], {acc}[:, :, ::1], {a}, {a}, {acc}, {acc}, "
+            f"{_sig_scores(acc)}, int64)")
+
+
+def _sig_delta(dt, layout):
+    acc = "float32" if dt in LOW_DTYPES else dt
+    a = _a4("uint16" if dt in LOW_DTYPES else dt, layout)
+    return f"void({a}, {a}, {acc}[:, :, ::1])"
 
 
 VARIANTS = {v.name: v for v in (
@@ -193,16 +224,23 @@ VARIANTS = {v.name: v for v in (
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
-            direction="forward"),
+            direction="forward", async_only=True),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
     Variant("backward_dq_simt", "backward: dQ (a block per query tile)", backward_tiling,
             lambda s: make_backward("dq", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dq"), _sig_backward, direction="backward"),
+    Variant("backward_dkdv_mma", "backward on tensor cores (mma.sync m16n8k16): dK, dV", mma_backward_tiling("dkdv"),
+            lambda s: make_backward_mma("dkdv", s.dtype, s.d, s.tiling, s.scores),
+            mma_bwd_smem_elements, _sig_backward, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
+            direction="backward", async_only=True),
+    Variant("backward_dq_mma", "backward on tensor cores (mma.sync m16n8k16): dQ", mma_backward_tiling("dq"),
+            lambda s: make_backward_mma("dq", s.dtype, s.d, s.tiling, s.scores),
+            mma_bwd_smem_elements, _sig_backward, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
+            direction="backward", async_only=True),
     Variant("backward_delta", "backward pre-pass: delta = rowsum(dO ∘ O)", lambda dt, d, sim: None,
-            lambda s: make_delta(s.dtype), lambda d, t: 0,
-            lambda dt, layout: f"void({_a4(dt, layout)}, {_a4(dt, layout)}, {dt}[:, :, ::1])"),
+            lambda s: make_delta(s.dtype), lambda d, t: 0, _sig_delta, DTYPES + LOW_DTYPES),
     Variant("copy_rows", "strided -> contiguous copy of 16-bit inputs the tensor cores cannot read in place",
             lambda dt, d, sim: None, lambda s: make_copy4(), lambda d, t: 0,
             lambda dt, layout: f"void({_a4('uint16', 'A')}, {_a4('uint16', 'C')})", ("uint16",)),
@@ -268,7 +306,7 @@ def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FU
     t = v.tiling(dtype_name, d, simulator)
     if t is None:                                       # shape-independent kernels
         return Specialisation(variant, dtype_name, 0, FULL, False, None)
-    use_async = use_async and async_possible(dtype_name, d)
+    use_async = (use_async or v.async_only) and async_possible(dtype_name, d)
     spec = Specialisation(variant, dtype_name, d, scores, use_async, t)
     if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit
                                   or not use_async and v.plain_compact and v.plain_compact(dtype_name, d)):
@@ -332,7 +370,7 @@ def _shape_key(t, d):
     dims are distinct shapes of their own.)"""
     if t is None:
         return (t,)
-    if isinstance(t, MmaTiling):
+    if isinstance(t, (MmaTiling, MmaBwdTiling)):
         return (t, d if d in MMA_FAST_DIMS else None)
     return (t.TM, t.TN, t.CG, t.RG, d <= t.DK, d <= t.DO)
 
@@ -354,7 +392,7 @@ def specialisations(simulator: bool = False):
                 if not v.head_dims(d):
                     continue
                 for scores in SCORE_SPECS:
-                    for use_async in (True, False) if variant != "forward_mma" else (True,):
+                    for use_async in (True,) if v.async_only else (True, False):
                         for compact in (False, True) if v.compact else (False,):
                             spec = specialisation(variant, dt, d, scores, use_async, simulator, compact=compact)
                             if compact and not spec.compact:

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {s.name for s in registry.specialisations()}
 FORWARD = "forward_simt"
 MMA = "forward_mma"
+MMA_BACKWARD = ("backward_dkdv_mma/", "backward_dq_mma/")
 
 
 def _layout_a_filters():
@@ -119,15 +120,19 @@ def _check_row(r):
         for feature in ("mma.sync", "ldmatrix", "cp.async", "shfl.sync"):
             if r[feature] == 0:
                 bad.append(f"no {feature} in the tensor-core forward")
+    if name.startswith(MMA_BACKWARD):
+        for feature in ("mma.sync", "ldmatrix", "cp.async"):
+            if r[feature] == 0:
+                bad.append(f"no {feature} in the tensor-core backward")
     # the softcap's tanh by the special-function unit (numba_flash.scores.SOFTCAP_TANH)
     if "softcap" in name.split("/")[3]:
         tanh = SOFTCAP_TANH[r["dtype"]]
-        if tanh == "approx" and r["tanh.approx"] == 0:
-            bad.append("a 16-bit softcap kernel without tanh.approx")
-        if tanh == "rcp" and r["rcp.approx"] == 0:
-            bad.append("a float32 softcap kernel without rcp.approx")
-        if tanh == "exact" and r["tanh.approx"] + r["rcp.approx"]:
-            bad.append("an approximate tanh in a float64 kernel")
+        if tanh == "approx" and r["tanh.approx.f32"] == 0:
+            bad.append("a 16-bit softcap kernel without tanh.approx.f32")
+        if tanh == "rcp" and r["rcp.approx.f32"] == 0:
+            bad.append("a float32 softcap kernel without rcp.approx.f32")
+        if tanh == "exact" and r["tanh.approx.f32"] + r["rcp.approx.f32"]:
+            bad.append("a float32 special-function tanh or reciprocal in a float64 kernel")
     return [f"{name}: {b}" for b in bad]
 
 

@@ -47,6 +47,14 @@ from .tiles import PAD
 KINDS = ("dkdv", "dq")
 
 
+def _same(x):
+    return x
+
+
+if not SIMULATOR:
+    _same = cuda.jit(device=True, inline="always")(_same)
+
+
 def _layout(d, t: Tiling, kind):
     """Shared-memory offsets (in elements) of one block; the last entry is the total."""
     nkc = -(-d // t.DK)
@@ -276,9 +284,11 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
 def make_delta(dtype_name: str):
     """``delta[b1, b2, i] = Σ_f dout[b1, b2, i, f] · out[b1, b2, i, f]``: one warp per row.
 
-    Launch with ``grid = (ceil(Nq / 8), B1 · B2)`` and 256 threads.
+    float16 and bfloat16 arrays come as their ``uint16`` bits and sum in float32 (delta
+    float32). Launch with ``grid = (ceil(Nq / 8), B1 · B2)`` and 256 threads.
     """
-    ZERO = np.dtype(dtype_name).type(0)
+    widen = {"bfloat16": ops.bf16_to_f32, "float16": ops.f16_to_f32}.get(dtype_name, _same)
+    ZERO = (np.float32 if dtype_name in ("bfloat16", "float16") else np.dtype(dtype_name).type)(0)
     ROWS = 8                            # warps per block = rows per block
 
     @cuda.jit
@@ -292,7 +302,7 @@ def make_delta(dtype_name: str):
         acc = ZERO
         if row < out.shape[2]:
             for f in range(lane, out.shape[3], 32):
-                acc += dout[b1, b2, row, f] * out[b1, b2, row, f]
+                acc += widen(dout[b1, b2, row, f]) * widen(out[b1, b2, row, f])
         for off in (16, 8, 4, 2, 1):    # every lane takes part, also on rows past the end
             acc += warp.shfl_xor_sync(warp.FULL_MASK, acc, off)
         if lane == 0 and row < out.shape[2]:

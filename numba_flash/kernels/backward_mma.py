@@ -1,0 +1,289 @@
+"""FlashAttention-2 backward on tensor cores (float16 and bfloat16), deterministic.
+
+The computation of ``backward.py`` (which see) with all five products on tensor cores
+(``mma.sync`` m16n8k16, float32 accumulators) and the same two kernels from one factory,
+each owning the rows it accumulates (no atomics: bitwise reproducible):
+
+* ``dkdv``: a block owns ``BR`` keys (K and V resident in shared memory) and streams
+  query tiles of ``BC`` rows (Q and dO): ``Sᵀ = K Qᵀ``, ``dPᵀ = V dOᵀ``, ``Pᵀ`` from the
+  forward's ``lse``, ``dSᵀ = Pᵀ ∘ (dPᵀ − delta)``, then ``dV += Pᵀ dO`` and
+  ``dK += dSᵀ Q``;
+* ``dq``: a block owns ``BR`` queries (Q and dO resident) and streams key tiles (K, V):
+  ``S = Q Kᵀ``, ``dP = dO Vᵀ``, ``dS``, ``dQ += dS K``.
+
+In both, *row* operands ``RA, RB`` (K, V or Q, dO) belong to the block's rows and
+*column* operands ``CA, CB`` (Q, dO or K, V) stream through a two-slot ring (tile
+``j + 1`` in flight with ``cp.async`` while tile ``j`` is used): ``S = RA CAᵀ``,
+``dP = RB CBᵀ``, ``acc_a += dS CA`` and (dK/dV) ``acc_b += P CB``. Warp ``w`` owns rows
+``16 w … 16 w + 15``; the first two products read RA, RB as A fragments and CA, CB rows
+as B fragments by plain ``ldmatrix`` (a row of CA is a column of CAᵀ); P and dS leave
+their accumulators packed in pairs as the A fragments of the last two, which read CA,
+CB by ``ldmatrix.trans``. P and dS are rounded to the input dtype there (as
+FlashAttention does); everything else is float32.
+
+A block accumulates a ``DO``-column slice of its outputs (grid axis y: ``ceil(d / DO)``
+slices, each recomputing S and dP): two 16 × 128 float32 accumulators per warp are what
+the registers hold.
+"""
+import dataclasses
+import functools
+import math
+
+import numba
+from numba import cuda
+
+from .. import ops
+from .._runtime import SIMULATOR
+from ..scores import LOG2E, SOFTCAP_TANH, ScoreSpec, device_rules
+from .mma_parts import ROW_PAD, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
+
+KINDS = ("dkdv", "dq")
+
+
+@dataclasses.dataclass(frozen=True)
+class MmaBwdTiling:
+    """Compile-time shape of one tensor-core backward specialisation."""
+    WARPS: int        # warps per block, 16 rows each (keys for dK/dV, queries for dQ)
+    BC: int           # columns (queries for dK/dV, keys for dQ) per streamed tile, multiple of 16
+    DO: int           # output columns per block (multiple of 16): the head-dim slice of grid axis y
+
+    @property
+    def BR(self):
+        return 16 * self.WARPS
+
+    @property
+    def threads(self):
+        return 32 * self.WARPS
+
+    # the launch helpers size the grid with these (as for the CUDA-core ``Tiling``)
+    @property
+    def RG(self):
+        return self.BR
+
+    @property
+    def TM(self):
+        return 1
+
+
+def smem_elements(d, t: MmaBwdTiling):
+    """RA and RB tiles (``BR`` rows each), two slots of CA and of CB (``BC`` rows each)."""
+    return (2 * t.BR + 4 * t.BC) * (padded_dim(d) + ROW_PAD)
+
+
+@functools.lru_cache(maxsize=None)
+def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, scores: ScoreSpec):
+    """Build the ``dkdv`` or ``dq`` tensor-core backward kernel for one specialisation.
+
+    Arguments: ``q, k, v, dout (B1, B2, N, D)`` as ``uint16`` views of the 16-bit data
+    (unit inner stride, 16-byte aligned rows, ``D`` a multiple of 8), ``lse, delta (B1,
+    B2, Nq)`` float32, ``ga, gb`` (``uint16`` views shaped like k, or q for dQ),
+    ``scale_log2, scale`` float32, the score arguments ``left, right, cap_in, cap_out,
+    slopes`` (see ``forward.make_forward``) and ``group``, as for the CUDA-core kernels
+    (``backward.make_backward``): ``dkdv`` writes ``ga = dK``, ``gb = dV`` and sums a
+    group of ``group`` query heads; ``dq`` writes ``ga = dQ``. Launch with
+    ``grid = (ceil(rows / BR) · B1 · B2 / group, ceil(D / DO))``, ``block = 32 · WARPS``,
+    ``smem_elements(D, t) · 2`` bytes of dynamic shared memory.
+    """
+    assert kind in KINDS and D % 8 == 0
+    DKDV = kind == "dkdv"
+    mma, pack = operand_kinds(dtype_name)
+    BC, BR, NT, DO = t.BC, t.BR, t.threads, t.DO
+    assert BC % 16 == 0 and DO % 16 == 0
+    DP = padded_dim(D)
+    RS = DP + ROW_PAD                  # shared row stride, elements
+    KC = DP // 16                      # k16 steps of S and dP
+    NB = BC // 8                       # 8-column blocks of S and dP
+    NO = DO // 8                       # 8-column blocks of the accumulators
+    RB_OFF = BR * RS                   # RA tile first, then RB, then two CA slots, then two CB slots
+    CA_OFF = 2 * BR * RS
+    SLOT = BC * RS
+    CB_OFF = CA_OFF + 2 * SLOT
+    assert CB_OFF + 2 * SLOT == smem_elements(D, t)
+    F32 = numba.float32
+    ZERO, POS_INF, NEG_INF, LOG2E_T = F32(0), F32(math.inf), F32(-math.inf), F32(LOG2E)
+    ALIGN = None if SIMULATOR else 16
+    JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+    row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
+        scores, "float32", SOFTCAP_TANH[dtype_name])
+    copy_rows = make_copy_rows(D, NT)
+    mma_pair = make_mma_pair(mma)
+    a_frag, b_frag, bt_frag = make_fragments(RS)
+
+    @cuda.jit(**JIT)
+    def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
+                 group):
+        Nq = q.shape[2]
+        Nk = k.shape[2]
+        diag = Nk - Nq                  # bottom-right alignment (numba_flash.scores)
+        geo = (Nk, diag, left, right)
+        tid = cuda.threadIdx.x
+        lane = tid & 31
+        wr = 16 * (tid >> 5)            # this warp's first row in the block
+        g = lane >> 2
+        tq = lane & 3
+        BG = q.shape[1] // group        # blocks per b1 along B2: each takes `group` of them
+        B = q.shape[0] * BG
+        bt = cuda.blockIdx.x // B
+        b = cuda.blockIdx.x - bt * B
+        b1 = b // BG
+        b2_first = (b - b1 * BG) * group
+        d0 = cuda.blockIdx.y * DO
+        # Operand roles (a compile-time choice): rows own the accumulators.
+        if DKDV:
+            ra, rb, ca, cb = k, v, q, dout
+            n_rows, n_cols = Nk, Nq
+            r0 = bt * BR                # early key tiles have the most visible queries: first
+            c_begin, c_stop = query_range(r0, BR, Nq, geo)   # other queries see none of these keys
+        else:
+            ra, rb, ca, cb = q, dout, k, v
+            n_rows, n_cols = Nq, Nk
+            r0 = ((Nq + BR - 1) // BR - 1 - bt) * BR   # late query tiles are the heaviest: first
+            c_begin, c_stop = key_range(r0, BR, geo)   # other keys: invisible to the whole tile
+        c_start = c_begin // BC
+        n_ct = max((max(c_stop, 0) + BC - 1) // BC - c_start, 0)
+        total = group * n_ct            # dK, dV of grouped heads: every column tile of each query head
+
+        smem = cuda.shared.array(0, numba.uint16, alignment=ALIGN)
+        s = cuda.local.array((1, NB, 4), numba.float32)
+        dp = cuda.local.array((1, NB, 4), numba.float32)
+        acc_a = cuda.local.array((1, NO, 4), numba.float32)
+        acc_b = cuda.local.array((1, NO if DKDV else 1, 4), numba.float32)
+        row_lse = cuda.local.array(2, numba.float32)
+        row_delta = cuda.local.array(2, numba.float32)
+        col_lse = cuda.local.array((NB, 2), numba.float32)
+        col_delta = cuda.local.array((NB, 2), numba.float32)
+        for n in range(NO):
+            for e in range(4):
+                acc_a[0, n, e] = ZERO
+                if DKDV:
+                    acc_b[0, n, e] = ZERO
+        if not DKDV:                    # this lane's two query rows: log2-unit lse, delta
+            for h in range(2):
+                row = r0 + wr + g + 8 * h
+                x = POS_INF             # padding rows and rows with no visible key: P = 0
+                y = ZERO
+                if row < Nq:
+                    y = delta[b1, b2_first, row]
+                    if lse[b1, b2_first, row] != NEG_INF:
+                        x = lse[b1, b2_first, row] * LOG2E_T
+                row_lse[h] = x
+                row_delta[h] = y
+
+        copy_rows(smem, 0, ra, b1, b2_first, r0, BR, n_rows, tid)
+        copy_rows(smem, RB_OFF, rb, b1, b2_first, r0, BR, n_rows, tid)
+        if total > 0:
+            copy_rows(smem, CA_OFF, ca, b1, b2_first, c_start * BC, BC, n_cols, tid)
+            copy_rows(smem, CB_OFF, cb, b1, b2_first, c_start * BC, BC, n_cols, tid)
+        ops.cp_async_commit()
+
+        for it in range(total):
+            gi = it // n_ct             # grouped heads in order: b2_first .. b2_first + group − 1
+            b2 = b2_first + gi
+            c0 = (c_start + it - gi * n_ct) * BC
+            slot = (it & 1) * SLOT
+            ops.cp_async_wait(0)
+            cuda.syncthreads()          # tile it landed for all; every warp is done with it − 1
+            if it + 1 < total:          # the other slot held tile it − 1: refill it
+                gn = (it + 1) // n_ct
+                cn = (c_start + it + 1 - gn * n_ct) * BC
+                copy_rows(smem, CA_OFF + SLOT - slot, ca, b1, b2_first + gn, cn, BC, n_cols, tid)
+                copy_rows(smem, CB_OFF + SLOT - slot, cb, b1, b2_first + gn, cn, BC, n_cols, tid)
+                ops.cp_async_commit()
+            sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+
+            # ---- S = RA CAᵀ and dP = RB CBᵀ ---------------------------------------------
+            for n in range(NB):
+                for e in range(4):
+                    s[0, n, e] = ZERO
+                    dp[0, n, e] = ZERO
+            for kc in range(KC):
+                a0, a1, a2, a3 = a_frag(smem, wr * RS + 16 * kc, lane)
+                r0_, r1_, r2_, r3_ = a_frag(smem, RB_OFF + wr * RS + 16 * kc, lane)
+                for n2 in range(NB // 2):
+                    c0_, c1_, c2_, c3_ = b_frag(smem, CA_OFF + slot + 16 * n2 * RS + 16 * kc, lane)
+                    mma_pair(s, 0, 2 * n2, a0, a1, a2, a3, c0_, c1_, c2_, c3_)
+                    c0_, c1_, c2_, c3_ = b_frag(smem, CB_OFF + slot + 16 * n2 * RS + 16 * kc, lane)
+                    mma_pair(dp, 0, 2 * n2, r0_, r1_, r2_, r3_, c0_, c1_, c2_, c3_)
+
+            # ---- P = exp2(score − lse), dS = P ∘ (dP − delta) ∘ softcap′ ----------------
+            # This lane holds rows r0 + wr + g + 8·(e >> 1), columns c0 + 8n + 2tq + (e & 1).
+            if DKDV:                    # the columns are queries: their lse and delta
+                for n in range(NB):
+                    for j in range(2):
+                        col = c0 + 8 * n + 2 * tq + j
+                        x = POS_INF
+                        y = ZERO
+                        if col < Nq:
+                            y = delta[b1, b2, col]
+                            if lse[b1, b2, col] != NEG_INF:
+                                x = lse[b1, b2, col] * LOG2E_T
+                        col_lse[n, j] = x
+                        col_delta[n, j] = y
+            if DKDV:
+                masked = tile_needs_mask(c0, BC, r0, BR, geo)
+            else:
+                masked = tile_needs_mask(r0, BR, c0, BC, geo)
+            for n in range(NB):
+                for e in range(4):
+                    row = r0 + wr + g + 8 * (e >> 1)
+                    col = c0 + 8 * n + 2 * tq + (e & 1)
+                    if DKDV:            # row = key, col = query
+                        y, grad = score(s[0, n, e], col, row, diag, sc)
+                        lse_e = col_lse[n, e & 1]
+                        delta_e = col_delta[n, e & 1]
+                    else:               # row = query, col = key
+                        y, grad = score(s[0, n, e], row, col, diag, sc)
+                        lse_e = row_lse[e >> 1]
+                        delta_e = row_delta[e >> 1]
+                    p = math.exp2(y - lse_e)          # 0 for padding and key-less queries
+                    if masked:
+                        if DKDV:
+                            lo, hi = row_keys(col, geo)
+                            seen = in_row(row, lo, hi)
+                        else:
+                            lo, hi = row_keys(row, geo)
+                            seen = in_row(col, lo, hi)
+                        if not seen:
+                            p = ZERO
+                    s[0, n, e] = p
+                    dp[0, n, e] = p * (dp[0, n, e] - delta_e) * grad
+
+            # ---- acc_a += dS CA (dK or dQ), acc_b += P CB (dV) ----------------------------
+            for kc in range(NB // 2):
+                n = 2 * kc
+                p0 = pack(s[0, n, 0], s[0, n, 1])
+                p1 = pack(s[0, n, 2], s[0, n, 3])
+                p2 = pack(s[0, n + 1, 0], s[0, n + 1, 1])
+                p3 = pack(s[0, n + 1, 2], s[0, n + 1, 3])
+                q0_ = pack(dp[0, n, 0], dp[0, n, 1])
+                q1_ = pack(dp[0, n, 2], dp[0, n, 3])
+                q2_ = pack(dp[0, n + 1, 0], dp[0, n + 1, 1])
+                q3_ = pack(dp[0, n + 1, 2], dp[0, n + 1, 3])
+                for d2 in range(NO // 2):
+                    if d0 + 16 * d2 < DP:   # the last slice may reach past the padded head dim
+                        c0_, c1_, c2_, c3_ = bt_frag(smem, CA_OFF + slot + 16 * kc * RS + d0 + 16 * d2, lane)
+                        mma_pair(acc_a, 0, 2 * d2, q0_, q1_, q2_, q3_, c0_, c1_, c2_, c3_)
+                        if DKDV:
+                            c0_, c1_, c2_, c3_ = bt_frag(smem, CB_OFF + slot + 16 * kc * RS + d0 + 16 * d2, lane)
+                            mma_pair(acc_b, 0, 2 * d2, p0, p1, p2, p3, c0_, c1_, c2_, c3_)
+        ops.cp_async_wait(0)                      # nothing left in flight when the loop had no iteration
+
+        # ---- epilogue: dK = scale · acc_a, dV = acc_b   |   dQ = scale · acc_a -------------
+        for h in range(2):
+            row = r0 + wr + g + 8 * h
+            if row < n_rows:
+                for n in range(NO):
+                    col = d0 + 8 * n + 2 * tq
+                    if col < D:
+                        bits = pack(acc_a[0, n, 2 * h] * scale, acc_a[0, n, 2 * h + 1] * scale)
+                        ga[b1, b2_first, row, col] = numba.uint16(bits & 0xFFFF)
+                        ga[b1, b2_first, row, col + 1] = numba.uint16(bits >> 16)
+                        if DKDV:
+                            bits = pack(acc_b[0, n, 2 * h], acc_b[0, n, 2 * h + 1])
+                            gb[b1, b2_first, row, col] = numba.uint16(bits & 0xFFFF)
+                            gb[b1, b2_first, row, col + 1] = numba.uint16(bits >> 16)
+
+    backward.tiling = t
+    backward.rows_per_block = BR
+    backward.smem_bytes = smem_elements(D, t) * 2
+    return backward
