@@ -148,12 +148,12 @@ def mma_backward_tiling(kind: str):
       the dQ kernel spilt with 64);
     * the head dim's outputs in one block up to d = 128, in 128-column slices beyond
       (grid axis y; each slice recomputes S and dP).
-    * In the simulator: one warp, 16-column tiles and 16-column output slices, so that
+    * In the simulator: one warp, 16-column tiles and 32-column output slices, so that
       tiny shapes cross tile edges and slices.
     """
     def rule(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> MmaBwdTiling:
         if simulator:
-            return MmaBwdTiling(WARPS=1, BC=16, DO=16)
+            return MmaBwdTiling(WARPS=1, BC=16, DO=32)
         dp = _round_up(d, 16)
         return MmaBwdTiling(WARPS=4, BC=64 if d <= 64 else 32, DO=min(dp, 128))
     return rule

@@ -21,7 +21,7 @@ from numba_flash import reference, registry
 import conftest
 from conftest import ON_GPU, bits, host, make_qkv
 
-DTYPES = registry.dtypes("backward")
+DTYPES = registry.VARIANTS["backward_dkdv_simt"].dtypes     # CUDA cores (tensor cores: test_backward_mma)
 
 
 class Case(conftest.Case):

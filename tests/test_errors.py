@@ -127,10 +127,20 @@ def test_low_precision_mixed_with_float32(qkv, i, dtype):
 
 
 @pytest.mark.parametrize("dtype", _low_precision_dtypes())
-def test_low_precision_backward_not_supported_yet(qkv, dtype):
+def test_low_precision_backward_checks_dtypes(qkv, dtype):
+    """16-bit backward: dout in q's dtype, lse float32 (as attention_fwd returns it)."""
     q, k, v = (x.astype(dtype) for x in qkv)
-    with pytest.raises(TypeError, match=rf"q has dtype {dtype.name}: the backward supports float32"):
-        numba_flash.attention_bwd(q, q, k, v, q, np.zeros(q.shape[:-1], np.float32))
+    lse = np.zeros(q.shape[:-1], np.float32)
+    with pytest.raises(TypeError, match=rf"must have the same dtype.*dout.dtype=float32"):
+        numba_flash.attention_bwd(q.astype(np.float32), q, k, v, q, lse)
+    with pytest.raises(TypeError, match=rf"lse must have dtype float32 for {dtype.name} inputs.*got float64"):
+        numba_flash.attention_bwd(q, q, k, v, q, lse.astype(np.float64))
+
+
+def test_backward_lse_dtype_matches(qkv):
+    q, k, v = qkv
+    with pytest.raises(TypeError, match=r"lse must have dtype float32 for float32 inputs.*got float64"):
+        numba_flash.attention_bwd(q, q, k, v, q, np.zeros(q.shape[:-1], np.float64))
 
 
 # --------------------------------------------------------------------------- shapes

@@ -26,6 +26,7 @@ from numba import cuda
 from numba_flash import reference, registry
 from conftest import ON_GPU, bits, check_forward, host, np_dtype
 from test_backward import check_backward
+from test_backward_mma import check_backward_low
 from test_forward_mma import check_forward_low
 
 FWD_DTYPES = registry.dtypes("forward")
@@ -50,6 +51,10 @@ else:
 def sim_cost(bh, nq, nk, d, dtype, backward):
     """Simulator cost of one call (the units of test_forward's and test_backward's
     ``sim_cost``); ``bh``: batch × query heads."""
+    if backward and dtype in LOW:
+        t = registry.mma_backward_tiling("dkdv")(dtype, d)
+        tiles = -(-nq // t.BR) * -(-nk // t.BC) + -(-nk // t.BR) * -(-nq // t.BC)
+        return bh * tiles * (d // 8 + 2) * -(-d // t.DO)
     if backward:
         t = registry.backward_tiling(dtype, d)
         rows, cols = t.RG * t.TM, t.CG * t.TN
@@ -255,7 +260,7 @@ def test_backward_variants_match_oracle(case):
         assert not any(isinstance(g, np.ndarray) for g in grads)
         grads = [host(g) for g in grads]
     assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
-    check_backward(grads, dout, q, k, v, options, case.scale)
+    (check_backward_low if case.dtype in LOW else check_backward)(grads, dout, q, k, v, options, case.scale)
 
 
 @pytest.mark.parametrize("dtype,backward", [("float32", False), ("float64", False), ("bfloat16", False),

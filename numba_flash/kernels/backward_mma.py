@@ -55,7 +55,7 @@ class MmaBwdTiling:
     def threads(self):
         return 32 * self.WARPS
 
-    # the launch helpers size the grid with these (as for the CUDA-core ``Tiling``)
+    # the launch helpers and bench.py read these (as for the CUDA-core ``Tiling``)
     @property
     def RG(self):
         return self.BR
@@ -63,6 +63,14 @@ class MmaBwdTiling:
     @property
     def TM(self):
         return 1
+
+    @property
+    def BM(self):
+        return self.BR
+
+    @property
+    def BN(self):
+        return self.BC
 
 
 def smem_elements(d, t: MmaBwdTiling):
