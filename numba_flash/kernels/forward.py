@@ -126,7 +126,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     ``block = RG · CG`` and ``smem_words(D, t) · itemsize`` bytes of dynamic shared memory.
     """
     np_dt = np.dtype(dtype_name)
-    TM, TN, CG, RG, DK, DO = t.TM, t.TN, t.CG, t.RG, t.DK, t.DO
+    TM, TN, CG, DK, DO = t.TM, t.TN, t.CG, t.DK, t.DO
     BM, BN, NT = t.BM, t.BN, t.threads
     assert CG & (CG - 1) == 0 and CG <= 32 and NT % 32 == 0
     assert DK % 8 == 0 and DO % (4 * CG) == 0
