@@ -1319,9 +1319,10 @@ def variant_inputs(r: VariantRow, bench, n=None, b=None, hq=None):
     return q, k, v, slopes
 
 
-def validate_variant(r: VariantRow, bench):
+def validate_variant(r: VariantRow, bench, backward=True):
     """Ours against the float64 oracle on a cut of the row's problem: batch 0, N at most
-    ``VARIANT_VALIDATE_N``, the first two K/V heads and their query heads (same kernels)."""
+    ``VARIANT_VALIDATE_N``, the first two K/V heads and their query heads (same kernels);
+    the backward too where the dtype has one, unless ``backward`` is False."""
     g = r.Hq // r.Hkv
     n = min(r.N, VARIANT_VALIDATE_N)
     q, k, v, slopes = variant_inputs(r, bench, n=n, b=1, hq=g * min(2, r.Hkv))
@@ -1333,7 +1334,7 @@ def validate_variant(r: VariantRow, bench):
         err = max(max_abs_err(to_host(out).astype(np.float64), ref_out), max_abs_err(to_host(lse), ref_lse))
         ok = bool(err <= TOLERANCE[r.dtype])
         val = {"valid": ok, "max_abs_err": err, "tolerance": TOLERANCE[r.dtype], "n": n, "error": None}
-        if has_backward(r):     # dq, dk, dv: max abs error relative to max(1, max|oracle|)
+        if backward and has_backward(r):     # dq, dk, dv: max abs error relative to max(1, max|oracle|)
             dout = random_arrays([tuple(q.shape)], r.dtype, bench.kind, bench.torch, SEED + 1)[0]
             grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **r.options(slopes))
             refs = reference.attention_bwd(to_host(dout).astype(np.float64), *host, **opts)
@@ -1418,7 +1419,7 @@ def run_variants(args):
     flex = _flex(bench.torch) if bench.torch is not None and not args.no_flex else None
     rows, by_label, status = [], {}, 0
     for r in rows_cfg:
-        val = validate_variant(r, bench)
+        val = validate_variant(r, bench, args.variant_backward)
         rec = {"mode": "variants", "row": dataclasses.asdict(r), "flops": variant_flops(r), "validation": val,
                "valid": val["valid"], "ours": {}, "peers": {}}
         if not val["valid"]:

@@ -15,7 +15,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import example, given, note
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
@@ -153,6 +153,7 @@ def test_examples_fit_the_simulator():
 
 
 @_with_examples
+@settings(max_examples=40 if ON_GPU else 6)     # the simulator's budget: about 1 s per example
 @given(case=cases())
 def test_backward_mma_matches_oracle(case):
     note(repr(case))

@@ -51,6 +51,30 @@ def _same(x):
     return x
 
 
+def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range):
+    """``place(block, B1, B2, Nq, group, geo)`` for a backward kernel: ``(b1, b2_first, r0,
+    c_start, n_ct)``, the leading index and first query head of block ``block``, its
+    first row ``r0`` (``R`` rows: keys for dK/dV, queries for dQ) and its column tiles
+    ``c_start .. c_start + n_ct − 1`` of ``C`` columns (the others see none of its rows).
+    dK/dV blocks of grouped K/V heads take ``group`` query heads each; the heaviest row
+    tiles come first (early key tiles, late query tiles)."""
+    def place(block, B1, B2, Nq, group, geo):
+        BG = B2 // group                # blocks per b1 along B2: each takes `group` of them
+        B = B1 * BG
+        bt = block // B
+        b = block - bt * B
+        b1 = b // BG
+        if dkdv:
+            r0 = bt * R
+            c_begin, c_stop = query_range(r0, R, Nq, geo)
+        else:
+            r0 = ((Nq + R - 1) // R - 1 - bt) * R
+            c_begin, c_stop = key_range(r0, R, geo)
+        c_start = c_begin // C
+        return b1, (b - b1 * BG) * group, r0, c_start, max((max(c_stop, 0) + C - 1) // C - c_start, 0)
+    return place if SIMULATOR else cuda.jit(device=True, inline="always")(place)
+
+
 if not SIMULATOR:
     _same = cuda.jit(device=True, inline="always")(_same)
 
@@ -119,6 +143,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
     row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name)
+    place = make_block_place(DKDV, R, C, key_range, query_range)
 
     @cuda.jit(**JIT)
     def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
@@ -130,29 +155,16 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         tid = cuda.threadIdx.x
         r = tid // CG
         c = tid - r * CG
-        BG = q.shape[1] // group        # blocks per b1 along B2: each takes `group` of them
-        B = q.shape[0] * BG
-        bt = cuda.blockIdx.x // B
-        b = cuda.blockIdx.x - bt * B
-        b1 = b // BG
-        b2_first = (b - b1 * BG) * group
+        b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo)
         b2 = b2_first
         d0 = cuda.blockIdx.y * DO
         # Operand roles (a compile-time choice): rows own the accumulators.
         if DKDV:
             ra, rb, ca, cb = k, v, q, dout
+            n_rows, n_cols = Nk, Nq
         else:
             ra, rb, ca, cb = q, dout, k, v
-        if DKDV:
-            n_rows, n_cols = Nk, Nq
-            r0 = bt * R                 # early key tiles have the most visible queries: first
-            c_begin, c_stop = query_range(r0, R, Nq, geo)   # other queries see none of these keys
-        else:
             n_rows, n_cols = Nq, Nk
-            r0 = ((Nq + R - 1) // R - 1 - bt) * R   # late query tiles are the heaviest: first
-            c_begin, c_stop = key_range(r0, R, geo)  # other keys: invisible to the whole tile
-        c_start = c_begin // C
-        n_ct = max((max(c_stop, 0) + C - 1) // C - c_start, 0)
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
         s = cuda.local.array((TM, TN), nb_dt)

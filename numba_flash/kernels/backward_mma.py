@@ -35,6 +35,7 @@ from numba import cuda
 from .. import ops
 from .._runtime import SIMULATOR
 from ..scores import LOG2E, SOFTCAP_TANH, ScoreSpec, device_rules
+from .backward import make_block_place
 from .mma_parts import ROW_PAD, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
 KINDS = ("dkdv", "dq")
@@ -113,6 +114,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
+    place = make_block_place(DKDV, BR, BC, key_range, query_range)
     copy_rows = make_copy_rows(D, NT)
     mma_pair = make_mma_pair(mma)
     a_frag, b_frag, bt_frag = make_fragments(RS)
@@ -129,26 +131,15 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
         wr = 16 * (tid >> 5)            # this warp's first row in the block
         g = lane >> 2
         tq = lane & 3
-        BG = q.shape[1] // group        # blocks per b1 along B2: each takes `group` of them
-        B = q.shape[0] * BG
-        bt = cuda.blockIdx.x // B
-        b = cuda.blockIdx.x - bt * B
-        b1 = b // BG
-        b2_first = (b - b1 * BG) * group
+        b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo)
         d0 = cuda.blockIdx.y * DO
         # Operand roles (a compile-time choice): rows own the accumulators.
         if DKDV:
             ra, rb, ca, cb = k, v, q, dout
             n_rows, n_cols = Nk, Nq
-            r0 = bt * BR                # early key tiles have the most visible queries: first
-            c_begin, c_stop = query_range(r0, BR, Nq, geo)   # other queries see none of these keys
         else:
             ra, rb, ca, cb = q, dout, k, v
             n_rows, n_cols = Nq, Nk
-            r0 = ((Nq + BR - 1) // BR - 1 - bt) * BR   # late query tiles are the heaviest: first
-            c_begin, c_stop = key_range(r0, BR, geo)   # other keys: invisible to the whole tile
-        c_start = c_begin // BC
-        n_ct = max((max(c_stop, 0) + BC - 1) // BC - c_start, 0)
         total = group * n_ct            # dK, dV of grouped heads: every column tile of each query head
 
         smem = cuda.shared.array(0, numba.uint16, alignment=ALIGN)
