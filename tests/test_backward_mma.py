@@ -109,10 +109,10 @@ else:
 
 
 def sim_fits(batch, nq, nk, d):
-    """About 3 s of simulator time at most: blocks × streamed tiles × head-dim steps × slices."""
+    """About 1 s of simulator time at most: blocks × streamed tiles × head-dim steps × slices."""
     t = _T
     tiles = -(-nq // BR) * -(-nk // BC) + -(-nk // BR) * -(-nq // BC)
-    return ON_GPU or batch * tiles * (d // 8 + 2) * -(-d // t.DO) <= 60
+    return ON_GPU or batch * tiles * (d // 8 + 2) * -(-d // t.DO) <= 56
 
 
 @st.composite
@@ -131,13 +131,11 @@ def cases(draw):
 
 
 EDGE_EXAMPLES = [
-    BCase((), BR - 1, 5, 16, "bfloat16", seed=1), BCase((), BR + 1, 5, 8, "float16", causal=True, seed=2),
-    BCase((), 5, BC + 1, 24, "float16", seed=3, device=True),
+    BCase((), BR - 1, 5, 16, "bfloat16", scale=0.7, magnitude=5.0, seed=1),
+    BCase((), 5, BC + 1, 24, "float16", causal=True, seed=3, device=True),
     BCase((), BR + 1, BC - 6, 40, "bfloat16", causal=True, seed=4),   # diagonal across tiles; 2 output slices
     BCase((), 2 * BR + 3, 3, 8, "bfloat16", causal=True, seed=5),     # Nq > Nk: rows with no key, zero dq
-    BCase((2,), 4, 2 * BC + 3, 8, "float16", causal=True, seed=6),    # Nq < Nk: keys no query sees, zero dk, dv
-    BCase((2,), 5, 6, 16, "bfloat16", scale=0.7, magnitude=5.0, seed=7),
-    BCase((), 1, 1, 8, "float16", seed=8),
+    BCase((), 4, 2 * BC + 3, 8, "float16", causal=True, seed=6),      # Nq < Nk: keys no query sees, zero dk, dv
 ]
 
 
@@ -173,9 +171,11 @@ def test_deterministic(dtype):
     assert [bits(g) for g in first] == [bits(g) for g in second]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES if ON_GPU else ("bfloat16",))
 def test_grouped_heads_and_rules(dtype):
-    """Grouped K/V heads (dk, dv summed over each group) with a window, softcap and ALiBi."""
+    """Grouped K/V heads (dk, dv summed over each group) with a window, softcap and ALiBi
+    (in the simulator bfloat16 only: float16 differs in the instructions' types, and the
+    property tests draw both)."""
     case = BCase((), BR - 3, BC + 5, 8, dtype, magnitude=2.0, seed=33)
     q, k, v, dout = case.inputs()
     q, dout = np.concatenate([q[None]] * 4), np.concatenate([dout[None]] * 4)
