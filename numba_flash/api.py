@@ -559,7 +559,9 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=N
 
     Args:
         dout: ``(..., Nq, d)``, the gradient of the loss with respect to ``out``.
-        q, k, v: as for :func:`attention_fwd` (float32 or float64 only, so far).
+        q, k, v: as for :func:`attention_fwd` (float32, float64, float16 or bfloat16;
+            16-bit inputs run on tensor cores, with P and dS rounded to the input dtype
+            before their products and float32 accumulation).
         out, lse: what :func:`attention_fwd` returned for the same ``q, k, v, causal,
             scale`` (``out`` shaped like q, ``lse`` like q without its last axis).
         causal, scale, window, softcap, alibi_slopes: as for :func:`attention_fwd`; must
@@ -572,8 +574,8 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=N
         group's query heads, in a fixed order); NumPy in gives NumPy out, device arrays
         in give Numba device arrays out.
 
-    Same array-kind and stream rules as :func:`attention_fwd`; all six arrays share one
-    dtype. Rows with no visible key contribute zero gradient. Non-finite values spread
+    Same array-kind and stream rules as :func:`attention_fwd`; dout, q, k, v and out
+    share one dtype, and lse has the forward's (float32 for 16-bit inputs). Rows with no visible key contribute zero gradient. Non-finite values spread
     further than in the forward: a NaN in one query row reaches ``dk`` and ``dv`` of
     every key it sees, and through them usually every gradient. The result is
     deterministic: no atomics, every gradient element is written by exactly one thread,
