@@ -375,11 +375,6 @@ def _shape_key(t, d):
     return (t.TM, t.TN, t.CG, t.RG, d <= t.DK, d <= t.DO)
 
 
-# float16 kernels of these variants differ from their bfloat16 twins only in the mma and
-# pack instructions' types: the PTX checks compile them at the fast-path head dims only.
-_HALF_AT_FAST_DIMS = ("backward_dkdv_mma", "backward_dq_mma")
-
-
 def specialisations(simulator: bool = False):
     """One specialisation per distinct kernel shape the project builds, for the PTX checks.
 
@@ -394,7 +389,7 @@ def specialisations(simulator: bool = False):
     for variant, v in VARIANTS.items():
         for dt in v.dtypes:
             for d in HEAD_DIMS:
-                if not v.head_dims(d) or variant in _HALF_AT_FAST_DIMS and dt == "float16" and d not in MMA_FAST_DIMS:
+                if not v.head_dims(d):
                     continue
                 for scores in SCORE_SPECS:
                     for use_async in (True,) if v.async_only else (True, False):
