@@ -1291,7 +1291,7 @@ def _variant_rows(dtypes, B, H, N, d, long_n, left):
 # The targets: GQA (4, 32 -> 8, 4096, 128) within 5% of MHA's TFLOP/s; a causal
 # window of 1024 at N = 16384 in <= 0.15x full causal's time; softcap, ALiBi <= 10% slower.
 VARIANT_ROWS = _variant_rows(("bfloat16", "float32"), 4, 16, 4096, 128, 16384, 1024)
-TINY_VARIANT_ROWS = _variant_rows(("float32", "bfloat16"), 1, 4, 19, 16, 40, 5)
+TINY_VARIANT_ROWS = _variant_rows(("float32", "bfloat16"), 1, 2, 19, 16, 40, 5)
 VARIANT_VALIDATE_N = 2048      # validated on the first batch index, N cut to this, two K/V heads
 
 
