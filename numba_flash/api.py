@@ -337,6 +337,17 @@ def _drop_tail(x4):
 
 
 # --------------------------------------------------------------------------- forward
+def _cp_async_ready(inp, arrays):
+    """``(arrays, aligned, copied)``: device inputs as the kernels will read them — 16-bit
+    ones whose rows are not 16-byte aligned copied contiguously (the tensor-core kernels
+    load rows with cp.async only) — whether all of them were aligned as given, and
+    whether any was copied (a launch plan would then skip the copy: none is kept)."""
+    ok = [_arrays.rows_aligned16(a) for a in arrays]
+    if inp.low:
+        arrays = [a if good else _contiguous_copy(a, inp.stream) for a, good in zip(arrays, ok)]
+    return arrays, all(ok), inp.low and not all(ok)
+
+
 def _contiguous_copy(x, stream):
     """A C-contiguous device copy of a device array, made on the device."""
     kern = registry.specialisation("copy_rows", "uint16", 0).kernel()
@@ -385,14 +396,11 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
     result = lambda: inp.result(out, lse)  # noqa: E731
     if inp.empty:
         return result, launches, None
-    qd, kd, vd = (inp.device(n) for n in "qkv")
-    aligned = [_arrays.rows_aligned16(a) for a in (qd, kd, vd)]
-    if inp.low:   # the tensor-core kernel reads rows with cp.async only: copy the others
-        qd, kd, vd = (a if ok else _contiguous_copy(a, inp.stream) for a, ok in zip((qd, kd, vd), aligned))
+    (qd, kd, vd), aligned, copied = _cp_async_ready(inp, [inp.device(n) for n in "qkv"])
     sm_count, smem_limit = _device_facts()
-    launches += families.forward(inp, qd, kd, vd, out, lse, inp.low or all(aligned), sm_count, smem_limit,
+    launches += families.forward(inp, qd, kd, vd, out, lse, inp.low or aligned, sm_count, smem_limit,
                                  splits, scratch)
-    if not inp.on_device or inp.low and not all(aligned):   # no plan: it would skip the copies
+    if not inp.on_device or copied:
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
     inputs = [qd, kd, vd] + ([inp.device_slopes] if inp.slopes is not None else [])
@@ -575,10 +583,10 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=N
         in give Numba device arrays out.
 
     Same array-kind and stream rules as :func:`attention_fwd`; dout, q, k, v and out
-    share one dtype, and lse has the forward's (float32 for 16-bit inputs). Rows with no visible key contribute zero gradient. Non-finite values spread
-    further than in the forward: a NaN in one query row reaches ``dk`` and ``dv`` of
-    every key it sees, and through them usually every gradient. The result is
-    deterministic: no atomics, every gradient element is written by exactly one thread,
+    share one dtype, and lse has the forward's (float32 for 16-bit inputs). Rows with no
+    visible key contribute zero gradient. Non-finite values spread further than in the
+    forward: a NaN in one query row reaches ``dk`` and ``dv`` of every key it sees, and
+    through them usually every gradient. The result is deterministic: no atomics, every gradient element is written by exactly one thread,
     so equal inputs give bitwise-equal gradients.
     """
     return _call("backward", _plan_backward, (dout, q, k, v, out, lse, alibi_slopes),
@@ -604,16 +612,12 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
         return result, launches, None
     dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
     delta = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
-    aligned = all(_arrays.rows_aligned16(dev[n]) for n in ("q", "k", "v", "dout"))
-    copied = False
-    if inp.low:   # the tensor-core kernels read rows with cp.async only: copy the others
-        for n in ("q", "k", "v", "dout"):
-            if not _arrays.rows_aligned16(dev[n]):
-                dev[n], copied = _contiguous_copy(dev[n], inp.stream), True
-        aligned = True
+    read = ("q", "k", "v", "dout")
+    ready, aligned, copied = _cp_async_ready(inp, [dev[n] for n in read])
+    dev.update(zip(read, ready))
     launches += families.backward(inp, *(dev[n] for n in ("q", "k", "v", "dout", "out", "lse")), delta, dq, dk, dv,
-                                  aligned)
-    if not inp.on_device or not (inp.nq and inp.nk) or copied:   # no plan: it would skip the copies
+                                  inp.low or aligned)
+    if not inp.on_device or not (inp.nq and inp.nk) or copied:
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order
     inputs += [inp.device_slopes] if inp.slopes is not None else []

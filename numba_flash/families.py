@@ -92,7 +92,6 @@ def backward(inp, q, k, v, dout, out, lse, delta, dq, dk, dv, use_async):
     k_delta, k_dkdv, k_dq = (s.kernel() for s in specs)
     t, tq = specs[1].tiling, specs[2].tiling
     rows, rows_q = t.RG * t.TM, tq.RG * tq.TM
-    threads, threads_q = (t.threads, tq.threads) if inp.low else (t.RG * t.CG, tq.RG * tq.CG)
     scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
     score_args, slopes = inp.score_args(lse)
     launches = []
@@ -106,9 +105,9 @@ def backward(inp, q, k, v, dout, out, lse, delta, dq, dk, dv, use_async):
             launches.append((k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
                              (do4, o4, dl3), inp.stream))
         if inp.nk:
-            launches.append((k_dkdv, grid(inp, inp.nk, b // group, rows, t.DO), threads, specs[1].smem_bytes,
+            launches.append((k_dkdv, grid(inp, inp.nk, b // group, rows, t.DO), t.threads, specs[1].smem_bytes,
                              (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
         if inp.nq:
-            launches.append((k_dq, grid(inp, inp.nq, b, rows_q, tq.DO), threads_q, specs[2].smem_bytes,
+            launches.append((k_dq, grid(inp, inp.nq, b, rows_q, tq.DO), tq.threads, specs[2].smem_bytes,
                              (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
     return launches
