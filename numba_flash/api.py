@@ -611,17 +611,17 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
     if inp.batch == 0 or inp.nq + inp.nk == 0:
         return result, launches, None
     dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
-    delta = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
+    scratch = []
     read = ("q", "k", "v", "dout")
     ready, aligned, copied = _cp_async_ready(inp, [dev[n] for n in read])
     dev.update(zip(read, ready))
-    launches += families.backward(inp, *(dev[n] for n in ("q", "k", "v", "dout", "out", "lse")), delta, dq, dk, dv,
-                                  inp.low or aligned)
+    launches += families.backward(inp, *(dev[n] for n in ("q", "k", "v", "dout", "out", "lse")), dq, dk, dv,
+                                  inp.low or aligned, scratch)
     if not inp.on_device or not (inp.nq and inp.nk) or copied:
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order
     inputs += [inp.device_slopes] if inp.slopes is not None else []
     capture = lambda stream: _plans.capture(  # noqa: E731
-        inputs, [(dq, inp.dtype), (dk, inp.dtype), (dv, inp.dtype)], [delta], launches,
+        inputs, [(dq, inp.dtype), (dk, inp.dtype), (dv, inp.dtype)], scratch, launches,
         functools.partial(_finish, inp.dtype if inp.low else None), stream)
     return result, launches, capture

@@ -12,6 +12,7 @@ Every attention kernel's arguments end with the score arguments of
 ``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
 """
 from . import registry, scores
+from .kernels.backward_mma import stats_rows
 from .scores import LOG2E
 
 MAX_GRID_X = 2**31 - 1
@@ -83,17 +84,25 @@ BACKWARD_FAMILIES = {False: ("backward_dkdv_simt", "backward_dq_simt"),    # CUD
                      True: ("backward_dkdv_mma", "backward_dq_mma")}       # tensor cores (16-bit)
 
 
-def backward(inp, q, k, v, dout, out, lse, delta, dq, dk, dv, use_async):
-    """The backward's launches, per view: ``delta = rowsum(dout ∘ out)``, then dK/dV (a
-    block per key tile; with grouped heads it sums its group's query heads) and dQ (a
-    block per query tile): on tensor cores for 16-bit inputs, CUDA cores otherwise."""
+def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
+    """The backward's launches, per view: a pre-pass, then dK/dV (a block per key tile;
+    with grouped heads it sums its group's query heads) and dQ (a block per query tile):
+    on tensor cores for 16-bit inputs, CUDA cores otherwise. The pre-pass computes
+    ``delta = rowsum(dout ∘ out)`` into a buffer appended to ``scratch``: one value per
+    query row, or for the tensor cores the stats rows of ``backward_mma`` (lse in log2
+    units and delta, padded)."""
+    low = inp.low
+    pre = "backward_stats" if low else "backward_delta"
     specs = [registry.specialisation(name, inp.dtype.name, inp.d, inp.scores, use_async)
-             for name in ("backward_delta",) + BACKWARD_FAMILIES[inp.low]]
+             for name in (pre,) + BACKWARD_FAMILIES[low]]
     k_delta, k_dkdv, k_dq = (s.kernel() for s in specs)
     t, tq = specs[1].tiling, specs[2].tiling
     rows, rows_q = t.RG * t.TM, tq.RG * tq.TM
     scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
     score_args, slopes = inp.score_args(lse)
+    n_stats = stats_rows(inp.nq) if low else inp.nq
+    delta = inp.empty_like(inp.lead + ((2, n_stats) if low else (n_stats,)), inp.acc_dtype)
+    scratch.append(delta)
     launches = []
     for q4, do4, o4, l3, dl3, dq4, s3, k4, v4, dk4, dv4 in inp.kernel_views(
             [q, dout, out, lse, delta, dq, slopes], [k, v, dk, dv]):
@@ -101,13 +110,14 @@ def backward(inp, q, k, v, dout, out, lse, delta, dq, dk, dv, use_async):
         group = inp.group          # the innermost leading axis of the views, when > 1
         assert group == 1 or q4.shape[1] == group, (q4.shape, group)
         tail = (*score_args, s3)
+        stats = (dl3,) if low else (l3, dl3)
         if inp.nq:
-            launches.append((k_delta, (-(-inp.nq // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
-                             (do4, o4, dl3), inp.stream))
+            launches.append((k_delta, (-(-n_stats // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
+                             (do4, o4, l3, dl3) if low else (do4, o4, dl3), inp.stream))
         if inp.nk:
             launches.append((k_dkdv, grid(inp, inp.nk, b // group, rows, t.DO), t.threads, specs[1].smem_bytes,
-                             (q4, k4, v4, do4, l3, dl3, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
+                             (q4, k4, v4, do4, *stats, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
         if inp.nq:
             launches.append((k_dq, grid(inp, inp.nq, b, rows_q, tq.DO), tq.threads, specs[2].smem_bytes,
-                             (q4, k4, v4, do4, l3, dl3, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
+                             (q4, k4, v4, do4, *stats, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
     return launches

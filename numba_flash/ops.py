@@ -11,7 +11,8 @@ implementations with the same semantics:
 
 Operations: 128-bit accesses (``ld_shared_x4``, ``ld_global_x4``, ``st_shared_x4``);
 asynchronous copies (``cp_async16`` from 4-D and ``cp_async16_2d`` from 2-D arrays,
-``cp_async_commit``, ``cp_async_wait``); tensor cores: TF32 (``tf32_round``,
+``cp_async16_rows``, ``cp_async_commit``, ``cp_async_wait``); special functions
+(``exp2_approx``, ``tanh_approx``, ``rcp_approx``); tensor cores: TF32 (``tf32_round``,
 ``mma_tf32_m16n8k8``) and 16-bit (``ldmatrix_x4``, ``ldmatrix_x4_trans``,
 ``mma_bf16_m16n8k16``, ``mma_f16_m16n8k16``, ``pack_bf16x2``, ``pack_f16x2``), emulated
 in the simulator by a warp rendezvous, as ``warp`` does for shuffles.
@@ -108,6 +109,34 @@ if not SIMULATOR:
             return None
 
         return types.void(dst, dst_idx, src, i0, i1, i2, i3, src_bytes), _cp_async16_codegen
+
+    @intrinsic
+    def cp_async16_rows(typingctx, dst, dst_idx, src, i0, i1, i2, i3, rows, src_bytes):
+        """``cp_async16`` from ``src[i0, i1, i2 + rows, i3:...]``, addressed as the element
+        ``src[i0, i1, i2, i3]`` plus ``rows`` row strides: a copy loop that varies ``rows``
+        computes the 4-D index once. Same contract as ``cp_async16`` (the address of
+        ``src[i0, i1, i2 + rows, i3]`` is what must be valid)."""
+        if not (isinstance(dst, types.Array) and dst.ndim == 1 and isinstance(src, types.Array)
+                and src.ndim == 4 and isinstance(rows, types.Integer)):
+            return None
+
+        def codegen(ctx, builder, sig, args):
+            from numba.cuda import cgutils
+            i64, i8p = ir.IntType(64), ir.IntType(8).as_pointer()
+            d = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
+            d = builder.ptrtoint(builder.addrspacecast(d, ir.PointerType(d.type.pointee, 3)), ir.IntType(32))
+            g = builder.bitcast(_elem_ptr(ctx, builder, sig.args[2], args[2], sig.args[3:7], args[3:7]), i8p)
+            stride = cgutils.unpack_tuple(builder, ctx.make_array(sig.args[2])(ctx, builder, args[2]).strides, 4)[2]
+            g = builder.gep(g, [builder.mul(ctx.cast(builder, args[7], sig.args[7], types.intp), stride)])
+            g = builder.ptrtoint(builder.addrspacecast(g, ir.PointerType(ir.IntType(8), 1)), i64)
+            n = ctx.cast(builder, args[8], sig.args[8], types.uint32)
+            fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), i64, ir.IntType(32)])
+            asm = ir.InlineAsm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
+                               side_effect=True)
+            builder.call(asm, [d, g, n])
+            return ctx.get_dummy_value()
+
+        return types.void(dst, dst_idx, src, i0, i1, i2, i3, rows, src_bytes), codegen
 
     @intrinsic
     def cp_async_commit(typingctx):
@@ -368,6 +397,9 @@ if not SIMULATOR:
                              "manual, 2⁻¹⁶·⁶ measured on an H200 (docs/performance.md).")
     rcp_approx = _unary_f32("rcp.approx.ftz.f32", "``1 / x`` in float32 by the special-function unit "
                             "(``rcp.approx.ftz.f32``, one instruction): within 1 ulp; subnormals flush to zero.")
+    exp2_approx = _unary_f32("ex2.approx.ftz.f32", "``2^x`` in float32 by the special-function unit "
+                             "(``ex2.approx.ftz.f32``, one instruction; ``math.exp2`` adds three to keep "
+                             "subnormal results): within 2 ulp; results below 2⁻¹²⁶ flush to zero.")
 
 else:
     def ld_shared_x4(a, i):
@@ -390,6 +422,9 @@ else:
         k = int(src_bytes) // dst.itemsize
         vals = [src[i0, i1, i2, i3 + e] if e < k else 0 for e in range(n)]
         _groups().open.append((dst, int(dst_idx), vals))
+
+    def cp_async16_rows(dst, dst_idx, src, i0, i1, i2, i3, rows, src_bytes):
+        cp_async16(dst, dst_idx, src, i0, i1, i2 + rows, i3, src_bytes)
 
     def cp_async_commit():
         st = _groups()
@@ -491,6 +526,10 @@ else:
 
     def rcp_approx(x):
         return _np.float32(1) / _np.float32(x)
+
+    def exp2_approx(x):
+        y = _np.float32(_np.exp2(_np.float32(x)))
+        return y if y >= _np.float32(2.0 ** -126) or y == 0 else _np.float32(0)
 
     def pack_f16x2(lo, hi):
         return _np.uint32(_f16_bits(lo) | (_f16_bits(hi) << 16))

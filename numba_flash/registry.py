@@ -143,9 +143,13 @@ def mma_backward_tiling(kind: str):
     """The tiling rule of the tensor-core backward kernel ``kind`` ("dkdv", "dq"):
     ``(dtype, d, simulator) -> MmaBwdTiling``.
 
-    * 4 warps × 16 rows (64 keys or queries per block); streamed tiles of 64 columns,
-      32 beyond d = 64 (the 16 × d accumulators per warp take the registers: at d = 128
-      the dQ kernel spilt with 64);
+    * 4 warps × 16 rows (64 keys or queries per block); streamed tiles of 32 columns for
+      dK/dV (its two 16 × d accumulators per warp take the registers: at d = 64, 64
+      columns ran 10% faster but spilt with softcap and ALiBi), 64 for dQ up to d = 128
+      (H200, bf16 (4, 16, 4096, d), kernels alone: at d = 128 dQ 2.86 ms with 64 columns,
+      3.21 with 32, 3.05 with 8 warps; dK/dV 3.99 ms with 4 warps × 32 columns, 4.33 with
+      8 warps, 4.67 with 16 columns; at d = 64 dK/dV 2.18 ms with 32 columns, 1.96 with
+      64, 2.49 with 8 warps; dQ 1.56 with 4 warps, 1.81 with 8);
     * the head dim's outputs in one block up to d = 128, in 128-column slices beyond
       (grid axis y; each slice recomputes S and dP).
     * In the simulator: one warp, 16-column tiles and 32-column output slices, so that
@@ -155,7 +159,7 @@ def mma_backward_tiling(kind: str):
         if simulator:
             return MmaBwdTiling(WARPS=1, BC=16, DO=32)
         dp = _round_up(d, 16)
-        return MmaBwdTiling(WARPS=4, BC=64 if d <= 64 else 32, DO=min(dp, 128))
+        return MmaBwdTiling(WARPS=4, BC=64 if kind == "dq" and d <= 128 else 32, DO=min(dp, 128))
     return rule
 
 
@@ -207,10 +211,21 @@ def _sig_backward(dt, layout):
             f"{_sig_scores(acc)}, int64)")
 
 
+def _sig_backward_mma(dt, layout):
+    a = _a4("uint16", layout)
+    return (f"void({a}, {a}, {a}, {a}, float32[:, :, :, ::1], {a}, {a}, float32, float32, "
+            f"{_sig_scores('float32')}, int64)")
+
+
 def _sig_delta(dt, layout):
     acc = "float32" if dt in LOW_DTYPES else dt
     a = _a4("uint16" if dt in LOW_DTYPES else dt, layout)
     return f"void({a}, {a}, {acc}[:, :, ::1])"
+
+
+def _sig_stats(dt, layout):
+    a = _a4("uint16", layout)
+    return f"void({a}, {a}, float32[:, :, ::1], float32[:, :, :, ::1])"
 
 
 VARIANTS = {v.name: v for v in (
@@ -233,14 +248,17 @@ VARIANTS = {v.name: v for v in (
             lambda d, t: bwd_smem_words(d, t, "dq"), _sig_backward, direction="backward"),
     Variant("backward_dkdv_mma", "backward on tensor cores (mma.sync m16n8k16): dK, dV", mma_backward_tiling("dkdv"),
             lambda s: make_backward_mma("dkdv", s.dtype, s.d, s.tiling, s.scores),
-            mma_bwd_smem_elements, _sig_backward, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
+            mma_bwd_smem_elements, _sig_backward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
             direction="backward", async_only=True),
     Variant("backward_dq_mma", "backward on tensor cores (mma.sync m16n8k16): dQ", mma_backward_tiling("dq"),
             lambda s: make_backward_mma("dq", s.dtype, s.d, s.tiling, s.scores),
-            mma_bwd_smem_elements, _sig_backward, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
+            mma_bwd_smem_elements, _sig_backward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
             direction="backward", async_only=True),
     Variant("backward_delta", "backward pre-pass: delta = rowsum(dO ∘ O)", lambda dt, d, sim: None,
-            lambda s: make_delta(s.dtype), lambda d, t: 0, _sig_delta, DTYPES + LOW_DTYPES),
+            lambda s: make_delta(s.dtype), lambda d, t: 0, _sig_delta, DTYPES),
+    Variant("backward_stats", "tensor-core backward pre-pass: delta and lse in log2 units, padded rows",
+            lambda dt, d, sim: None, lambda s: make_delta(s.dtype, stats=True), lambda d, t: 0, _sig_stats,
+            LOW_DTYPES),
     Variant("copy_rows", "strided -> contiguous copy of 16-bit inputs the tensor cores cannot read in place",
             lambda dt, d, sim: None, lambda s: make_copy4(), lambda d, t: 0,
             lambda dt, layout: f"void({_a4('uint16', 'A')}, {_a4('uint16', 'C')})", ("uint16",)),

@@ -293,18 +293,25 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
 
 
 @functools.lru_cache(maxsize=None)
-def make_delta(dtype_name: str):
+def make_delta(dtype_name: str, stats: bool = False):
     """``delta[b1, b2, i] = Σ_f dout[b1, b2, i, f] · out[b1, b2, i, f]``: one warp per row.
 
     float16 and bfloat16 arrays come as their ``uint16`` bits and sum in float32 (delta
-    float32). Launch with ``grid = (ceil(Nq / 8), B1 · B2)`` and 256 threads.
+    float32). Launch with ``grid = (ceil(rows / 8), B1 · B2)`` and 256 threads, ``rows``
+    = Nq, or with ``stats`` the padded length ``st.shape[3]``.
+
+    With ``stats`` (the tensor-core backward's pre-pass) the kernel is ``(dout, out, lse,
+    st)`` and writes, for the ``st.shape[3] >= Nq`` rows of ``st (B1, B2, 2, ·)``, what the
+    dK/dV tiles load beside Q and dO: ``st[.., 0, i] = lse · log2(e)`` (``+inf`` where lse
+    is ``-inf``: a row that sees no key gets ``P = 0``) and ``st[.., 1, i] = delta``; rows
+    past Nq get ``+inf`` and 0.
     """
     widen = {"bfloat16": ops.bf16_to_f32, "float16": ops.f16_to_f32}.get(dtype_name, _same)
     ZERO = (np.float32 if dtype_name in ("bfloat16", "float16") else np.dtype(dtype_name).type)(0)
+    POS_INF, NEG_INF, LOG2E_T = numba.float32(math.inf), numba.float32(-math.inf), numba.float32(LOG2E)
     ROWS = 8                            # warps per block = rows per block
 
-    @cuda.jit
-    def delta_kernel(dout, out, delta):
+    def row_dot(dout, out):             # (b1, b2, row, lane): this lane's part of the row's sum, all lanes' total
         B2 = out.shape[1]
         b = cuda.blockIdx.y
         b1 = b // B2
@@ -317,8 +324,28 @@ def make_delta(dtype_name: str):
                 acc += widen(dout[b1, b2, row, f]) * widen(out[b1, b2, row, f])
         for off in (16, 8, 4, 2, 1):    # every lane takes part, also on rows past the end
             acc += warp.shfl_xor_sync(warp.FULL_MASK, acc, off)
-        if lane == 0 and row < out.shape[2]:
-            delta[b1, b2, row] = acc
+        return b1, b2, row, lane, acc
+    row_dot = row_dot if SIMULATOR else cuda.jit(device=True, inline="always")(row_dot)
+
+    if stats:
+        @cuda.jit
+        def delta_kernel(dout, out, lse, st):
+            b1, b2, row, lane, acc = row_dot(dout, out)
+            if lane == 0 and row < st.shape[3]:
+                x = POS_INF
+                if row < out.shape[2]:
+                    if lse[b1, b2, row] != NEG_INF:
+                        x = lse[b1, b2, row] * LOG2E_T
+                else:
+                    acc = ZERO
+                st[b1, b2, 0, row] = x
+                st[b1, b2, 1, row] = acc
+    else:
+        @cuda.jit
+        def delta_kernel(dout, out, delta):
+            b1, b2, row, lane, acc = row_dot(dout, out)
+            if lane == 0 and row < out.shape[2]:
+                delta[b1, b2, row] = acc
 
     delta_kernel.rows_per_block = ROWS
     return delta_kernel

@@ -27,18 +27,18 @@ the registers hold.
 """
 import dataclasses
 import functools
-import math
 
 import numba
 from numba import cuda
 
 from .. import ops
 from .._runtime import SIMULATOR
-from ..scores import LOG2E, SOFTCAP_TANH, ScoreSpec, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules
 from .backward import make_block_place
-from .mma_parts import ROW_PAD, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
+from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
 KINDS = ("dkdv", "dq")
+STATS_ROWS = 64         # the stats rows (query rows' lse and delta) are padded to a multiple of this
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,8 +75,14 @@ class MmaBwdTiling:
 
 
 def smem_elements(d, t: MmaBwdTiling):
-    """RA and RB tiles (``BR`` rows each), two slots of CA and of CB (``BC`` rows each)."""
-    return (2 * t.BR + 4 * t.BC) * (padded_dim(d) + ROW_PAD)
+    """RA and RB tiles (``BR`` rows each), two slots of CA and of CB (``BC`` rows each),
+    two slots of the column tile's stats (``2 · BC`` float32: dK/dV's query lse and delta)."""
+    return (2 * t.BR + 4 * t.BC) * (padded_dim(d) + ROW_PAD) + 8 * t.BC
+
+
+def stats_rows(nq):
+    """Length of the stats rows for ``nq`` query rows: every column tile reads whole 16-byte chunks."""
+    return -(-nq // STATS_ROWS) * STATS_ROWS
 
 
 @functools.lru_cache(maxsize=None)
@@ -84,8 +90,9 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     """Build the ``dkdv`` or ``dq`` tensor-core backward kernel for one specialisation.
 
     Arguments: ``q, k, v, dout (B1, B2, N, D)`` as ``uint16`` views of the 16-bit data
-    (unit inner stride, 16-byte aligned rows, ``D`` a multiple of 8), ``lse, delta (B1,
-    B2, Nq)`` float32, ``ga, gb`` (``uint16`` views shaped like k, or q for dQ),
+    (unit inner stride, 16-byte aligned rows, ``D`` a multiple of 8), ``st (B1, B2, 2,
+    stats_rows(Nq))`` float32, the query rows' ``lse · log2 e`` and delta written by
+    ``backward.make_delta(dtype, stats=True)``, ``ga, gb`` (``uint16`` views shaped like k, or q for dQ),
     ``scale_log2, scale`` float32, the score arguments ``left, right, cap_in, cap_out,
     slopes`` (see ``forward.make_forward``) and ``group``, as for the CUDA-core kernels
     (``backward.make_backward``): ``dkdv`` writes ``ga = dK``, ``gb = dV`` and sums a
@@ -97,7 +104,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     DKDV = kind == "dkdv"
     mma, pack = operand_kinds(dtype_name)
     BC, BR, NT, DO = t.BC, t.BR, t.threads, t.DO
-    assert BC % 16 == 0 and DO % 16 == 0
+    assert BC % 16 == 0 and DO % 16 == 0 and STATS_ROWS % BC == 0 and 2 * BC // 4 <= NT
     DP = padded_dim(D)
     RS = DP + ROW_PAD                  # shared row stride, elements
     KC = DP // 16                      # k16 steps of S and dP
@@ -107,21 +114,34 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     CA_OFF = 2 * BR * RS
     SLOT = BC * RS
     CB_OFF = CA_OFF + 2 * SLOT
-    assert CB_OFF + 2 * SLOT == smem_elements(D, t)
+    ST_OFF = (CB_OFF + 2 * SLOT) // 2  # then two slots of stats, in float32 elements: lse row, delta row
+    ST_SLOT = 2 * BC
+    ST_CHUNKS = BC // 4                # 16-byte chunks per stats row of a tile
+    assert 2 * (ST_OFF + 2 * ST_SLOT) == smem_elements(D, t)
+    FULL_SLICES = DP % DO == 0         # every 16-column block of every slice lies within the padded d
     F32 = numba.float32
-    ZERO, POS_INF, NEG_INF, LOG2E_T = F32(0), F32(math.inf), F32(-math.inf), F32(LOG2E)
+    ZERO = F32(0)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
     place = make_block_place(DKDV, BR, BC, key_range, query_range)
-    copy_rows = make_copy_rows(D, NT)
+    copy_r = make_copy_rows(D, NT, BR)
+    copy_c = make_copy_rows(D, NT, BC)
+
+    @device
+    def copy_stats(smem_f, off, st, b1, b2, c0, tid):
+        """``smem_f[off + j] = st[b1, b2, 0, c0 + j]`` and ``smem_f[off + BC + j] = st[b1, b2,
+        1, c0 + j]`` for ``j < BC`` (in bounds: the rows are padded), by ``cp.async``."""
+        if tid < 2 * ST_CHUNKS:
+            which = tid // ST_CHUNKS
+            i = 4 * (tid - which * ST_CHUNKS)
+            ops.cp_async16(smem_f, off + which * BC + i, st, b1, b2, which, c0 + i, 16)
     mma_pair = make_mma_pair(mma)
     a_frag, b_frag, bt_frag = make_fragments(RS)
 
     @cuda.jit(**JIT)
-    def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
-                 group):
+    def backward(q, k, v, dout, st, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes, group):
         Nq = q.shape[2]
         Nk = k.shape[2]
         diag = Nk - Nq                  # bottom-right alignment (numba_flash.scores)
@@ -143,14 +163,13 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
         total = group * n_ct            # dK, dV of grouped heads: every column tile of each query head
 
         smem = cuda.shared.array(0, numba.uint16, alignment=ALIGN)
+        smem_f = cuda.shared.array(0, numba.float32, alignment=ALIGN)    # the same memory, as float32
         s = cuda.local.array((1, NB, 4), numba.float32)
         dp = cuda.local.array((1, NB, 4), numba.float32)
         acc_a = cuda.local.array((1, NO, 4), numba.float32)
         acc_b = cuda.local.array((1, NO if DKDV else 1, 4), numba.float32)
         row_lse = cuda.local.array(2, numba.float32)
         row_delta = cuda.local.array(2, numba.float32)
-        col_lse = cuda.local.array((NB, 2), numba.float32)
-        col_delta = cuda.local.array((NB, 2), numba.float32)
         for n in range(NO):
             for e in range(4):
                 acc_a[0, n, e] = ZERO
@@ -158,35 +177,37 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                     acc_b[0, n, e] = ZERO
         if not DKDV:                    # this lane's two query rows: log2-unit lse, delta
             for h in range(2):
-                row = r0 + wr + g + 8 * h
-                x = POS_INF             # padding rows and rows with no visible key: P = 0
-                y = ZERO
-                if row < Nq:
-                    y = delta[b1, b2_first, row]
-                    if lse[b1, b2_first, row] != NEG_INF:
-                        x = lse[b1, b2_first, row] * LOG2E_T
-                row_lse[h] = x
-                row_delta[h] = y
+                row = min(r0 + wr + g + 8 * h, st.shape[3] - 1)    # padding rows: +inf, so P = 0
+                row_lse[h] = st[b1, b2_first, 0, row]
+                row_delta[h] = st[b1, b2_first, 1, row]
 
-        copy_rows(smem, 0, ra, b1, b2_first, r0, BR, n_rows, tid)
-        copy_rows(smem, RB_OFF, rb, b1, b2_first, r0, BR, n_rows, tid)
+        copy_r(smem, 0, ra, b1, b2_first, r0, n_rows, tid)
+        copy_r(smem, RB_OFF, rb, b1, b2_first, r0, n_rows, tid)
         if total > 0:
-            copy_rows(smem, CA_OFF, ca, b1, b2_first, c_start * BC, BC, n_cols, tid)
-            copy_rows(smem, CB_OFF, cb, b1, b2_first, c_start * BC, BC, n_cols, tid)
+            copy_c(smem, CA_OFF, ca, b1, b2_first, c_start * BC, n_cols, tid)
+            copy_c(smem, CB_OFF, cb, b1, b2_first, c_start * BC, n_cols, tid)
+            if DKDV:
+                copy_stats(smem_f, ST_OFF, st, b1, b2_first, c_start * BC, tid)
         ops.cp_async_commit()
 
+        b2 = b2_first                   # grouped heads in order: b2_first .. b2_first + group − 1,
+        ct = c_start                    # each over column tiles c_start .. c_start + n_ct − 1
         for it in range(total):
-            gi = it // n_ct             # grouped heads in order: b2_first .. b2_first + group − 1
-            b2 = b2_first + gi
-            c0 = (c_start + it - gi * n_ct) * BC
+            c0 = ct * BC
             slot = (it & 1) * SLOT
+            st_slot = ST_OFF + (it & 1) * ST_SLOT
+            b2_next = b2
+            ct_next = ct + 1
+            if ct_next == c_start + n_ct:
+                ct_next = c_start
+                b2_next = b2 + 1
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile it landed for all; every warp is done with it − 1
             if it + 1 < total:          # the other slot held tile it − 1: refill it
-                gn = (it + 1) // n_ct
-                cn = (c_start + it + 1 - gn * n_ct) * BC
-                copy_rows(smem, CA_OFF + SLOT - slot, ca, b1, b2_first + gn, cn, BC, n_cols, tid)
-                copy_rows(smem, CB_OFF + SLOT - slot, cb, b1, b2_first + gn, cn, BC, n_cols, tid)
+                copy_c(smem, CA_OFF + SLOT - slot, ca, b1, b2_next, ct_next * BC, n_cols, tid)
+                copy_c(smem, CB_OFF + SLOT - slot, cb, b1, b2_next, ct_next * BC, n_cols, tid)
+                if DKDV:
+                    copy_stats(smem_f, 2 * ST_OFF + ST_SLOT - st_slot, st, b1, b2_next, ct_next * BC, tid)
                 ops.cp_async_commit()
             sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
 
@@ -206,18 +227,6 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
 
             # ---- P = exp2(score − lse), dS = P ∘ (dP − delta) ∘ softcap′ ----------------
             # This lane holds rows r0 + wr + g + 8·(e >> 1), columns c0 + 8n + 2tq + (e & 1).
-            if DKDV:                    # the columns are queries: their lse and delta
-                for n in range(NB):
-                    for j in range(2):
-                        col = c0 + 8 * n + 2 * tq + j
-                        x = POS_INF
-                        y = ZERO
-                        if col < Nq:
-                            y = delta[b1, b2, col]
-                            if lse[b1, b2, col] != NEG_INF:
-                                x = lse[b1, b2, col] * LOG2E_T
-                        col_lse[n, j] = x
-                        col_delta[n, j] = y
             if DKDV:
                 masked = tile_needs_mask(c0, BC, r0, BR, geo)
             else:
@@ -228,13 +237,13 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                     col = c0 + 8 * n + 2 * tq + (e & 1)
                     if DKDV:            # row = key, col = query
                         y, grad = score(s[0, n, e], col, row, diag, sc)
-                        lse_e = col_lse[n, e & 1]
-                        delta_e = col_delta[n, e & 1]
+                        lse_e = smem_f[st_slot + 8 * n + 2 * tq + (e & 1)]     # the columns are queries
+                        delta_e = smem_f[st_slot + BC + 8 * n + 2 * tq + (e & 1)]
                     else:               # row = query, col = key
                         y, grad = score(s[0, n, e], row, col, diag, sc)
                         lse_e = row_lse[e >> 1]
                         delta_e = row_delta[e >> 1]
-                    p = math.exp2(y - lse_e)          # 0 for padding and key-less queries
+                    p = ops.exp2_approx(y - lse_e)          # 0 for padding and key-less queries
                     if masked:
                         if DKDV:
                             lo, hi = row_keys(col, geo)
@@ -259,12 +268,14 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                 q2_ = pack(dp[0, n + 1, 0], dp[0, n + 1, 1])
                 q3_ = pack(dp[0, n + 1, 2], dp[0, n + 1, 3])
                 for d2 in range(NO // 2):
-                    if d0 + 16 * d2 < DP:   # the last slice may reach past the padded head dim
+                    if FULL_SLICES or d0 + 16 * d2 < DP:   # the last slice may reach past the padded d
                         c0_, c1_, c2_, c3_ = bt_frag(smem, CA_OFF + slot + 16 * kc * RS + d0 + 16 * d2, lane)
                         mma_pair(acc_a, 0, 2 * d2, q0_, q1_, q2_, q3_, c0_, c1_, c2_, c3_)
                         if DKDV:
                             c0_, c1_, c2_, c3_ = bt_frag(smem, CB_OFF + slot + 16 * kc * RS + d0 + 16 * d2, lane)
                             mma_pair(acc_b, 0, 2 * d2, p0, p1, p2, p3, c0_, c1_, c2_, c3_)
+            b2 = b2_next
+            ct = ct_next
         ops.cp_async_wait(0)                      # nothing left in flight when the loop had no iteration
 
         # ---- epilogue: dK = scale · acc_a, dV = acc_b   |   dQ = scale · acc_a -------------

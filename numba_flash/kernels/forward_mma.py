@@ -103,7 +103,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
 
-    copy_rows = make_copy_rows(D, NT)
+    copy_q = make_copy_rows(D, NT, BM)
+    copy_kv = make_copy_rows(D, NT, BN)
     mma_pair = make_mma_pair(mma)
     a_frag, b_frag, bt_frag = make_fragments(RS)
 
@@ -152,10 +153,10 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
         kt0 = kv_begin // BN
         n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
 
-        copy_rows(smem, 0, q, b1, b2, q0, BM, Nq, tid)
+        copy_q(smem, 0, q, b1, b2, q0, Nq, tid)
         if n_kt > kt0:
-            copy_rows(smem, K_OFF, k, b1, b2, kt0 * BN, BN, Nk, tid)
-            copy_rows(smem, V_OFF, v, b1, b2, kt0 * BN, BN, Nk, tid)
+            copy_kv(smem, K_OFF, k, b1, b2, kt0 * BN, Nk, tid)
+            copy_kv(smem, V_OFF, v, b1, b2, kt0 * BN, Nk, tid)
         ops.cp_async_commit()
 
         for kt in range(kt0, n_kt):
@@ -164,8 +165,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile kt landed for all; every warp is done with kt - 1
             if kt + 1 < n_kt:           # the other slot held tile kt - 1: refill it
-                copy_rows(smem, K_OFF + SLOT - slot, k, b1, b2, k0 + BN, BN, Nk, tid)
-                copy_rows(smem, V_OFF + SLOT - slot, v, b1, b2, k0 + BN, BN, Nk, tid)
+                copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k0 + BN, Nk, tid)
+                copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k0 + BN, Nk, tid)
                 ops.cp_async_commit()
             if Q_IN_REGS and kt == kt0:
                 for mt in range(MT):
@@ -221,12 +222,12 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
                 m_new = max(m[h], mx)
                 # a row with no visible key yet keeps m = -inf: exponentiate against 0 instead
                 mu[h] = ZERO if m_new == NEG_INF else m_new
-                alpha = math.exp2(m[h] - mu[h])
+                alpha = ops.exp2_approx(m[h] - mu[h])
                 m[h] = m_new
                 rs = ZERO
                 for n in range(NB):
                     for e in range(e0, e0 + 2):
-                        p = math.exp2(s[mt, n, e] - mu[h])
+                        p = ops.exp2_approx(s[mt, n, e] - mu[h])
                         s[mt, n, e] = p
                         rs += p
                 l[h] = l[h] * alpha + rs
