@@ -88,6 +88,7 @@ import numpy as np
 import numba_flash  # first: decides GPU vs simulator before numba is imported
 from numba_flash import SIMULATOR, _arrays, api, families, reference, registry, scores
 from numba_flash.launch import launch
+from numba_flash.kernels.backward_mma import stats_rows
 
 from numba import cuda  # noqa: E402  (after numba_flash, see above)
 
@@ -929,10 +930,15 @@ def backward_kernels(cfg, use_async):
 
 
 def grads_mib(cfg):
-    """Theoretical extra memory of the backward: dq, dk, dv and delta (one value per query row)."""
+    """Theoretical extra memory of the backward: dq, dk, dv and the pre-pass's rows (delta,
+    one value per query row; for 16-bit inputs lse in log2 units and delta, float32,
+    padded to ``backward_mma.STATS_ROWS``)."""
     s = cfg["shape"]
-    acc = 4 if cfg["dtype"] in registry.LOW_DTYPES else registry.itemsize(cfg["dtype"])    # delta: float32
-    return s.B * s.H * ((s.Nq + 2 * s.Nk) * s.d * registry.itemsize(cfg["dtype"]) + s.Nq * acc) / MIB
+    if cfg["dtype"] in registry.LOW_DTYPES:
+        stats = 2 * 4 * stats_rows(s.Nq)
+    else:
+        stats = s.Nq * registry.itemsize(cfg["dtype"])
+    return s.B * s.H * ((s.Nq + 2 * s.Nk) * s.d * registry.itemsize(cfg["dtype"]) + stats) / MIB
 
 
 def time_backward_ours(cfg, q, k, v, dout, bench):

@@ -57,9 +57,9 @@ def main():
                 out, lse = numba_flash.attention_fwd(*args, **opts)
                 err = float(np.abs(out.astype(np.float64) - ref_out).max())
                 errs = [err]
-                if dt in ("float32", "float64"):
-                    grads = numba_flash.attention_bwd(dout.astype(npdt), *args, out, lse, **opts)
-                    errs += [float(np.abs(g - r).max() / max(1, np.abs(r).max())) for g, r in zip(grads, ref_grads)]
+                grads = numba_flash.attention_bwd(dout.astype(npdt), *args, out, lse, **opts)
+                errs += [float(np.abs(g.astype(np.float64) - r).max() / max(1, np.abs(r).max()))
+                         for g, r in zip(grads, ref_grads)]
                 ok = max(errs) <= tol
                 bad += not ok
                 print(f"{'ok ' if ok else 'BAD'} {dt:9s} {(hq, hkv, nq, nk, d)} {opts if 'alibi_slopes' not in opts else {**opts, 'alibi_slopes': '...'}} "
