@@ -151,7 +151,7 @@ def test_examples_fit_the_simulator():
 
 
 @_with_examples
-@settings(max_examples=40 if ON_GPU else 4)     # the simulator's budget: about 1 s per example
+@settings(max_examples=40 if ON_GPU else 3)     # the simulator's budget: about 1 s per example
 @given(case=cases())
 def test_backward_mma_matches_oracle(case):
     note(repr(case))
@@ -162,9 +162,11 @@ def test_backward_mma_matches_oracle(case):
         assert [bits(g) for g in _run(case, q, k, v, dout, on_device=True)] == [bits(g) for g in grads]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES if ON_GPU else ("bfloat16",))
 def test_deterministic(dtype):
-    """Bitwise identical gradients run to run (no atomics: each block owns its rows)."""
+    """Bitwise identical gradients run to run (no atomics: each block owns its rows). In
+    the simulator bfloat16 only: its threads run one at a time, so it checks the
+    bookkeeping (no stale buffer, no read of memory nothing wrote), not scheduling."""
     case = BCase((), BR + 3, BC + 1, 8, dtype, causal=True, magnitude=3.0, seed=32)
     q, k, v, dout = case.inputs()
     first, second = (_run(case, q, k, v, dout, False) for _ in range(2))
@@ -188,10 +190,11 @@ def test_grouped_heads_and_rules(dtype):
     check_backward_low(grads, dout, q, k, v, dict(options, causal=False), None)
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", DTYPES if ON_GPU else ("bfloat16",))
 def test_strided_device_inputs_are_copied(dtype):
     """A device view whose rows are not contiguous is copied on the device first; the
-    gradients equal those of contiguous inputs."""
+    gradients equal those of contiguous inputs (the copy is dtype-blind: in the simulator
+    bfloat16 only)."""
     case = BCase((), BR + 2, BC + 3, 8, dtype, causal=True, seed=34)
     q, k, v, dout = case.inputs()
     out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
