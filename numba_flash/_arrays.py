@@ -352,3 +352,40 @@ def release_cached_memory():
     for pool in _pools.values():
         if pool:
             cu.cuMemPoolTrimTo(pool, 0)
+
+
+# ----------------------------------------------------------------- results of the input's kind
+def host_view(x):
+    """A PyTorch CPU tensor as a NumPy array over its memory (bfloat16 as
+    ``ml_dtypes.bfloat16``, no copy); anything else unchanged."""
+    if _is_torch(x) and x.device.type == "cpu":
+        import torch
+        t = x.detach()
+        if t.dtype == torch.bfloat16:
+            import ml_dtypes
+            return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return t.numpy()
+    return x
+
+
+def like(x, outs):
+    """``outs`` (NumPy arrays, or Numba device arrays on a GPU) as arrays of ``x``'s kind:
+    PyTorch tensors on ``x``'s device (no copy: the tensor keeps the Numba array, and so
+    its pool block, alive), CuPy arrays (the same), or unchanged (NumPy, Numba and other
+    device arrays)."""
+    if _is_torch(x):
+        return tuple(_as_torch(o, x.device) for o in outs)
+    if type(x).__module__.split(".")[0] == "cupy" and not SIMULATOR:
+        import cupy
+        return tuple(cupy.asarray(o) for o in outs)
+    return tuple(outs)
+
+
+def _as_torch(o, device):
+    import torch
+    bf16 = np.dtype(o.dtype).kind == "V"        # ml_dtypes.bfloat16: PyTorch reads its bits as int16
+    if isinstance(o, np.ndarray):
+        return torch.from_numpy(o.view(np.int16)).view(torch.bfloat16) if bf16 else torch.from_numpy(o)
+    if bf16:
+        return torch.as_tensor(retyped(o, np.int16), device=device).view(torch.bfloat16)
+    return torch.as_tensor(o, device=device)

@@ -424,6 +424,14 @@ def _run(plan):
 
 
 def _call(name, planner, arrays, options):
+    """The results in the kind of the call's ``q`` (:func:`_arrays.like`; PyTorch CPU
+    tensors go in as NumPy views), computed by :func:`_compute`."""
+    q = arrays[0 if name == "forward" else 1]
+    found = _compute(name, planner, tuple(_arrays.host_view(a) for a in arrays), options)
+    return _arrays.like(q, found)
+
+
+def _compute(name, planner, arrays, options):
     """A call through its cached launch plan when there is one (:mod:`numba_flash._plans`),
     otherwise through ``planner`` (which then leaves a plan behind)."""
     options = tuple(tuple(o) if isinstance(o, list) else o for o in options)   # hashable
@@ -455,9 +463,9 @@ def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=Non
             query head ``h`` reads K/V head ``h // (Hq // Hkv)`` (no copy of K or V is
             made). All one dtype: float32 or float64 (CUDA cores, any d), or
             float16 or bfloat16 (tensor cores, ``mma.sync``; d a multiple of 8, at most
-            256; bfloat16 host arrays as ``ml_dtypes.bfloat16``). NumPy arrays, or CUDA
-            device arrays (Numba, CuPy, PyTorch, JAX: anything with
-            ``__cuda_array_interface__`` or CUDA DLPack). Any strides: NumPy inputs are
+            256; bfloat16 host arrays as ``ml_dtypes.bfloat16``). NumPy arrays or PyTorch
+            CPU tensors, or CUDA device arrays (Numba, CuPy, PyTorch, JAX: anything with
+            ``__cuda_array_interface__`` or CUDA DLPack). Any strides: host inputs are
             copied to the device contiguously; device inputs are read in place through
             their strides (no copy), except 16-bit rows that are not contiguous and
             16-byte aligned, which are first copied on the device.
@@ -494,8 +502,13 @@ def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=Non
         ``out (..., Nq, d)`` in the input dtype, and ``lse (..., Nq)``, the natural-log
         log-sum-exp of the scaled visible scores per query row (float64 for float64
         inputs, float32 otherwise). 16-bit inputs: scores, softmax and accumulation
-        in float32, P rounded to the input dtype for the P·V product. NumPy in gives NumPy out; device in gives Numba
-        device arrays out, without a host round trip.
+        in float32, P rounded to the input dtype for the P·V product.
+
+    Array kinds: results come back as q's kind. NumPy arrays for NumPy; PyTorch tensors
+    for PyTorch tensors, on q's device (CUDA tensors run on the GPU; CPU tensors take the
+    host path, like NumPy); CuPy arrays for CuPy; Numba device arrays for Numba and other
+    device arrays (JAX). Device results are never copied: the tensor or array views
+    numba_flash's pool memory and keeps it alive while it lives.
 
     Streams: with PyTorch tensors the kernel runs on PyTorch's current stream; with CuPy
     arrays on the stream their ``__cuda_array_interface__`` names (CuPy's current stream
@@ -536,7 +549,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
             including none; or q ``(..., Hq, Nq, d)`` and k, v ``(..., Hkv, Nk, d)``,
             ``Hq % Hkv == 0``: grouped-query attention). All one dtype: float32, float64, float16 or bfloat16
             (``ml_dtypes.bfloat16`` on the host; 16-bit: d a multiple of 8, at most 256).
-            NumPy arrays, or CUDA device arrays (Numba, CuPy, PyTorch, JAX), any strides.
+            NumPy arrays or PyTorch CPU tensors, or CUDA device arrays (Numba, CuPy,
+            PyTorch, JAX), any strides.
         causal: mask future keys, bottom-right aligned when ``Nq != Nk``: query ``i``
             sees key ``j`` iff ``j <= i + Nk - Nq`` (PyTorch's ``is_causal`` is top-left
             aligned; the two agree when ``Nq == Nk``). A row that sees no key gives 0.
@@ -545,8 +559,8 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
             softcapping ``c · tanh(s / c)`` and ALiBi slopes: see :func:`attention_fwd`.
 
     Returns:
-        ``out (..., Nq, d)`` in the input dtype: a NumPy array for NumPy inputs, a Numba
-        device array for device inputs (no host round trip).
+        ``out (..., Nq, d)`` in the input dtype, of q's kind (NumPy, PyTorch, CuPy or
+        Numba: see :func:`attention_fwd`), with no host round trip for device inputs.
 
     Raises ``TypeError`` / ``ValueError``, naming the argument and the fix, before any
     kernel runs. Streams, memory and non-finite inputs: see :func:`attention_fwd`.
@@ -579,8 +593,7 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=N
     Returns:
         ``dq (..., Nq, d)``, ``dk (..., Nk, d)``, ``dv (..., Nk, d)`` in the input
         dtype (``dk``, ``dv`` shaped like k and v: with grouped heads, summed over each
-        group's query heads, in a fixed order); NumPy in gives NumPy out, device arrays
-        in give Numba device arrays out.
+        group's query heads, in a fixed order), of q's kind (see :func:`attention_fwd`).
 
     Same array-kind and stream rules as :func:`attention_fwd`; dout, q, k, v and out
     share one dtype, and lse has the forward's (float32 for 16-bit inputs). Rows with no

@@ -384,8 +384,18 @@ def check_forward(out, lse, q, k, v, causal, scale, oracle=None):
 
 
 def host(x):
-    """A NumPy copy of a device array (Numba, or anything with copy_to_host)."""
-    return x.copy_to_host()
+    """A NumPy copy of a device array (Numba, or anything with copy_to_host), a PyTorch
+    tensor (bfloat16 as ``ml_dtypes.bfloat16``) or a CuPy array."""
+    if hasattr(x, "copy_to_host"):
+        return x.copy_to_host()
+    if type(x).__module__.split(".")[0] == "torch":
+        import torch
+        x = x.detach().cpu()
+        if x.dtype == torch.bfloat16:
+            import ml_dtypes
+            return x.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+        return x.numpy()
+    return x.get()              # CuPy
 
 
 def bits(x):

@@ -191,8 +191,9 @@ def test_backward_repeat_calls_match_the_oracle(dtype, causal, plan_runs):
 
 @GPU_ONLY
 def test_backward_plan_with_torch_inputs_and_the_forward_outputs(plan_runs):
-    """PyTorch q, k, v, dout with the (Numba) out and lse that attention_fwd returned: a
-    mixed signature, as a PyTorch training step makes it, still finds its plans."""
+    """PyTorch q, k, v, dout with the out and lse that attention_fwd returned (PyTorch
+    tensors too, over numba_flash's pool memory), as a PyTorch training step makes them:
+    each call after the first finds its plans."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
