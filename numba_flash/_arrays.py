@@ -372,13 +372,28 @@ def like(x, outs):
     """``outs`` (NumPy arrays, or Numba device arrays on a GPU) as arrays of ``x``'s kind:
     PyTorch tensors on ``x``'s device (no copy: the tensor keeps the Numba array, and so
     its pool block, alive), CuPy arrays (the same), or unchanged (NumPy, Numba and other
-    device arrays)."""
+    device arrays), and JAX arrays for JAX inputs on a GPU, through DLPack from a PyTorch
+    tensor or CuPy array over the same memory (one of the two must be installed; the
+    device is synchronised first, as JAX orders nothing after numba_flash's stream)."""
     if _is_torch(x):
         return tuple(_as_torch(o, x.device) for o in outs)
-    if type(x).__module__.split(".")[0] == "cupy" and not SIMULATOR:
+    module = type(x).__module__.split(".")[0]
+    if module == "cupy" and not SIMULATOR:
         import cupy
         return tuple(cupy.asarray(o) for o in outs)
+    if module in ("jax", "jaxlib") and not SIMULATOR and outs and not isinstance(outs[0], np.ndarray):
+        return _as_jax(outs)
     return tuple(outs)
+
+
+def _as_jax(outs):
+    import importlib.util
+    import jax.dlpack
+    cuda.synchronize()
+    if importlib.util.find_spec("torch") is not None:
+        return tuple(jax.dlpack.from_dlpack(_as_torch(o, "cuda")) for o in outs)
+    import cupy
+    return tuple(jax.dlpack.from_dlpack(cupy.asarray(o)) for o in outs)
 
 
 def _as_torch(o, device):

@@ -506,8 +506,9 @@ def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=Non
 
     Array kinds: results come back as q's kind. NumPy arrays for NumPy; PyTorch tensors
     for PyTorch tensors, on q's device (CUDA tensors run on the GPU; CPU tensors take the
-    host path, like NumPy); CuPy arrays for CuPy; Numba device arrays for Numba and other
-    device arrays (JAX). Device results are never copied: the tensor or array views
+    host path, like NumPy); CuPy arrays for CuPy; JAX arrays for JAX (through DLPack,
+    after a device synchronisation); Numba device arrays for Numba and other device
+    arrays. Device results are never copied: the tensor or array views
     numba_flash's pool memory and keeps it alive while it lives.
 
     Streams: with PyTorch tensors the kernel runs on PyTorch's current stream; with CuPy
