@@ -554,12 +554,15 @@ def spec_record(spec, s: Shape, rows):
             "grid": [-(-rows // t.BM) * s.B * s.H, -(-s.d // t.DO)]}
 
 
-def time_numba(call, bench, flops, plan=None):
+def time_numba(call, bench, flops, plan=None, op=None):
     """``measure`` one call of ours, then, given ``plan`` (``plan()`` returns the launches
-    the call makes: ``api.plan_forward`` / ``plan_backward``), its kernels alone, then its
-    peak extra device memory; errors go in the record."""
+    the call makes: ``api.plan_forward`` / ``plan_backward``), its kernels alone, given
+    ``op`` the same call through ``numba_flash.torch``'s custom op, then its peak extra
+    device memory; errors go in the record."""
     try:
         rec = measure(call, bench.events, bench)
+        if op is not None:
+            rec["op_ms_median"] = measure(op, bench.events, bench)["ms_median"]
         if plan is not None:
             _, launches = plan()
             rec["kernel_ms_median"] = measure(lambda: [launch(*args) for args in launches],
@@ -756,7 +759,8 @@ def common_notes(doc, call, flops):
         + ", same tensors; '—' = unsupported, out of memory or not run.",
         "kernel ms: the same call's kernel launches alone, prepared once (api.plan_forward / plan_backward: "
         "input checks, output allocation and views excluded; Numba's per-launch argument handling included). "
-        "ours ms − kernel ms is the host time the call adds.",
+        "ours ms − kernel ms is the host time the call adds. op ms: the same call through "
+        "numba_flash.torch's custom op (PyTorch inputs only); op ms − ours ms is what the op adds.",
     ]
 
 
@@ -798,7 +802,11 @@ def time_ours(cfg, arrays, bench):
     q, k, v = arrays
     call = lambda: numba_flash.attention_fwd(q, k, v, causal=cfg["causal"])  # noqa: E731
     plan = lambda: api.plan_forward(q, k, v, causal=cfg["causal"])  # noqa: E731
-    return time_numba(call, bench, forward_flops(cfg["shape"], cfg["causal"]), plan)
+    op = None
+    if bench.kind == "torch":
+        import numba_flash.torch as nft
+        op = lambda: nft.attention_fwd(q, k, v, causal=cfg["causal"])  # noqa: E731
+    return time_numba(call, bench, forward_flops(cfg["shape"], cfg["causal"]), plan, op)
 
 
 def time_peer(name, cfg, arrays, bench, refs):
@@ -950,7 +958,12 @@ def time_backward_ours(cfg, q, k, v, dout, bench):
         return {"error": f"forward failed: {type(exc).__name__}: {exc}"}
     call = lambda: numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
     plan = lambda: api.plan_backward(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
-    return time_numba(call, bench, backward_flops(cfg["shape"], causal), plan)
+    op = None
+    if bench.kind == "torch":
+        import numba_flash.torch  # noqa: F401 - registers the op
+        bwd = bench.torch.ops.numba_flash.attention_bwd
+        op = lambda: bwd(dout, q, k, v, out, lse, causal, None, -1, -1, None, None)  # noqa: E731
+    return time_numba(call, bench, backward_flops(cfg["shape"], causal), plan, op)
 
 
 def time_backward_peer(name, cfg, q, k, v, dout, bench, refs):
@@ -1203,7 +1216,8 @@ def make_columns(theory_header, theory_key):
          ("dtype", 7, lambda r: r["dtype"]),
          ("ours ms", 9, lambda r: _fmt(r["ours"].get("ms_median"), ".3f")),
          ("ours TF/s", 9, lambda r: _fmt(r["ours"].get("tflops"), ".2f")),
-         ("kernel ms", 9, lambda r: _fmt(r["ours"].get("kernel_ms_median"), ".3f"))]
+         ("kernel ms", 9, lambda r: _fmt(r["ours"].get("kernel_ms_median"), ".3f")),
+         ("op ms", 9, lambda r: _fmt(r["ours"].get("op_ms_median"), ".3f"))]
         + [(f"{lbl} TF/s", 9, _peer(n, "tflops", ".2f")) for n, (lbl, _) in PEERS.items()]
         + [(f"ours/{lbl}", 9, _peer(n, "ratio", ".2f")) for n, (lbl, _) in PEERS.items()]
         + [("extra MiB", 9, lambda r: _fmt(r["ours"].get("extra_mib"), ".1f")),
