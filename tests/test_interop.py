@@ -220,6 +220,17 @@ def test_torch_inputs_on_side_stream():
 
 
 @GPU_ONLY
+def test_jax_in_jax_out():
+    """JAX arrays in, JAX arrays out (DLPack), values as the oracle's."""
+    jnp = pytest.importorskip("jax.numpy")
+    rng = _rng(63)
+    q, k, v = (_normal(rng, (2, 3, n, DT)) for n in (NT, NT + 17, NT + 17))
+    out, lse = numba_flash.attention_fwd(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), causal=True)
+    assert "jax" in type(out).__module__ and "jax" in type(lse).__module__, type(out)
+    check_forward(np.asarray(out), np.asarray(lse), q, k, v, True, None)
+
+
+@GPU_ONLY
 @pytest.mark.parametrize("layout", ["contiguous", "transposed"])
 def test_cupy_inputs(layout):
     cp = pytest.importorskip("cupy")

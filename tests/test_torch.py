@@ -157,3 +157,20 @@ def test_sdpa_drop_in_refuses_what_it_cannot_honour(kwargs, message):
         kwargs["attn_mask"] = torch.ones(3, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match=message):
         nft.scaled_dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.skipif("cuda" not in DEVICES, reason="pool memory behind CUDA tensors needs a GPU")
+def test_returned_tensor_keeps_its_memory():
+    """A returned CUDA tensor views numba_flash's pool memory: it stays valid while the
+    tensor lives, even after every other reference is gone and later calls reuse the pool."""
+    import gc
+    gen = torch.Generator().manual_seed(9)
+    q, k, v = (_randn(gen, (2, 4, 300, 64), torch.bfloat16, "cuda") for _ in range(3))
+    out = numba_flash.attention(q, k, v, causal=True)
+    expected = out.clone()
+    gc.collect()
+    for scale in (0.1, 0.2, 0.3):          # new outputs of the same size, from the same pool
+        numba_flash.attention(q, k, v, scale=scale)
+        gc.collect()
+    torch.cuda.synchronize()
+    assert torch.equal(out, expected)
