@@ -960,7 +960,7 @@ def time_backward_ours(cfg, q, k, v, dout, bench):
     plan = lambda: api.plan_backward(dout, q, k, v, out, lse, causal=causal)  # noqa: E731
     op = None
     if bench.kind == "torch":
-        import numba_flash.torch  # noqa: F401 - registers the op
+        from numba_flash import torch as _registers_the_op  # noqa: F401
         bwd = bench.torch.ops.numba_flash.attention_bwd
         op = lambda: bwd(dout, q, k, v, out, lse, causal, None, -1, -1, None, None)  # noqa: E731
     return time_numba(call, bench, backward_flops(cfg["shape"], causal), plan, op)
