@@ -23,8 +23,8 @@ import numba_flash.torch as nft
 SIM = numba_flash.SIMULATOR or not torch.cuda.is_available()
 DEVICE = "cpu" if SIM else "cuda"
 DTYPE = torch.float32 if SIM else torch.bfloat16
-V, T, LAYERS, HEADS, WIDTH = (11, 8, 2, 2, 32) if SIM else (97, 512, 2, 8, 512)
-BATCH, STEPS, LR = (2, 3, 3e-3) if SIM else (32, 300, 1e-3)
+V, T, LAYERS, HEADS, WIDTH = (11, 8, 1, 2, 32) if SIM else (97, 512, 2, 8, 512)
+BATCH, STEPS, LR = (2, 2, 3e-3) if SIM else (32, 300, 1e-3)
 
 
 class Block(nn.Module):

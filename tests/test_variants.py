@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 import pytest
-from hypothesis import example, given, note
+from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
@@ -243,6 +243,7 @@ def test_forward_variants_match_oracle(case):
 
 
 @_with_examples(BWD_EXAMPLES)
+@settings(max_examples=40 if ON_GPU else 8)     # the simulator's budget: the backward runs three kernels
 @given(case=variant_cases(BWD_DTYPES))
 def test_backward_variants_match_oracle(case):
     note(repr(case))
