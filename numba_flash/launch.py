@@ -22,6 +22,9 @@ from numba import cuda
 from . import _arrays
 from ._runtime import SIMULATOR
 
+if not SIMULATOR:
+    from numba.cuda.core.errors import NumbaPerformanceWarning as _PerformanceWarning
+
 DEFAULT_SMEM_LIMIT = 48 * 1024
 # The simulator runs one Python thread per CUDA thread, and its scheduler busy-polls
 # them; a short GIL switch interval makes kernels with barriers and shuffles run ~5x
@@ -173,16 +176,21 @@ def _launch_numba(kern, grid, block, smem_bytes, args, stream):
     Launching with too much shared memory fails before anything runs, so the retry
     after opting in (which needs the compiled overload the failed launch produced) is safe.
     """
-    if smem_bytes <= DEFAULT_SMEM_LIMIT:
-        kern[grid, block, stream, smem_bytes](*args)
-        return
-    try:
-        kern[grid, block, stream, smem_bytes](*args)
-    except Exception as e:   # numba's CudaAPIError or cuda.core's CUDAError, depending on the binding
-        if "INVALID_VALUE" not in str(e):
-            raise
-        _allow_dynamic_smem(kern, smem_bytes)
-        kern[grid, block, stream, smem_bytes](*args)
+    with warnings.catch_warnings():
+        # "Grid size N will likely result in GPU under-utilization": the package chooses its
+        # grids (small problems have small grids, and key splits fill the GPU where they pay);
+        # the warning would only tell users about numba_flash's internals.
+        warnings.simplefilter("ignore", _PerformanceWarning)
+        if smem_bytes <= DEFAULT_SMEM_LIMIT:
+            kern[grid, block, stream, smem_bytes](*args)
+            return
+        try:
+            kern[grid, block, stream, smem_bytes](*args)
+        except Exception as e:   # numba's CudaAPIError or cuda.core's CUDAError, depending on the binding
+            if "INVALID_VALUE" not in str(e):
+                raise
+            _allow_dynamic_smem(kern, smem_bytes)
+            kern[grid, block, stream, smem_bytes](*args)
 
 
 def launch(kern, grid, block, smem_bytes, args, stream=0):
