@@ -1,6 +1,7 @@
 """Device-side building blocks that need LLVM IR or PTX, each with a simulator twin.
 
-This is the only module that speaks LLVM IR. Every operation here has two
+This module and ``ops_hopper`` (sm_90a instructions, GPU only) are the only ones
+that speak LLVM IR. Every operation here has two
 implementations with the same semantics:
 
 * compiled: a numba ``@intrinsic`` that emits the instruction we want;

@@ -85,7 +85,7 @@ def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None, keep_sass: bool = F
     SASS). NVVM may write a newer PTX ISA version than this ptxas reads; the
     ``.version`` line is then lowered to the one ptxas names (the kernels use no newer
     instruction, or ptxas reports it). Returns {} if ptxas fails."""
-    arch = f"sm_{cc[0]}{cc[1]}"
+    arch = f"sm_{cc[0]}{cc[1]}{''.join(cc[2:])}"      # (9, 0, "a") -> sm_90a
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         for _ in range(2):
