@@ -140,6 +140,12 @@ tma_load_3d = _void("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrie
                     "first, into shared memory; completes ``box bytes`` on the mbarrier. Out-of-bounds "
                     "elements are zero-filled.")
 
+tma_load_4d = _void("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes "
+                    "[$0], [$1, {$2, $3, $4, $5}], [$6];",
+                    (U32, U64, types.int32, types.int32, types.int32, types.int32, U32), "r,l,r,r,r,r,r",
+                    "``tma_load_3d`` with four coordinates: a tensor map over the kernels' 4-D views "
+                    "``(d, N, B2, B1)``, any strides.")
+
 
 def smem_descriptor(lbo, sbo, swizzle):
     """An intrinsic ``(shared address) -> u64``: the wgmma matrix descriptor of the tile at that
@@ -211,6 +217,22 @@ def accumulator(n):
             return ctx.make_tuple(builder, acc_t, [F32(0.0)] * regs)
         return acc_t(), codegen
     return zeros
+
+
+@intrinsic
+def scale_rows(typingctx, acc, row0, row1):
+    """The accumulator tuple with its elements of row ``16 w + g`` times ``row0`` and those of
+    row ``16 w + g + 8`` times ``row1`` (elements ``i`` with ``(i // 2) % 2`` 0 or 1): the
+    online softmax's rescale of O, in registers."""
+    if not (isinstance(acc, types.UniTuple) and acc.dtype == types.float32
+            and isinstance(row0, types.Float) and isinstance(row1, types.Float)):
+        return None
+
+    def codegen(ctx, builder, sig, args):
+        f = [ctx.cast(builder, v, t, types.float32) for v, t in zip(args[1:], sig.args[1:])]
+        vals = [builder.fmul(builder.extract_value(args[0], i), f[(i // 2) % 2]) for i in range(acc.count)]
+        return ctx.make_tuple(builder, acc, vals)
+    return acc(acc, row0, row1), codegen
 
 
 _WGMMA = {}

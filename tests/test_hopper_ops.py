@@ -46,6 +46,7 @@ def sample_kernel():
                 H.tensormap_acquire(H.global_address(tmap))
                 H.mbarrier_arrive_expect_tx(bar, 16384)
                 H.tma_load_3d(base, H.global_address(tmap), 0, 0, 0, bar)
+                H.tma_load_4d(base + 8192, H.global_address(tmap), 0, 0, 0, 0, bar)
         else:                           # consumer warpgroup
             take()
             while H.mbarrier_try_wait(bar, 0) == 0:
@@ -56,6 +57,7 @@ def sample_kernel():
             acc = mma_rs(acc, numba.uint32(1), numba.uint32(2), numba.uint32(3), numba.uint32(4), desc(base), 1)
             H.wgmma_commit()
             wait0()
+            acc = H.scale_rows(acc, numba.float32(0.5), numba.float32(2.0))
             H.named_barrier(1, 128)
             for i in range(N // 2):
                 out[tid, i] = acc[i]
@@ -69,7 +71,8 @@ def main():
     cc = (9, 0, "a")
     text = ptx.compile_ptx(kern, sig, [cc], launch_bounds=(256, 1))[cc]
     report = {"target": re.findall(r"^\.target\s+(\S+)", text, re.M),
-              **{k: text.count(k) for k in ("wgmma.mma_async", "cp.async.bulk.tensor.3d", "mbarrier.try_wait",
+              **{k: text.count(k) for k in ("wgmma.mma_async", "cp.async.bulk.tensor.3d", "cp.async.bulk.tensor.4d",
+                                            "mbarrier.try_wait",
                                             "setmaxnreg", "bar.sync", ".local")}}
     tool = ptx.find_ptxas()
     if tool:
@@ -86,6 +89,7 @@ def test_hopper_intrinsics_compile_for_sm_90a():
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["target"] == ["sm_90a"]
     assert report["wgmma.mma_async"] == 3 and report["cp.async.bulk.tensor.3d"] == 1
+    assert report["cp.async.bulk.tensor.4d"] == 1
     assert report["mbarrier.try_wait"] >= 1 and report["setmaxnreg"] == 2 and report["bar.sync"] >= 1
     assert report[".local"] == 0, "the accumulator tuple must stay in registers"
     if "assembled" not in report:
