@@ -8,7 +8,8 @@ NVIDIA's compute-sanitizer (on a GPU machine)::
 Each call is checked against the float64 oracle as well, so a run that the sanitizer
 passes also computed the right thing. Exits 1 on a wrong result. ``--quick``: the first
 shape only (racecheck is slow); ``--transforms``: softcap and ALiBi on a grouped-head
-shape, float32 and bfloat16 only.
+shape, float32 and bfloat16 only; ``--low``: float16 and bfloat16 only (the tensor-core
+kernels).
 """
 import sys
 
@@ -39,6 +40,8 @@ def main():
         shapes = SHAPES[:1]
     if "--transforms" in sys.argv:
         shapes, options, dtypes = SHAPES[1:2], OPTIONS[4:], DTYPES[::3]
+    if "--low" in sys.argv:
+        dtypes = [(dt, tol) for dt, tol in dtypes if dt in ("float16", "bfloat16")]
     for (hq, hkv, nq, nk, d) in shapes:
         for opts in options:
             opts = dict(opts)
