@@ -247,3 +247,33 @@ def wgmma(n, dtype_name, a_in_registers=False, trans_b=0):
     if key not in _WGMMA:
         _WGMMA[key] = _wgmma(*key)
     return _WGMMA[key]
+
+
+# --------------------------------------------------------------------------- host: tensor maps
+def tensor_map_4d(ary, box_rows, box_cols=64):
+    """A TMA tensor map (in a 128-byte device array, for :func:`tensormap_acquire` and the
+    ``tma_load_*`` intrinsics) over a 4-D device array ``(B1, B2, N, d)`` of 16-bit elements
+    (float16/bfloat16 bits), any strides with a unit last one: dims ``(d, N, B2, B1)``,
+    boxes of ``box_cols`` (at most 64: 128 bytes) × ``box_rows`` × 1 × 1, 128-byte swizzle,
+    zero fill outside the array. Needs a GPU (the driver encodes it)."""
+    import ctypes
+
+    import numpy as np
+    from cuda.bindings import driver as cu
+    from numba import cuda
+
+    shape, strides = tuple(ary.shape), tuple(ary.strides)
+    assert len(shape) == 4 and strides[3] == 2 and box_cols * 2 <= 128, (shape, strides, box_cols)
+    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    err, tmap = cu.cuTensorMapEncodeTiled(
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, ary.__cuda_array_interface__["data"][0],
+        [u64(shape[3]), u64(shape[2]), u64(shape[1]), u64(shape[0])],
+        [u64(strides[2]), u64(strides[1]), u64(strides[0])],
+        [u32(box_cols), u32(box_rows), u32(1), u32(1)], [u32(1)] * 4,
+        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise ValueError(f"cuTensorMapEncodeTiled failed ({err}) for shape {shape}, strides {strides}: TMA needs "
+                         "16-byte aligned addresses and strides that are multiples of 16 bytes.")
+    return cuda.to_device(np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8).copy())

@@ -64,11 +64,88 @@ def sample_kernel():
     return kern, (types.uint8[::1], types.float32[:, ::1])
 
 
+# The layouts the Hopper forward relies on (docs/hopper.md), in one block: Q (64 × 128) and
+# K, V (128 × 128, rows past the array's end zero-filled by TMA) in 64-column sub-tiles with
+# the 128-byte swizzle; S = Q Kᵀ by m64n128k16 products from shared memory; O = P V with P
+# (S rounded to bf16) from registers and V as a transposed (MN-major) B, two m64n64k16 per
+# 16 keys. Byte sizes: a 64-column sub-tile of R rows is R · 128.
+LM, LN, LD = 64, 128, 128
+SUB_Q, SUB_K = LM * 128, LN * 128
+Q_OFF, K_OFF, V_OFF = 0, 2 * SUB_Q, 2 * SUB_Q + 2 * SUB_K
+LAYOUT_BAR = V_OFF + 2 * SUB_K
+LAYOUT_SMEM = LAYOUT_BAR + 8 + 1024            # the barrier, and room to align the base to 1024
+
+
+def layout_kernel():
+    from numba import cuda, types
+    from numba_flash import ops
+    from numba_flash import ops_hopper as H
+
+    s_mma = H.wgmma(LN, "bfloat16")
+    o_mma = H.wgmma(64, "bfloat16", a_in_registers=True, trans_b=1)
+    zeros_s, zeros_o = H.accumulator(LN), H.accumulator(64)
+    k_major = H.smem_descriptor(16, 1024, 1)
+    mn_major = H.smem_descriptor(16, 1024, 1)
+    wait0 = H.wgmma_wait(0)
+    pack = ops.pack_bf16x2
+
+    def kern(tq, tk, tv, s_out, o_out):
+        sm = cuda.shared.array(0, types.uint8, alignment=1024)
+        tid = cuda.threadIdx.x
+        base = (H.shared_address(sm) + 1023) & ~1023
+        bar = base + LAYOUT_BAR
+        if tid == 0:
+            H.mbarrier_init(bar, 1)
+            H.fence_mbarrier_init()
+        cuda.syncthreads()
+        if tid >= 128:
+            if tid == 128:
+                H.tensormap_acquire(H.global_address(tq))
+                H.tensormap_acquire(H.global_address(tk))
+                H.tensormap_acquire(H.global_address(tv))
+                H.mbarrier_arrive_expect_tx(bar, 2 * SUB_Q + 4 * SUB_K)
+                for sub in range(2):
+                    H.tma_load_4d(base + Q_OFF + sub * SUB_Q, H.global_address(tq), 64 * sub, 0, 0, 0, bar)
+                    H.tma_load_4d(base + K_OFF + sub * SUB_K, H.global_address(tk), 64 * sub, 0, 0, 0, bar)
+                    H.tma_load_4d(base + V_OFF + sub * SUB_K, H.global_address(tv), 64 * sub, 0, 0, 0, bar)
+        else:
+            while H.mbarrier_try_wait(bar, 0) == 0:
+                pass
+            H.wgmma_fence()
+            s = zeros_s()
+            for ks in range(LD // 16):
+                off = (ks // 4) * SUB_Q + 32 * (ks % 4)
+                koff = (ks // 4) * SUB_K + 32 * (ks % 4)
+                s = s_mma(s, k_major(base + Q_OFF + off), k_major(base + K_OFF + koff), 1 if ks > 0 else 0)
+            H.wgmma_commit()
+            wait0()
+            w, g, q = tid // 32, (tid % 32) // 4, tid % 4
+            for i in range(LN // 2):
+                s_out[16 * w + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * q + i % 2] = s[i]
+            H.wgmma_fence()
+            o0, o1 = zeros_o(), zeros_o()
+            for t in range(LN // 16):
+                a0, a1 = pack(s[8 * t], s[8 * t + 1]), pack(s[8 * t + 2], s[8 * t + 3])
+                a2, a3 = pack(s[8 * t + 4], s[8 * t + 5]), pack(s[8 * t + 6], s[8 * t + 7])
+                acc = 1 if t > 0 else 0
+                o0 = o_mma(o0, a0, a1, a2, a3, mn_major(base + V_OFF + 2048 * t), acc)
+                o1 = o_mma(o1, a0, a1, a2, a3, mn_major(base + V_OFF + SUB_K + 2048 * t), acc)
+            H.wgmma_commit()
+            wait0()
+            for i in range(32):
+                r, c = 16 * w + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * q + i % 2
+                o_out[r, c] = o0[i]
+                o_out[r, 64 + c] = o1[i]
+    return kern, (types.uint8[::1], types.uint8[::1], types.uint8[::1], types.float32[:, ::1],
+                  types.float32[:, ::1])
+
+
 def main():
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
     from numba_flash import ptx
     kern, sig = sample_kernel()
     cc = (9, 0, "a")
+    layout = ptx.compile_ptx(*layout_kernel(), [cc], launch_bounds=(256, 1))[cc]
     text = ptx.compile_ptx(kern, sig, [cc], launch_bounds=(256, 1))[cc]
     report = {"target": re.findall(r"^\.target\s+(\S+)", text, re.M),
               **{k: text.count(k) for k in ("wgmma.mma_async", "cp.async.bulk.tensor.3d", "cp.async.bulk.tensor.4d",
@@ -79,6 +156,8 @@ def main():
         info = ptx.assemble(text, cc, tool)
         report["assembled"] = bool(info)
         report.update({k: info[k] for k in ("registers", "spill_stores") if k in info})
+    report["layout_wgmma"] = layout.count("wgmma.mma_async")
+    report["layout_local"] = layout.count(".local")
     print(json.dumps(report))
 
 
@@ -92,9 +171,50 @@ def test_hopper_intrinsics_compile_for_sm_90a():
     assert report["cp.async.bulk.tensor.4d"] == 1
     assert report["mbarrier.try_wait"] >= 1 and report["setmaxnreg"] == 2 and report["bar.sync"] >= 1
     assert report[".local"] == 0, "the accumulator tuple must stay in registers"
+    assert report["layout_wgmma"] >= 3 and report["layout_local"] == 0, report
     if "assembled" not in report:
         pytest.skip("no ptxas: PTX checked, not assembled")
     assert report["assembled"] and report.get("spill_stores", 0) == 0, report
+
+
+def _hopper_gpu():
+    import numba_flash
+    if numba_flash.SIMULATOR:
+        return False
+    from numba import cuda
+    return cuda.get_current_device().compute_capability == (9, 0)
+
+
+def test_wgmma_layouts_on_gpu():
+    """TMA with zero fill, K-major and MN-major descriptors with the 128-byte swizzle, A from
+    registers: S and O of the layout kernel against NumPy (float64 of the bf16 inputs; P is
+    the kernel's own S rounded to bf16)."""
+    if not _hopper_gpu():
+        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
+    import ml_dtypes
+    import numpy as np
+    from numba import cuda
+    from numba_flash import ops_hopper as H
+    from numba_flash.launch import launch
+
+    rng = np.random.default_rng(0)
+    nk = 100                                            # rows 100..127 of the K and V boxes: zero fill
+    q = rng.standard_normal((1, 1, LM, LD)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 1, nk, LD)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
+    tq, tk, tv = H.tensor_map_4d(dq, LM), H.tensor_map_4d(dk, LN), H.tensor_map_4d(dv, LN)
+    s_out, o_out = (cuda.to_device(np.full((LM, n), np.nan, np.float32)) for n in (LN, LD))
+    kern, _ = layout_kernel()
+    launch(cuda.jit(launch_bounds=(256, 1))(kern), 1, 256, LAYOUT_SMEM, (tq, tk, tv, s_out, o_out))
+    s, o = s_out.copy_to_host(), o_out.copy_to_host()
+    f64 = lambda x: x.astype(np.float64)[0, 0]          # noqa: E731
+    kz = np.zeros((LN, LD))
+    kz[:nk] = f64(k)
+    vz = np.zeros((LN, LD))
+    vz[:nk] = f64(v)
+    np.testing.assert_allclose(s, f64(q) @ kz.T, rtol=1e-5, atol=1e-4)
+    p = s.astype(ml_dtypes.bfloat16).astype(np.float64)
+    np.testing.assert_allclose(o, p @ vz, rtol=1e-5, atol=1e-3)
 
 
 if __name__ == "__main__":
