@@ -140,6 +140,21 @@ def layout_kernel():
                   types.float32[:, ::1])
 
 
+def forward_drafts(ptx, cc, tool):
+    """{d: (wgmma count, local memory, spill bytes)} of the Hopper forward's first draft."""
+    from numba import types as T
+    from numba_flash.kernels.forward_wgmma import make_forward_wgmma
+    from numba_flash.scores import ScoreSpec
+    sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint16[:, :, :, ::1], T.float32[:, :, ::1], T.int64, T.int64,
+           T.float32, T.int64, T.int64, T.float32, T.float32, T.float32[:, :, :])
+    found = {}
+    for d, scores in ((64, ScoreSpec(causal=True)), (128, ScoreSpec())):
+        text = ptx.compile_ptx(make_forward_wgmma("bfloat16", d, scores).py_func, sig, [cc], launch_bounds=(256, 1))[cc]
+        spills = ptx.assemble(text, cc, tool).get("spill_stores") if tool else None
+        found[d] = (text.count("wgmma.mma_async"), text.count(".local"), spills)
+    return found
+
+
 def main():
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
     from numba_flash import ptx
@@ -149,9 +164,9 @@ def main():
     text = ptx.compile_ptx(kern, sig, [cc], launch_bounds=(256, 1))[cc]
     report = {"target": re.findall(r"^\.target\s+(\S+)", text, re.M),
               **{k: text.count(k) for k in ("wgmma.mma_async", "cp.async.bulk.tensor.3d", "cp.async.bulk.tensor.4d",
-                                            "mbarrier.try_wait",
-                                            "setmaxnreg", "bar.sync", ".local")}}
+                                            "mbarrier.try_wait", "setmaxnreg", "bar.sync", ".local")}}
     tool = ptx.find_ptxas()
+    report["forward"] = forward_drafts(ptx, cc, tool)
     if tool:
         info = ptx.assemble(text, cc, tool)
         report["assembled"] = bool(info)
@@ -172,6 +187,8 @@ def test_hopper_intrinsics_compile_for_sm_90a():
     assert report["mbarrier.try_wait"] >= 1 and report["setmaxnreg"] == 2 and report["bar.sync"] >= 1
     assert report[".local"] == 0, "the accumulator tuple must stay in registers"
     assert report["layout_wgmma"] >= 3 and report["layout_local"] == 0, report
+    for d, (mmas, local, spills) in report["forward"].items():      # S: d / 16 products, O: 2 per 16 keys and 64 columns
+        assert mmas == int(d) // 16 + 4 * int(d) // 64 and local == 0 and spills in (0, None), (d, report["forward"])
     if "assembled" not in report:
         pytest.skip("no ptxas: PTX checked, not assembled")
     assert report["assembled"] and report.get("spill_stores", 0) == 0, report
