@@ -234,5 +234,41 @@ def test_wgmma_layouts_on_gpu():
     np.testing.assert_allclose(o, p @ vz, rtol=1e-5, atol=1e-3)
 
 
+@pytest.mark.parametrize("d,causal,nq,nk", [(64, True, 200, 333), (128, False, 130, 77), (128, True, 64, 64)])
+def test_forward_draft_on_gpu(d, causal, nq, nk):
+    """The Hopper forward draft against the float64 oracle (the FlashAttention rule of the
+    tensor-core tests: bf16 outputs within a few units of the last place)."""
+    if not _hopper_gpu():
+        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
+    import math
+    import ml_dtypes
+    import numpy as np
+    from numba import cuda
+    from numba_flash import ops_hopper as H
+    from numba_flash import reference
+    from numba_flash.kernels.forward_wgmma import BM, THREADS, make_forward_wgmma
+    from numba_flash.launch import launch
+    from numba_flash.scores import LOG2E, parse
+
+    rng = np.random.default_rng(d + nq)
+    q = rng.standard_normal((2, 3, nq, d)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((2, 3, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
+    maps = [H.tensor_map_4d(x, BM) for x in (dq, dk, dv)]
+    out = cuda.to_device(np.full((2, 3, nq, d), 0x7FC0, np.uint16))          # NaN bits
+    lse = cuda.to_device(np.full((2, 3, nq), np.nan, np.float32))
+    slopes = cuda.to_device(np.zeros((2, 3, 1), np.float32))
+    rules = parse(causal=causal)
+    kern = make_forward_wgmma("bfloat16", d, rules.spec)
+    scale = 1 / math.sqrt(d)
+    args = (*maps, out, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes)
+    launch(kern, -(-nq // BM) * 6, THREADS, kern.smem_bytes, args)
+    got = out.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float64)
+    want, want_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
+    np.testing.assert_allclose(lse.copy_to_host(), want_lse, atol=1e-3, rtol=1e-3)
+
+
 if __name__ == "__main__":
     main()
