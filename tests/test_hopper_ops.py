@@ -12,8 +12,9 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 if __name__ != "__main__":
-    import pytest
     from conftest import HANG_GUARD_S, project_env
 
 N = 64          # accumulator columns of the sample products
