@@ -82,12 +82,19 @@ if not SIMULATOR:
         """Four consecutive elements as scalar loads (any dtype; no alignment needed)."""
         return a[i], a[i + 1], a[i + 2], a[i + 3]
 
-    def _cp_async16_codegen(ctx, builder, sig, args):
+    def _cp_async16_codegen(ctx, builder, sig, args, rows=None):
         """``cp.async.cg.shared.global [dst + dst_idx], [&src[indices...]], 16, src_bytes``;
-        arguments: dst, dst_idx, src, one index per dim of src, src_bytes."""
+        arguments: dst, dst_idx, src, one index per dim of src, src_bytes. ``rows`` (the
+        LLVM value of an index): the source address moves on by that many row strides
+        (the stride of src's second-to-last dim)."""
+        from numba.cuda import cgutils
         d = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
         d = builder.ptrtoint(builder.addrspacecast(d, ir.PointerType(d.type.pointee, 3)), ir.IntType(32))
         g = _elem_ptr(ctx, builder, sig.args[2], args[2], sig.args[3:-1], args[3:-1])
+        if rows is not None:
+            strides = cgutils.unpack_tuple(builder, ctx.make_array(sig.args[2])(ctx, builder, args[2]).strides,
+                                           sig.args[2].ndim)
+            g = builder.gep(builder.bitcast(g, ir.IntType(8).as_pointer()), [builder.mul(rows, strides[-2])])
         g = builder.ptrtoint(builder.addrspacecast(g, ir.PointerType(g.type.pointee, 1)), ir.IntType(64))
         n = ctx.cast(builder, args[-1], sig.args[-1], types.uint32)
         fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), ir.IntType(64), ir.IntType(32)])
@@ -122,20 +129,10 @@ if not SIMULATOR:
             return None
 
         def codegen(ctx, builder, sig, args):
-            from numba.cuda import cgutils
-            i64, i8p = ir.IntType(64), ir.IntType(8).as_pointer()
-            d = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:2], args[1:2])
-            d = builder.ptrtoint(builder.addrspacecast(d, ir.PointerType(d.type.pointee, 3)), ir.IntType(32))
-            g = builder.bitcast(_elem_ptr(ctx, builder, sig.args[2], args[2], sig.args[3:7], args[3:7]), i8p)
-            stride = cgutils.unpack_tuple(builder, ctx.make_array(sig.args[2])(ctx, builder, args[2]).strides, 4)[2]
-            g = builder.gep(g, [builder.mul(ctx.cast(builder, args[7], sig.args[7], types.intp), stride)])
-            g = builder.ptrtoint(builder.addrspacecast(g, ir.PointerType(ir.IntType(8), 1)), i64)
-            n = ctx.cast(builder, args[8], sig.args[8], types.uint32)
-            fty = ir.FunctionType(ir.VoidType(), [ir.IntType(32), i64, ir.IntType(32)])
-            asm = ir.InlineAsm(fty, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
-                               side_effect=True)
-            builder.call(asm, [d, g, n])
-            return ctx.get_dummy_value()
+            rows = ctx.cast(builder, args[7], sig.args[7], types.intp)
+            keep = [i for i in range(9) if i != 7]          # the cp_async16 arguments
+            return _cp_async16_codegen(ctx, builder, sig.replace(args=tuple(sig.args[i] for i in keep)),
+                                       [args[i] for i in keep], rows)
 
         return types.void(dst, dst_idx, src, i0, i1, i2, i3, rows, src_bytes), codegen
 
@@ -530,7 +527,7 @@ else:
 
     def exp2_approx(x):
         y = _np.float32(_np.exp2(_np.float32(x)))
-        return y if y >= _np.float32(2.0 ** -126) or y == 0 else _np.float32(0)
+        return _np.float32(0) if 0 < y < _np.float32(2.0 ** -126) else y    # NaN stays NaN
 
     def pack_f16x2(lo, hi):
         return _np.uint32(_f16_bits(lo) | (_f16_bits(hi) << 16))

@@ -218,9 +218,8 @@ def _sig_backward_mma(dt, layout):
 
 
 def _sig_delta(dt, layout):
-    acc = "float32" if dt in LOW_DTYPES else dt
-    a = _a4("uint16" if dt in LOW_DTYPES else dt, layout)
-    return f"void({a}, {a}, {acc}[:, :, ::1])"
+    a = _a4(dt, layout)
+    return f"void({a}, {a}, {dt}[:, :, ::1])"
 
 
 def _sig_stats(dt, layout):
