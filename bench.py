@@ -1552,8 +1552,7 @@ def _common_options(p=None):
                    help=f"shape sets, comma-separated (default: {','.join(DEFAULT_SHAPES)})")
     dtypes = registry.dtypes("forward")
     p.add_argument("--dtype", type=_csv_choice(dtypes), default=["float32"],
-                   help="dtypes, comma-separated, from " + ", ".join(dtypes) + " (default: float32; "
-                        "float16 and bfloat16: forward only)")
+                   help="dtypes, comma-separated, from " + ", ".join(dtypes) + " (default: float32)")
     p.add_argument("--quick", action="store_true", help="only " + ", ".join(map(str, QUICK_SHAPES)))
     p.add_argument("--tiny", action="store_true",
                    help="simulator-sized shapes, few repeats: a smoke test (works without a GPU)")
