@@ -235,6 +235,24 @@ def scale_rows(typingctx, acc, row0, row1):
     return acc(acc, row0, row1), codegen
 
 
+@intrinsic
+def to_array(typingctx, acc, ary):
+    """Store the accumulator tuple's elements into ``ary[0 .. n−1]`` (a local array) with
+    constant indices, as straight-line code: a Python loop ``ary[i] = acc[i]`` indexes the
+    tuple with a variable, which the compiler lowers to a copy through memory or a search
+    when it does not unroll the loop. Later loops over ``ary`` then unroll into registers."""
+    if not (isinstance(acc, types.UniTuple) and isinstance(ary, types.Array) and ary.ndim == 1):
+        return None
+
+    def codegen(ctx, builder, sig, args):
+        data = ctx.make_array(sig.args[1])(ctx, builder, args[1]).data
+        for i in range(acc.count):
+            v = ctx.cast(builder, builder.extract_value(args[0], i), acc.dtype, ary.dtype)
+            builder.store(v, builder.gep(data, [I32(i)]))
+        return ctx.get_dummy_value()
+    return types.void(acc, ary), codegen
+
+
 _WGMMA = {}
 
 

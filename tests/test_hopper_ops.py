@@ -144,13 +144,14 @@ def layout_kernel():
 def forward_drafts(ptx, cc, tool):
     """{d: (wgmma count, local memory, spill bytes)} of the Hopper forward's first draft."""
     from numba import types as T
-    from numba_flash.kernels.forward_wgmma import make_forward_wgmma
+    from numba_flash.kernels.forward_wgmma import THREADS, make_forward_wgmma
     from numba_flash.scores import ScoreSpec
     sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint16[:, :, :, ::1], T.float32[:, :, ::1], T.int64, T.int64,
            T.float32, T.int64, T.int64, T.float32, T.float32, T.float32[:, :, :])
     found = {}
     for d, scores in ((64, ScoreSpec(causal=True)), (128, ScoreSpec())):
-        text = ptx.compile_ptx(make_forward_wgmma("bfloat16", d, scores).py_func, sig, [cc], launch_bounds=(256, 1))[cc]
+        text = ptx.compile_ptx(make_forward_wgmma("bfloat16", d, scores).py_func, sig, [cc],
+                                launch_bounds=(THREADS, 1))[cc]
         spills = ptx.assemble(text, cc, tool).get("spill_stores") if tool else None
         found[d] = (text.count("wgmma.mma_async"), text.count(".local"), spills)
     return found
@@ -188,8 +189,10 @@ def test_hopper_intrinsics_compile_for_sm_90a():
     assert report["mbarrier.try_wait"] >= 1 and report["setmaxnreg"] == 2 and report["bar.sync"] >= 1
     assert report[".local"] == 0, "the accumulator tuple must stay in registers"
     assert report["layout_wgmma"] >= 3 and report["layout_local"] == 0, report
-    for d, (mmas, local, spills) in report["forward"].items():      # S: d / 16 products, O: 2 per 16 keys and 64 columns
-        assert mmas == int(d) // 16 + 4 * int(d) // 64 and local == 0 and spills in (0, None), (d, report["forward"])
+    # S = Q Kᵀ: d / 16 products, O += P V: 8 per 64 columns of d (128-key tiles), each written
+    # twice (tile 0's S before the loop, the last P V after it): unrolled, in registers
+    for d, (mmas, local, spills) in report["forward"].items():
+        assert mmas == 2 * (int(d) // 16 + 8 * int(d) // 64) and local == 0 and spills in (0, None), (d, report)
     if "assembled" not in report:
         pytest.skip("no ptxas: PTX checked, not assembled")
     assert report["assembled"] and report.get("spill_stores", 0) == 0, report
@@ -247,7 +250,7 @@ def test_forward_draft_on_gpu(d, causal, nq, nk):
     from numba import cuda
     from numba_flash import ops_hopper as H
     from numba_flash import reference
-    from numba_flash.kernels.forward_wgmma import BM, THREADS, make_forward_wgmma
+    from numba_flash.kernels.forward_wgmma import BM, BN, THREADS, make_forward_wgmma
     from numba_flash.launch import launch
     from numba_flash.scores import LOG2E, parse
 
@@ -255,7 +258,7 @@ def test_forward_draft_on_gpu(d, causal, nq, nk):
     q = rng.standard_normal((2, 3, nq, d)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((2, 3, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
-    maps = [H.tensor_map_4d(x, BM) for x in (dq, dk, dv)]
+    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, BM), (dk, BN), (dv, BN))]
     out = cuda.to_device(np.full((2, 3, nq, d), 0x7FC0, np.uint16))          # NaN bits
     lse = cuda.to_device(np.full((2, 3, nq), np.nan, np.float32))
     slopes = cuda.to_device(np.zeros((2, 3, 1), np.float32))

@@ -1,22 +1,32 @@
-"""FlashAttention forward on Hopper (sm_90a): TMA, mbarriers and warpgroup MMA — first draft.
+"""FlashAttention forward on Hopper (sm_90a): TMA, mbarriers, warpgroup MMA, warp specialisation.
 
-Not wired into the registry yet: it compiles and assembles for sm_90a without local memory
-(``tests/test_hopper_ops.py``), and has not run on a GPU. The plan, the layouts it relies
-on and what must be checked first: ``docs/hopper.md``.
+The design of FlashAttention-3, written with ``ops_hopper``'s instructions. One block owns
+``BM = 128`` query rows of one (batch, head) and 384 threads in three warpgroups:
 
-One block: warpgroup 0 produces (one thread issues the TMA loads of Q once and of K, V
-tiles into a ``STAGES``-deep ring; ``full`` mbarriers say a stage landed, ``empty`` ones
-that the consumer is done with it), warpgroup 1 consumes: 64 query rows, per key tile
-S = Q Kᵀ (``wgmma`` m64n64k16 from 128-byte-swizzled shared memory), the score rules and
-the online softmax on the accumulator (in a local array the compiler keeps in registers),
-O += P V with P from registers (``wgmma`` m64n64k16 per 64-column slice of d, V as a
-transposed B). Scores, softmax and accumulation in float32; P rounded to the input dtype.
+* warpgroup 0 produces: it gives registers up (``setmaxnreg``), and one thread issues the
+  TMA loads of Q (once) and of the K and V tiles (``BN = 128`` keys) into a ``STAGES``-deep
+  shared-memory ring. Per stage a ``full`` mbarrier says the tile landed (its transaction
+  count is the tile's bytes) and an ``empty`` one that both consumers are done with it.
+* warpgroups 1 and 2 consume, 64 query rows each, with the registers the producer gave up.
+  Per key tile ``j``: S_j = Q K_jᵀ (``wgmma`` m64n128k16 from 128-byte-swizzled shared
+  memory, d / 16 products), then O += P_{j−1} V_{j−1} (P from registers, V as a transposed
+  B, one m64n64k16 per 64 columns of d and 16 keys) issued before the softmax of S_j, so
+  the tensor cores multiply while the warpgroup computes exponentials (intra-warpgroup
+  overlap); the two consumer warpgroups interleave on their own.
 
-Arguments: the tensor maps of q, k, v (``ops_hopper.tensor_map_4d`` over the ``(B1, B2,
-N, d)`` views: 64-row boxes for each), ``out (B1, B2, Nq, D)``
-uint16, ``lse (B1, B2, Nq)`` float32, ``nk``, ``group`` (query heads per K/V head),
-``scale_log2`` and the score arguments of ``forward.make_forward``. Launch with
-``grid = ceil(Nq / 64) · B1 · B2``, 256 threads, :func:`smem_bytes` of dynamic shared memory.
+Scores, softmax and accumulation in float32 (``exp2`` on log2-scaled scores), P rounded
+to the input dtype, as the ``mma.sync`` forward (``forward_mma``) does; the score rules
+come from ``scores.device_rules``. The online softmax with a delayed product: after the
+softmax of tile ``j`` the accumulator holds the tiles up to ``j − 2`` plus ``P_{j−1}
+V_{j−1}``, all relative to the running maximum ``m_{j−1}``; it is rescaled by
+``2^(m_{j−1} − m_j)`` once that product has completed.
+
+Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) from
+``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D)``
+uint16 (16-bit bits), ``lse (B1, B2, Nq)`` float32, ``nk``, ``group`` (query heads per K/V
+head), ``scale_log2`` and the score arguments of ``forward.make_forward``. Launch with
+``grid = ceil(Nq / BM) · B1 · B2``, ``THREADS`` threads and ``kernel.smem_bytes`` of dynamic
+shared memory. Head dims 64 and 128.
 """
 import functools
 import math
@@ -29,41 +39,129 @@ from .. import ops_hopper as H
 from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules
 from .forward import LN2
 
-BM, BN, STAGES = 64, 64, 2
-THREADS = 256
+BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
+THREADS = 384
+HEAD_DIMS = (64, 128)
+ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
+SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
+
+
+def stages(D):
+    """Ring depth: what fits in shared memory beside Q (227 KiB per block)."""
+    return 2 if D > 64 else 3
 
 
 def _layout(D):
-    nsub = D // 64                       # 64-column (128-byte) sub-tiles of d
-    sub_q, sub_k = BM * 128, BN * 128
+    nsub = D // 64
+    sub_q, sub_k = BM * SUB, BN * SUB          # bytes of one 64-column sub-tile
+    st = stages(D)
     q_off = 0
     k_off = q_off + nsub * sub_q
-    v_off = k_off + STAGES * nsub * sub_k
-    bar_off = v_off + STAGES * nsub * sub_k
-    return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
+    v_off = k_off + st * nsub * sub_k
+    bar_off = v_off + st * nsub * sub_k
+    return nsub, sub_q, sub_k, st, q_off, k_off, v_off, bar_off
 
 
 def smem_bytes(D):
     """Q, the K and V rings, the mbarriers, and room to align the base to 1024 bytes."""
-    return _layout(D)[-1] + 8 * (1 + 2 * STAGES) + 1024
+    return _layout(D)[-1] + 8 * (1 + 2 * stages(D)) + 1024
 
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
-    assert D in (64, 128), D
-    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D)
-    NS = BN // 2                         # S accumulator elements per thread
+    assert D in HEAD_DIMS, D
+    NSUB, SUB_Q, SUB_K, STAGES, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D)
+    NS = BN // 2                          # S accumulator elements per thread
+    NP = NS // 2                          # the same, packed in 16-bit pairs
     s_mma = H.wgmma(BN, dtype_name)
     o_mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
     zeros_s, zeros_o = H.accumulator(BN), H.accumulator(64)
     desc = H.smem_descriptor(16, 1024, 1)
-    give, take = H.setmaxnreg(40, False), H.setmaxnreg(232, True)
-    wait0 = H.wgmma_wait(0)
+    give, take = H.setmaxnreg(24, False), H.setmaxnreg(240, True)
+    wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
+    TILE_BYTES = 2 * NSUB * SUB_K         # K and V of one stage
+
+    @cuda.jit(device=True, inline=True)
+    def wait_phase(bar, parity):
+        while H.mbarrier_try_wait(bar, parity) == 0:
+            pass
+
+    @cuda.jit(device=True, inline=True)
+    def qk_sub(acc, q_at, k_at, accumulate):
+        """Issue the four products of one 64-column sub-tile of d (16 columns, 32 bytes,
+        each), written out: a loop of these large instructions is not unrolled."""
+        acc = s_mma(acc, desc(q_at), desc(k_at), accumulate)
+        acc = s_mma(acc, desc(q_at + 32), desc(k_at + 32), 1)
+        acc = s_mma(acc, desc(q_at + 64), desc(k_at + 64), 1)
+        return s_mma(acc, desc(q_at + 96), desc(k_at + 96), 1)
+
+    @cuda.jit(device=True, inline=True)
+    def qk(q_at, k_at):
+        """Issue S = Q Kᵀ for one key tile."""
+        acc = qk_sub(zeros_s(), q_at, k_at, 0)
+        if NSUB == 2:
+            acc = qk_sub(acc, q_at + SUB_Q, k_at + SUB_K, 1)
+        return acc
+
+    @cuda.jit(device=True, inline=True)
+    def pv(o0, o1, p, v_at):
+        """Issue O += P V for one key tile: P's packed registers 4t .. 4t+3 are the A operand
+        of keys 16t .. 16t+15; one product per 64-column sub-tile of V."""
+        for t in range(BN // 16):
+            o0 = o_mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(v_at + 2048 * t), 1)
+            if NSUB == 2:
+                o1 = o_mma(o1, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3],
+                           desc(v_at + SUB_K + 2048 * t), 1)
+        return o0, o1
+
+    @cuda.jit(device=True, inline=True)
+    def release(ct, empty):
+        """The consumer warpgroup is done reading a stage: one arrival on its ``empty``."""
+        H.named_barrier(1 + (ct >> 7), 128)
+        if (ct & 127) == 0:
+            H.mbarrier_arrive(empty)
+
+    @cuda.jit(device=True, inline=True)
+    def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1, geo, diag, sc):
+        """One key tile's online softmax on the raw products ``s`` (two rows per thread, a
+        quad per row): scores in log2 units, masks, the new maxima, ``s`` replaced by the
+        exponentials. Returns the maxima, the partial sums and the old-to-new factors."""
+        for i in range(NS):
+            s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
+        if tile_needs_mask(r0, ROWS, k0, BN, geo):
+            for i in range(NS):
+                col = k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1)
+                seen = in_row(col, lo1, hi1) if (i >> 1) & 1 else in_row(col, lo0, hi0)
+                if not seen:
+                    s[i] = NEG_INF
+        mx0, mx1 = NEG_INF, NEG_INF
+        for i in range(NS):
+            if (i >> 1) & 1:
+                mx1 = max(mx1, s[i])
+            else:
+                mx0 = max(mx0, s[i])
+        for off in (1, 2):
+            mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
+            mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
+        mn0, mn1 = max(m0, mx0), max(m1, mx1)
+        mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
+        mu1 = ZERO if mn1 == NEG_INF else mn1
+        alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
+        rs0, rs1 = ZERO, ZERO
+        for i in range(NS):
+            if (i >> 1) & 1:
+                e = ops.exp2_approx(s[i] - mu1)
+                rs1 += e
+            else:
+                e = ops.exp2_approx(s[i] - mu0)
+                rs0 += e
+            s[i] = e
+        return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
 
     @cuda.jit(launch_bounds=(THREADS, 1))
     def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
@@ -71,7 +169,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
         B2 = out.shape[1]
         B = out.shape[0] * B2
         n_qt = (Nq + BM - 1) // BM
-        qt = n_qt - 1 - cuda.blockIdx.x // B
+        qt = n_qt - 1 - cuda.blockIdx.x // B          # the longest (causal) tiles first
         b = cuda.blockIdx.x - (cuda.blockIdx.x // B) * B
         b1 = b // B2
         b2 = b - b1 * B2
@@ -85,12 +183,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         tid = cuda.threadIdx.x
         base = (H.shared_address(sm) + 1023) & ~1023
-        q_full = base + BAR_OFF
+        q_full = base + BAR_OFF                         # then full[STAGES], empty[STAGES]
         if tid == 0:
             H.mbarrier_init(q_full, 1)
             for st in range(STAGES):
-                H.mbarrier_init(q_full + 8 + 8 * st, 1)                # full[st]: the producer's expect_tx
-                H.mbarrier_init(q_full + 8 + 8 * STAGES + 8 * st, 1)   # empty[st]: the consumer's arrival
+                H.mbarrier_init(q_full + 8 + 8 * st, 1)                # the producer's expect_tx
+                H.mbarrier_init(q_full + 8 + 8 * STAGES + 8 * st, 2)   # one arrival per consumer
             H.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -104,108 +202,86 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
                 for sub in range(NSUB):
                     H.tma_load_4d(base + Q_OFF + sub * SUB_Q, H.global_address(tq), 64 * sub, q0, b2, b1, q_full)
                 b2k = b2 // group
+                st = 0
+                phase = 0
                 for j in range(tiles):
-                    st = j % STAGES
                     full = q_full + 8 + 8 * st
-                    if j >= STAGES:      # wait for the consumer to release the stage's previous use
-                        while H.mbarrier_try_wait(full + 8 * STAGES, ((j // STAGES) - 1) & 1) == 0:
-                            pass
-                    H.mbarrier_arrive_expect_tx(full, 2 * NSUB * SUB_K)
+                    if j >= STAGES:      # the consumers released the stage's previous tile
+                        wait_phase(full + 8 * STAGES, phase ^ 1)
+                    H.mbarrier_arrive_expect_tx(full, TILE_BYTES)
                     k0 = (kt0 + j) * BN
                     for sub in range(NSUB):
                         at = (st * NSUB + sub) * SUB_K
                         H.tma_load_4d(base + K_OFF + at, H.global_address(tk), 64 * sub, k0, b2k, b1, full)
                         H.tma_load_4d(base + V_OFF + at, H.global_address(tv), 64 * sub, k0, b2k, b1, full)
+                    st += 1
+                    if st == STAGES:
+                        st = 0
+                        phase ^= 1
             return
 
-        # ---- consumer warpgroup: 64 query rows --------------------------------------------------
+        # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
         take()
         ct = tid - 128
-        w = ct >> 5
+        wg = ct >> 7
+        w = (ct >> 5) & 3
         g = (ct & 31) >> 2
         tq4 = ct & 3
-        row0 = q0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
+        r0 = q0 + ROWS * wg                    # this warpgroup's first row
+        row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
+        q_at = base + Q_OFF + ROWS * wg * SUB
         sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+        lo0, hi0 = row_keys(row0, geo)
+        lo1, hi1 = row_keys(row0 + 8, geo)
         s = cuda.local.array(NS, numba.float32)
-        m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO     # per row (row0, row0 + 8): max, partial sum
+        p = cuda.local.array(NP, numba.uint32)
+        m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
         o0 = zeros_o()
         o1 = zeros_o()
-        while H.mbarrier_try_wait(q_full, 0) == 0:
-            pass
-        for j in range(tiles):
-            st = j % STAGES
-            full = q_full + 8 + 8 * st
-            while H.mbarrier_try_wait(full, (j // STAGES) & 1) == 0:
-                pass
-            k0 = (kt0 + j) * BN
-            k_at = base + K_OFF + st * NSUB * SUB_K
-            v_at = base + V_OFF + st * NSUB * SUB_K
-
-            # S = Q Kᵀ: 16 columns of d per product, 4 per 64-column sub-tile (32 bytes apart)
+        if tiles > 0:
+            # tile 0 alone, then per tile j: S_j and P_{j-1} V_{j-1} in flight during the
+            # softmax of S_j; the last tile's P V after the loop (no branch around a product,
+            # so the compiler keeps the products asynchronous)
+            wait_phase(q_full, 0)
+            wait_phase(q_full + 8, 0)
             H.wgmma_fence()
-            acc = zeros_s()
-            for ks in range(D // 16):
-                within = 32 * (ks % 4)
-                acc = s_mma(acc, desc(base + Q_OFF + (ks // 4) * SUB_Q + within),
-                            desc(k_at + (ks // 4) * SUB_K + within), 1 if ks > 0 else 0)
+            acc = qk(q_at, base + K_OFF)
             H.wgmma_commit()
             wait0()
-            for i in range(NS):
-                s[i] = acc[i]
-
-            # scores in log2 units, masks, online softmax (two rows per thread, a quad per row);
-            # one flat loop each, small enough for the compiler to unroll (s stays in registers)
-            for i in range(NS):
-                s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
-            if tile_needs_mask(q0, BM, k0, BN, geo):
-                lo0, hi0 = row_keys(row0, geo)
-                lo1, hi1 = row_keys(row0 + 8, geo)
-                for i in range(NS):
-                    col = k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1)
-                    seen = in_row(col, lo1, hi1) if (i >> 1) & 1 else in_row(col, lo0, hi0)
-                    if not seen:
-                        s[i] = NEG_INF
-            mx0, mx1 = NEG_INF, NEG_INF
-            for i in range(NS):
-                if (i >> 1) & 1:
-                    mx1 = max(mx1, s[i])
-                else:
-                    mx0 = max(mx0, s[i])
-            for off in (1, 2):
-                mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
-                mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
-            mn0, mn1 = max(m0, mx0), max(m1, mx1)
-            mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
-            mu1 = ZERO if mn1 == NEG_INF else mn1
-            alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
-            m0, m1 = mn0, mn1
-            rs0, rs1 = ZERO, ZERO
-            for i in range(NS):
-                if (i >> 1) & 1:
-                    p = ops.exp2_approx(s[i] - mu1)
-                    rs1 += p
-                else:
-                    p = ops.exp2_approx(s[i] - mu0)
-                    rs0 += p
-                s[i] = p
-            l0 = l0 * alpha0 + rs0
-            l1 = l1 * alpha1 + rs1
-            o0 = H.scale_rows(o0, alpha0, alpha1)
-            o1 = H.scale_rows(o1, alpha0, alpha1)
-
-            # O += P V: P's elements 8t .. 8t + 7 are the A operand of keys 16t .. 16t + 15
+            H.to_array(acc, s)
+            m0, m1, l0, l1, alpha0, alpha1 = softmax(s, kt0 * BN, row0, tq4, r0, m0, m1, l0, l1,
+                                                     lo0, hi0, lo1, hi1, geo, diag, sc)
+            for i in range(NP):
+                p[i] = pack(s[2 * i], s[2 * i + 1])
+            prev = 0                               # the stage of tile j - 1
+            st = 1 % STAGES
+            phase = 1 if STAGES == 1 else 0
+            for j in range(1, tiles):
+                wait_phase(q_full + 8 + 8 * st, phase)
+                H.wgmma_fence()
+                acc = qk(q_at, base + K_OFF + st * NSUB * SUB_K)
+                H.wgmma_commit()
+                o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
+                H.wgmma_commit()
+                wait1()
+                H.to_array(acc, s)
+                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, (kt0 + j) * BN, row0, tq4, r0, m0, m1, l0, l1,
+                                                         lo0, hi0, lo1, hi1, geo, diag, sc)
+                wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
+                release(ct, q_full + 8 + 8 * STAGES + 8 * prev)
+                o0 = H.scale_rows(o0, alpha0, alpha1)
+                o1 = H.scale_rows(o1, alpha0, alpha1)
+                for i in range(NP):
+                    p[i] = pack(s[2 * i], s[2 * i + 1])
+                prev = st
+                st += 1
+                if st == STAGES:
+                    st = 0
+                    phase ^= 1
             H.wgmma_fence()
-            for t in range(BN // 16):
-                a0, a1 = pack(s[8 * t], s[8 * t + 1]), pack(s[8 * t + 2], s[8 * t + 3])
-                a2, a3 = pack(s[8 * t + 4], s[8 * t + 5]), pack(s[8 * t + 6], s[8 * t + 7])
-                o0 = o_mma(o0, a0, a1, a2, a3, desc(v_at + 2048 * t), 1)
-                if NSUB == 2:
-                    o1 = o_mma(o1, a0, a1, a2, a3, desc(v_at + SUB_K + 2048 * t), 1)
+            o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
             H.wgmma_commit()
             wait0()
-            H.named_barrier(1, 128)         # every consumer thread is done with the stage
-            if ct == 0:
-                H.mbarrier_arrive(full + 8 * STAGES)
 
         # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------------
         for off in (1, 2):
