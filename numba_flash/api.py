@@ -363,16 +363,17 @@ _DEVICES = {}
 
 
 def _device_facts():
-    """(SM count, opt-in shared memory per block in bytes) of the current device; in the
-    simulator (1, None)."""
+    """(SM count, opt-in shared memory per block in bytes, compute capability) of the
+    current device; in the simulator (1, None, None)."""
     if SIMULATOR:
-        return 1, None
+        return 1, None, None
     ctx = context_handle()
     facts = _DEVICES.get(ctx)
     if facts is None:
         from numba import cuda
         dev = cuda.get_current_device()
-        facts = _DEVICES[ctx] = (dev.MULTIPROCESSOR_COUNT, dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+        facts = _DEVICES[ctx] = (dev.MULTIPROCESSOR_COUNT, dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN,
+                                 tuple(dev.compute_capability))
     return facts
 
 
@@ -397,9 +398,9 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
     if inp.empty:
         return result, launches, None
     (qd, kd, vd), aligned, copied = _cp_async_ready(inp, [inp.device(n) for n in "qkv"])
-    sm_count, smem_limit = _device_facts()
+    sm_count, smem_limit, cc = _device_facts()
     launches += families.forward(inp, qd, kd, vd, out, lse, inp.low or aligned, sm_count, smem_limit,
-                                 splits, scratch)
+                                 splits, scratch, cc)
     if not inp.on_device or copied:
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
@@ -435,6 +436,7 @@ def _compute(name, planner, arrays, options):
     """A call through its cached launch plan when there is one (:mod:`numba_flash._plans`),
     otherwise through ``planner`` (which then leaves a plan behind)."""
     options = tuple(tuple(o) if isinstance(o, list) else o for o in options)   # hashable
+    options += (registry.hopper_choice(),)          # the family choice, which the environment may change
     sig = _plans.signature(name, [a for a in arrays if a is not None], options)
     plan = _plans.lookup(sig)
     if plan is not None:

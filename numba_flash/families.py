@@ -11,7 +11,7 @@ these tuples.
 Every attention kernel's arguments end with the score arguments of
 ``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
 """
-from . import registry, scores
+from . import _arrays, registry, scores
 from .kernels.backward_mma import stats_rows
 from .scores import LOG2E
 
@@ -31,16 +31,25 @@ def grid(inp, rows, b, rows_per_block, cols_per_block):
 
 
 # --------------------------------------------------------------------------- forward
-def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scratch):
-    """The forward's launches: the tensor-core family for 16-bit inputs, the CUDA-core
-    one otherwise (with key splits and their merge when the grid is small; the split
-    buffers are appended to ``scratch``)."""
-    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit)
+def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scratch, cc=None):
+    """The forward's launches: on a Hopper GPU (``cc`` 9.0) the Hopper family for 16-bit
+    inputs it takes (the TMA needs views whose strides it can describe: else the next
+    family), the ``mma.sync`` tensor-core family for the other 16-bit inputs, the
+    CUDA-core one otherwise (with key splits and their merge when the grid is small; the
+    split buffers are appended to ``scratch``)."""
+    spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit,
+                                           cc=cc)
+    score_args, slopes = inp.score_args(lse)
+    views = inp.kernel_views([q, out, lse, slopes], [k, v])
+    if spec.variant == "forward_wgmma":
+        maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in views]
+        if None not in maps:
+            return _hopper_launches(inp, spec, views, maps, score_args)
+        spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit)
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
-    score_args, slopes = inp.score_args(lse)
     launches = []
-    for q4, o4, l3, s3, k4, v4 in inp.kernel_views([q, out, lse, slopes], [k, v]):
+    for q4, o4, l3, s3, k4, v4 in views:
         g = grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
         tail = (*score_args, s3)
         if spec.variant == "forward_mma":
@@ -50,6 +59,43 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
             launches += _split_launches(inp, spec, kern, g, (q4, k4, v4, o4, l3), scale_log2, tail,
                                         splits, sm_count, scratch)
     return launches
+
+
+def _hopper_launches(inp, spec, views, maps, score_args):
+    """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps."""
+    t, kern = spec.tiling, spec.kernel()
+    scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
+    return [(kern, grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO), t.threads, spec.smem_bytes,
+             (*tmaps, o4, l3, inp.nk, 1, scale_log2, *score_args, s3), inp.stream)
+            for (q4, o4, l3, s3, k4, v4), tmaps in zip(views, maps)]
+
+
+_MAPS = {}          # (context, pointer, shape, strides, box rows) -> tensor map
+MAX_MAPS = 256      # the table starts afresh when it is full
+
+
+def _tma_maps(q4, k4, v4, t):
+    """The tensor maps of q (``t.BM``-row boxes), k and v (``t.BN``) for the TMA, or None
+    where a view has a stride the TMA cannot take (zero, as grouped heads' repeated K/V
+    axis, or not a multiple of 16 bytes) or an unaligned start. A map holds only the
+    address, shape and strides, so one made for the same values is reused."""
+    from . import ops_hopper
+    from ._runtime import SIMULATOR
+    from .launch import context_handle
+    ctx = None if SIMULATOR else context_handle()
+    found = []
+    for a, rows in ((q4, t.BM), (k4, t.BN), (v4, t.BN)):
+        ptr, strides = _arrays.device_pointer(a), tuple(a.strides)
+        if ptr % 16 or strides[3] != 2 or any(s <= 0 or s % 16 for s in strides[:3]):
+            return None
+        key = (ctx, ptr, tuple(a.shape), strides, rows)
+        m = _MAPS.get(key)
+        if m is None:
+            if len(_MAPS) >= MAX_MAPS:
+                _MAPS.clear()
+            m = _MAPS[key] = ops_hopper.tensor_map_4d(a, rows)
+        found.append(m)
+    return tuple(found)
 
 
 def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_count, scratch):

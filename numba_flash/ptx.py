@@ -6,6 +6,11 @@
     python -m numba_flash.ptx --cc 9.0 --ladder # one JSON line per rung of numba_flash.ladder
     python -m numba_flash.ptx --cc 9.0 --ptxas  # ... plus registers and spills, from ptxas
     python -m numba_flash.ptx --cc 9.0 --sass   # ... plus the machine code's hot loops (nvdisasm)
+    python -m numba_flash.ptx --cc 9.0a         # every kernel for sm_90a (the Hopper ones only compile there)
+
+Kernels of a Hopper-only variant (``registry.Variant.arch`` "sm_90a": ``wgmma``, TMA,
+mbarriers, ``setmaxnreg``) are built for 9.0a whenever 9.0 or 9.0a is asked for, and
+skipped otherwise; each JSON line counts those instructions too.
 
 No GPU is needed: NVVM comes from the ``numba-cuda[cu13]`` wheels. Numba's simulator
 cannot compile, so where numba_flash would switch it on (no GPU) this command sets
@@ -50,6 +55,10 @@ def features(ptx: str) -> dict:
         "bar.sync": ptx.count("bar.sync"),
         "tanh.approx.f32": ptx.count("tanh.approx.f32"),
         "rcp.approx.f32": ptx.count("rcp.approx.ftz.f32") + ptx.count("rcp.approx.f32"),
+        "wgmma.mma_async": ptx.count("wgmma.mma_async"),
+        "cp.async.bulk.tensor": ptx.count("cp.async.bulk.tensor"),
+        "mbarrier": ptx.count("mbarrier."),
+        "setmaxnreg": ptx.count("setmaxnreg"),
     }
 
 
@@ -178,7 +187,7 @@ def compile_rung(rung, ccs):
 
 
 def _file_stem(name, cc):
-    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.sm_{cc[0]}{cc[1]}"
+    return f"{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}.sm_{cc[0]}{cc[1]}{''.join(cc[2:])}"
 
 
 def _parse_shard(text):
@@ -193,12 +202,34 @@ def _parse_shard(text):
 
 def _parse_ccs(text):
     try:
-        ccs = tuple(tuple(int(x) for x in cc.split(".")) for cc in text.split(","))
+        ccs = tuple(_parse_cc(cc) for cc in text.split(","))
     except ValueError:
         ccs = ()
-    if not ccs or any(len(cc) != 2 for cc in ccs):
-        raise argparse.ArgumentTypeError(f"expected compute capabilities like 9.0 or 8.0,9.0; got {text!r}")
+    if not ccs:
+        raise argparse.ArgumentTypeError(f"expected compute capabilities like 9.0, 8.0,9.0 or 9.0a; got {text!r}")
     return ccs
+
+
+def _parse_cc(text):
+    """"8.0" -> (8, 0); "9.0a" -> (9, 0, "a") (the architecture-specific target)."""
+    m = re.fullmatch(r"(\d+)\.(\d+)(a?)", text.strip())
+    if not m:
+        raise ValueError(text)
+    return (int(m.group(1)), int(m.group(2))) + ((m.group(3),) if m.group(3) else ())
+
+
+def _cc_name(cc):
+    return f"{cc[0]}.{cc[1]}{''.join(cc[2:])}"
+
+
+def spec_ccs(spec, ccs):
+    """The compute capabilities among ``ccs`` to build ``spec`` for: all of them, except
+    for a variant of ``arch`` "sm_90a" (Hopper instructions): 9.0a alone, if any of
+    ``ccs`` is 9.0 or 9.0a, else none."""
+    from . import registry
+    if registry.VARIANTS[spec.variant].arch != "sm_90a":
+        return list(ccs)
+    return [(9, 0, "a")] if any(tuple(cc[:2]) == (9, 0) for cc in ccs) else []
 
 
 EPILOG = """\
@@ -266,7 +297,7 @@ def main(argv=None):
 
     def rows(name, ptxs, **extra):
         for cc, ptx in ptxs.items():
-            r = {"name": name, "cc": f"{cc[0]}.{cc[1]}", **extra, **features(ptx)}
+            r = {"name": name, "cc": _cc_name(cc), **extra, **features(ptx)}
             stem = os.path.join(a.out, _file_stem(name, cc)) if a.out else None
             if stem:
                 with open(stem + ".ptx", "w") as f:
@@ -291,7 +322,9 @@ def main(argv=None):
     if not chosen:
         sys.exit(f"numba_flash.ptx: no kernel matches --only {a.only!r} (see --list)")
     for spec in chosen:
-        rows(spec.name, compile_spec(spec, a.cc, a.layout), dtype=spec.dtype, layout=a.layout)
+        ccs = spec_ccs(spec, a.cc)
+        if ccs:
+            rows(spec.name, compile_spec(spec, ccs, a.layout), dtype=spec.dtype, layout=a.layout)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from .kernels.copy import make_copy4
 from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
 from .kernels.forward_mma import smem_elements as mma_smem_elements
+from .kernels import forward_wgmma
 
 # Head dims the GPU suite, the PTX tests and the benchmark exercise (any other d works too).
 HEAD_DIMS = (32, 64, 96, 128, 256, 1024)
@@ -182,6 +183,7 @@ class Variant:
     compact: object = None  # (dtype, d, simulator) -> Tiling for GPUs with less shared memory
     plain_compact: object = None  # (dtype, d) -> whether plain-load kernels take the compact tiling
     async_only: bool = False      # cp.async loads only (the API gives such kernels aligned rows)
+    arch: str = None        # "sm_90a": Hopper instructions, built and run for compute capability 9.0 only
 
 
 def _sig_scores(acc):
@@ -202,6 +204,11 @@ def _sig_forward_merge(dt, layout):
 def _sig_forward_mma(dt, layout):
     a = _a4("uint16", layout)
     return f"void({a}, {a}, {a}, uint16[:, :, :, ::1], float32[:, :, ::1], float32, {_sig_scores('float32')})"
+
+
+def _sig_forward_wgmma(dt, layout):
+    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint16[:, :, :, ::1], float32[:, :, ::1], int64, int64, "
+            f"float32, {_sig_scores('float32')})")
 
 
 def _sig_backward(dt, layout):
@@ -239,6 +246,10 @@ VARIANTS = {v.name: v for v in (
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
             direction="forward", async_only=True),
+    Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
+            lambda dt, d, sim: forward_wgmma.TILING, lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
+            lambda d, t: forward_wgmma.smem_bytes(d) // 2, _sig_forward_wgmma, LOW_DTYPES,
+            lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a"),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
@@ -333,9 +344,36 @@ def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FU
     return spec
 
 
-def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR, smem_limit=None):
-    """The forward kernel for these inputs: tensor cores for 16-bit dtypes (which always
-    load with cp.async: the API gives them aligned rows), CUDA cores otherwise."""
+HOPPER_ENV = "NUMBA_FLASH_HOPPER"
+
+
+def hopper_choice():
+    """``NUMBA_FLASH_HOPPER``, read at each call: "0" never uses the Hopper family, "1"
+    always where it applies (in the simulator too, which runs it through its twins),
+    unset or "auto" on compute capability 9.0 GPUs."""
+    import os
+    value = os.environ.get(HOPPER_ENV, "auto")
+    if value not in ("0", "1", "auto"):
+        raise ValueError(f"{HOPPER_ENV} must be 0, 1 or auto, got {value!r}")
+    return value
+
+
+def uses_hopper(dtype_name, d, cc, simulator=SIMULATOR):
+    """Whether the forward of these inputs runs on the Hopper family (``forward_wgmma``):
+    16-bit inputs, a head dim it takes, and ``hopper_choice()`` with the device's compute
+    capability ``cc``."""
+    if dtype_name not in LOW_DTYPES or not VARIANTS["forward_wgmma"].head_dims(d):
+        return False
+    choice = hopper_choice()
+    return choice == "1" or (choice == "auto" and not simulator and cc is not None and tuple(cc[:2]) == (9, 0))
+
+
+def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR, smem_limit=None, cc=None):
+    """The forward kernel for these inputs: on a Hopper GPU (``cc`` 9.0) the Hopper family
+    where :func:`uses_hopper` says so, else tensor cores (``mma.sync``) for 16-bit dtypes
+    (which always load with cp.async: the API gives them aligned rows), CUDA cores otherwise."""
+    if uses_hopper(dtype_name, d, cc, simulator):
+        return specialisation("forward_wgmma", dtype_name, d, scores, True, simulator)
     if dtype_name in LOW_DTYPES:
         return specialisation("forward_mma", dtype_name, d, scores, True, simulator)
     return specialisation("forward_simt", dtype_name, d, scores, use_async, simulator, smem_limit)
@@ -389,6 +427,8 @@ def _shape_key(t, d):
         return (t,)
     if isinstance(t, (MmaTiling, MmaBwdTiling)):
         return (t, d if d in MMA_FAST_DIMS else None)
+    if isinstance(t, forward_wgmma.WgmmaTiling):
+        return (t, d)
     return (t.TM, t.TN, t.CG, t.RG, d <= t.DK, d <= t.DO)
 
 

@@ -231,9 +231,45 @@ GPU_SHAPES = [
 @pytest.mark.parametrize("lead,nq,nk,d,dtype,causal", GPU_SHAPES,
                          ids=[f"{'x'.join(map(str, s[0]))}-{s[1]}x{s[2]}-d{s[3]}-{s[4]}-{'causal' if s[5] else 'full'}"
                               for s in GPU_SHAPES])
-def test_gpu_large_shapes(lead, nq, nk, d, dtype, causal):
+def test_gpu_large_shapes(lead, nq, nk, d, dtype, causal, monkeypatch):
     """Large shapes, checked row block by row block on the GPU with torch (float64 oracle and
-    the 16-bit baseline of this module); then a second run must be bitwise identical."""
+    the 16-bit baseline of this module); then a second run must be bitwise identical. The
+    ``mma.sync`` family (the Hopper one off): it runs every GPU of cc >= 8.0."""
+    monkeypatch.setenv(registry.HOPPER_ENV, "0")
+    _check_large(lead, nq, nk, d, dtype, causal)
+
+
+HOPPER_SHAPES = [s for s in GPU_SHAPES if registry.VARIANTS["forward_wgmma"].head_dims(s[3])] + [
+    ((1, 1), 16384, 16384, 128, "bfloat16", True), ((1, 2), 16384, 16384, 64, "float16", False),
+    ((3,), 129, 127, 128, "bfloat16", False), ((3,), 1, 300, 64, "float16", True)]
+
+
+def _hopper_gpu():
+    from numba import cuda
+    return ON_GPU and cuda.get_current_device().compute_capability == (9, 0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU-sized shapes: too slow for the CUDA simulator")
+@pytest.mark.parametrize("lead,nq,nk,d,dtype,causal", HOPPER_SHAPES,
+                         ids=[f"{'x'.join(map(str, s[0]))}-{s[1]}x{s[2]}-d{s[3]}-{s[4]}-{'causal' if s[5] else 'full'}"
+                              for s in HOPPER_SHAPES])
+def test_gpu_hopper_family(lead, nq, nk, d, dtype, causal, monkeypatch):
+    """The Hopper family (``forward_wgmma``, cc 9.0) on the shapes above, and against the
+    ``mma.sync`` family on the same inputs: within two units in the last place of max|out|."""
+    if not _hopper_gpu():
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    torch = pytest.importorskip("torch")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    o_hopper = _check_large(lead, nq, nk, d, dtype, causal)
+    monkeypatch.setenv(registry.HOPPER_ENV, "0")
+    o_mma = _check_large(lead, nq, nk, d, dtype, causal)
+    eps = float(torch.finfo(o_mma.dtype).eps)
+    diff = float((o_hopper.double() - o_mma.double()).abs().max())
+    assert diff <= 2 * eps * max(1.0, float(o_mma.double().abs().max())), diff
+
+
+def _check_large(lead, nq, nk, d, dtype, causal):
+    """The checks of :func:`test_gpu_large_shapes`; returns the output."""
     torch = pytest.importorskip("torch")
     tdt = {"float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
     g = torch.Generator(device="cuda").manual_seed(nq + 7 * nk + d)
@@ -269,6 +305,7 @@ def test_gpu_large_shapes(lead, nq, nk, d, dtype, causal):
                 assert float((lf[b, r0:r1][fin] - rl[fin]).abs().max()) < 1e-4 * max(1.0, float(rl[fin].abs().max()))
     tol = 2 * base + float(torch.finfo(tdt).eps) * float(vf.abs().max())
     assert err <= tol, (err, base, tol)
+    return o
 
 
 def _as_torch(out, torch):

@@ -28,6 +28,7 @@ head), ``scale_log2`` and the score arguments of ``forward.make_forward``. Launc
 ``grid = ceil(Nq / BM) · B1 · B2``, ``THREADS`` threads and ``kernel.smem_bytes`` of dynamic
 shared memory. Head dims 64 and 128.
 """
+import dataclasses
 import functools
 import math
 
@@ -44,6 +45,19 @@ THREADS = 384
 HEAD_DIMS = (64, 128)
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
+
+
+@dataclasses.dataclass(frozen=True)
+class WgmmaTiling:
+    """The family's one tile shape, in the registry's terms: ``BM`` query rows per block,
+    ``BN`` keys per tile, ``threads`` per block, ``DO`` head-dim columns per block (all)."""
+    BM: int = BM
+    BN: int = BN
+    threads: int = THREADS
+    DO: int = 256
+
+
+TILING = WgmmaTiling()
 
 
 def stages(D):
