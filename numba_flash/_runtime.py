@@ -124,7 +124,11 @@ def _thread_safe_static_shared_arrays():
     """Numba's simulator creates a block's static ``cuda.shared.array`` when the first of
     its threads asks for it, with no lock: two threads can each create one, and the block's
     threads then disagree on what is shared (a wrong answer now and then, in a kernel that
-    is right). The same lookup, under a lock. Dynamic shared memory is unaffected."""
+    is right). The same lookup, under a lock. Dynamic shared memory is unaffected.
+
+    The simulator also rejects ``alignment=``, which compiled kernels need (the Hopper
+    kernels ask for 1024); here it is accepted and ignored: a simulated kernel computes no
+    addresses from its arrays (``ops_hopper``'s twins hand out aligned fake ones)."""
     import threading
     import traceback
 
@@ -140,8 +144,8 @@ def _thread_safe_static_shared_arrays():
     lock = threading.Lock()
 
     def array(self, shape, dtype, alignment=None):
-        if shape == 0 or alignment is not None or not hasattr(self, "_allocations"):
-            return original(self, shape, dtype, alignment)
+        if shape == 0 or not hasattr(self, "_allocations"):
+            return original(self, shape, dtype)
         caller = traceback.extract_stack(sys._getframe(1), limit=1)[-1][0:2]   # as the original keys it
         if isinstance(dtype, types.Type):
             dtype = numpy_support.as_dtype(dtype)

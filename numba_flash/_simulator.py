@@ -14,6 +14,13 @@ the others; the manager sleeps until no thread is left or one has raised. Same
 semantics as the original, including what happens on an exception: every other thread
 of the block is aborted at its next barrier and the exception is re-raised by the
 launch, with its traceback.
+
+Other emulations keep their per-block state here too (``_hopper_sim``: shared addresses,
+mbarriers, named barriers, warpgroup rendezvous in ``extra``) and wait on condition
+variables over the block's lock (:meth:`_Block.condition`), which an abort wakes as well.
+
+``install`` also lets ``cuda.jit`` take ``launch_bounds`` (ignored), which the simulator
+rejects and compiled kernels pass.
 """
 import threading
 
@@ -23,14 +30,26 @@ from numba.cuda.simulator import kernel as _kernel
 
 class _Block:
     """The barrier state one block's threads share."""
-    __slots__ = ("cond", "live", "waiting", "generation", "failed")
+    __slots__ = ("lock", "cond", "conditions", "live", "nthreads", "waiting", "generation", "failed", "extra")
 
     def __init__(self, nthreads):
-        self.cond = threading.Condition()
+        self.lock = threading.RLock()
+        self.cond = threading.Condition(self.lock)
+        self.conditions = []        # more conditions on the lock (condition()), woken on abort
         self.live = nthreads        # threads not yet finished
+        self.nthreads = nthreads
         self.waiting = 0            # threads blocked in syncthreads
         self.generation = 0         # barrier phases completed
         self.failed = None          # the first thread that raised
+        self.extra = {}             # other emulations' per-block state, by name
+
+    def condition(self):
+        """A new condition variable on the block's lock, notified (as syncthreads's is) when
+        the block aborts: waiters check their thread's ``abort`` when they wake."""
+        with self.lock:
+            cond = threading.Condition(self.lock)
+            self.conditions.append(cond)
+        return cond
 
     def _release_if_complete(self):
         """With the lock held: open the barrier when every live thread has arrived."""
@@ -86,7 +105,8 @@ def _manager_run(self, grid_point, *args):
             # Abort every other thread at its next barrier; do not join (as the original).
             for t in threads:
                 t.abort = True
-            block.cond.notify_all()
+            for cond in [block.cond, *block.conditions]:
+                cond.notify_all()
     if failed is not None:
         raise failed.exception[0].with_traceback(failed.exception[1])
 
@@ -94,11 +114,29 @@ def _manager_run(self, grid_point, *args):
 _original_thread_run = _kernel.BlockThread.run
 
 
+def _accept_launch_bounds():
+    """``cuda.jit(launch_bounds=...)`` as on a GPU: the simulator's ``jit`` has no such
+    argument (a register budget means nothing to it), so it is dropped."""
+    from numba import cuda
+    from numba.cuda import simulator
+    from numba.cuda.simulator import api
+
+    original = api.jit
+
+    def jit(func_or_sig=None, *args, launch_bounds=None, **kwargs):
+        return original(func_or_sig, *args, **kwargs)
+
+    jit.__doc__ = original.__doc__
+    for module in (api, simulator, cuda):
+        module.jit = jit
+
+
 def install():
-    """Replace the polling block manager (once)."""
+    """Replace the polling block manager, and let ``cuda.jit`` take ``launch_bounds`` (once)."""
     if getattr(_kernel.BlockManager.run, "event_driven", False):
         return
     _manager_run.event_driven = True
     _kernel.BlockThread.syncthreads = _syncthreads
     _kernel.BlockThread.run = _thread_run
     _kernel.BlockManager.run = _manager_run
+    _accept_launch_bounds()

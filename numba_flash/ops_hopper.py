@@ -3,9 +3,12 @@
 The building blocks of the FlashAttention-3 design (a producer warpgroup loading K/V
 tiles with the TMA engine into a shared-memory ring guarded by mbarriers, consumer
 warpgroups multiplying them with ``wgmma``), as ``@intrinsic`` functions like those of
-``ops`` (this module speaks LLVM IR too). They have no simulator twins: the kernels that
-use them run on compute capability 9.0 GPUs only, and the simulator never selects them;
-``python -m numba_flash.ptx`` and the tests compile them for ``(9, 0, "a")`` without a GPU.
+``ops`` (this module speaks LLVM IR too). Compiled, they run on compute capability 9.0
+GPUs only; ``python -m numba_flash.ptx`` and the tests compile them for ``(9, 0, "a")``
+without a GPU. As in ``ops``, ``SIMULATOR`` picks at import time: in Numba's simulator
+every public name here is replaced by its plain-Python twin of ``_hopper_sim`` (same
+semantics: fake shared addresses, mbarrier phases, swizzled TMA boxes, warpgroup products
+by NumPy), so the Hopper kernels also run, slowly, without a GPU.
 
 Facts they rely on (checked on an H200 with numba-cuda 0.30.4):
 
@@ -29,6 +32,8 @@ as with ``mma.sync`` (``ops``).
 from llvmlite import ir
 from numba import types
 from numba.cuda.extending import intrinsic
+
+from ._runtime import SIMULATOR
 
 I32, I64, F32, VOID = ir.IntType(32), ir.IntType(64), ir.FloatType(), ir.VoidType()
 U32, U64 = types.uint32, types.uint64
@@ -295,3 +300,13 @@ def tensor_map_4d(ary, box_rows, box_cols=64):
         raise ValueError(f"cuTensorMapEncodeTiled failed ({err}) for shape {shape}, strides {strides}: TMA needs "
                          "16-byte aligned addresses and strides that are multiples of 16 bytes.")
     return cuda.to_device(np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8).copy())
+
+
+# --------------------------------------------------------------------------- the simulator's twins
+if SIMULATOR:
+    # The simulator cannot run @intrinsic functions: every public name above gives way to its
+    # twin (tests/test_hopper_ops.py checks that none is left out). Replaced rather than kept
+    # in an ``if not SIMULATOR`` block so that the definitions above read as plain code.
+    from . import _hopper_sim
+    for _name in _hopper_sim.__all__:
+        globals()[_name] = getattr(_hopper_sim, _name)

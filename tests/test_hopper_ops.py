@@ -16,6 +16,7 @@ import pytest
 
 if __name__ != "__main__":
     from conftest import HANG_GUARD_S, project_env
+    from numba import cuda       # after conftest imported numba_flash (which picks GPU or simulator)
 
 N = 64          # accumulator columns of the sample products
 
@@ -78,6 +79,7 @@ LAYOUT_SMEM = LAYOUT_BAR + 8 + 1024            # the barrier, and room to align 
 
 
 def layout_kernel():
+    global cuda                  # a module global: the simulator swaps a kernel's global ``cuda``, not a closure's
     from numba import cuda, types
     from numba_flash import ops
     from numba_flash import ops_hopper as H
@@ -206,12 +208,10 @@ def _hopper_gpu():
     return cuda.get_current_device().compute_capability == (9, 0)
 
 
-def test_wgmma_layouts_on_gpu():
+def check_layouts():
     """TMA with zero fill, K-major and MN-major descriptors with the 128-byte swizzle, A from
     registers: S and O of the layout kernel against NumPy (float64 of the bf16 inputs; P is
     the kernel's own S rounded to bf16)."""
-    if not _hopper_gpu():
-        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
     import ml_dtypes
     import numpy as np
     from numba import cuda
@@ -238,40 +238,192 @@ def test_wgmma_layouts_on_gpu():
     np.testing.assert_allclose(o, p @ vz, rtol=1e-5, atol=1e-3)
 
 
-@pytest.mark.parametrize("d,causal,nq,nk", [(64, True, 200, 333), (128, False, 130, 77), (128, True, 64, 64)])
-def test_forward_draft_on_gpu(d, causal, nq, nk):
-    """The Hopper forward draft against the float64 oracle (the FlashAttention rule of the
-    tensor-core tests: bf16 outputs within a few units of the last place)."""
-    if not _hopper_gpu():
-        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
+# The forward kernel's parameters, in order: a kernel that takes others needs this test updated.
+FORWARD_PARAMS = ("tq", "tk", "tv", "out", "lse", "nk", "group", "scale_log2", "left", "right", "cap_in",
+                  "cap_out", "slopes")
+
+
+def check_forward(d, causal, nq, nk, heads):
+    """The Hopper forward (``kernels/forward_wgmma``, launched with its own ``BM``, ``BN``,
+    ``THREADS`` and ``smem_bytes``) on bf16 inputs of ``heads = (B1, B2)`` against the float64 oracle (the
+    FlashAttention rule of the tensor-core tests: outputs within a few units of the last place)."""
+    import inspect
     import math
     import ml_dtypes
     import numpy as np
     from numba import cuda
     from numba_flash import ops_hopper as H
     from numba_flash import reference
-    from numba_flash.kernels.forward_wgmma import BM, BN, THREADS, make_forward_wgmma
+    from numba_flash.kernels import forward_wgmma as F
     from numba_flash.launch import launch
     from numba_flash.scores import LOG2E, parse
 
-    rng = np.random.default_rng(d + nq)
-    q = rng.standard_normal((2, 3, nq, d)).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((2, 3, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
-    dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
-    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, BM), (dk, BN), (dv, BN))]
-    out = cuda.to_device(np.full((2, 3, nq, d), 0x7FC0, np.uint16))          # NaN bits
-    lse = cuda.to_device(np.full((2, 3, nq), np.nan, np.float32))
-    slopes = cuda.to_device(np.zeros((2, 3, 1), np.float32))
     rules = parse(causal=causal)
-    kern = make_forward_wgmma("bfloat16", d, rules.spec)
+    kern = F.make_forward_wgmma("bfloat16", d, rules.spec)
+    params = tuple(inspect.signature(kern.py_func).parameters)
+    if params != FORWARD_PARAMS:
+        pytest.skip(f"the forward kernel's parameters changed to {params}: update check_forward")
+    rng = np.random.default_rng(d + nq)
+    q = rng.standard_normal((*heads, nq, d)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((*heads, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
+    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, F.BM), (dk, F.BN), (dv, F.BN))]
+    out = cuda.to_device(np.full((*heads, nq, d), 0x7FC0, np.uint16))          # NaN bits
+    lse = cuda.to_device(np.full((*heads, nq), np.nan, np.float32))
+    slopes = cuda.to_device(np.zeros((*heads, 1), np.float32))
     scale = 1 / math.sqrt(d)
     args = (*maps, out, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes)
-    launch(kern, -(-nq // BM) * 6, THREADS, kern.smem_bytes, args)
+    launch(kern, -(-nq // F.BM) * heads[0] * heads[1], F.THREADS, F.smem_bytes(d), args)
     got = out.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float64)
     want, want_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(lse.copy_to_host(), want_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_wgmma_layouts_on_gpu():
+    if not _hopper_gpu():
+        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
+    check_layouts()
+
+
+@pytest.mark.parametrize("d,causal,nq,nk", [(64, True, 200, 333), (128, False, 130, 77), (128, True, 64, 64)])
+def test_forward_draft_on_gpu(d, causal, nq, nk):
+    if not _hopper_gpu():
+        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
+    check_forward(d, causal, nq, nk, (2, 3))
+
+
+# --------------------------------------------------------------------------- the simulator's twins
+def _simulator():
+    import numba_flash
+    return numba_flash.SIMULATOR
+
+
+def test_every_hopper_name_has_a_simulator_twin():
+    """In the simulator no public name of ops_hopper is left an intrinsic (or a factory of them)."""
+    if not _simulator():
+        pytest.skip("the twins replace the intrinsics in the simulator only")
+    from numba_flash import _hopper_sim
+    from numba_flash import ops_hopper as H
+    left = [name for name, value in vars(H).items() if not name.startswith("_")
+            and (getattr(value, "__module__", None) == H.__name__ or type(value).__name__ == "_Intrinsic")]
+    assert not left, f"no simulator twin in _hopper_sim for {left}"
+    assert all(getattr(H, name) is getattr(_hopper_sim, name) for name in _hopper_sim.__all__)
+
+
+def test_tma_box_swizzle_and_zero_fill_in_simulator():
+    """A TMA box lands as on the H200: row r's 16-byte chunk c at chunk c ^ (r % 8) of its
+    128-byte row, elements outside the tensor zero; the mbarrier completes on its bytes."""
+    if not _simulator():
+        pytest.skip("a check of the simulator's twins")
+    import numba
+    import numpy as np
+    from numba_flash import ops_hopper as H
+    from numba_flash.launch import launch
+
+    rows = 16
+
+    @cuda.jit
+    def kern(tmap, c0, c1, c2, c3, out):
+        sm = cuda.shared.array(0, numba.uint8, alignment=1024)
+        base = (H.shared_address(sm) + 1023) & ~1023
+        bar = base + rows * 128
+        H.mbarrier_init(bar, 1)
+        H.fence_mbarrier_init()
+        H.tensormap_acquire(H.global_address(tmap))
+        H.mbarrier_arrive_expect_tx(bar, rows * 128)
+        H.tma_load_4d(base, H.global_address(tmap), c0, c1, c2, c3, bar)
+        while H.mbarrier_try_wait(bar, 0) == 0:
+            pass
+        for i in range(rows * 128):
+            out[i] = sm[base - H.shared_address(sm) + i]
+
+    src = np.arange(2 * 3 * 10 * 80, dtype=np.uint16).reshape(2, 3, 10, 80) + 1
+    view = cuda.to_device(src)[:, :, :, 8:]             # d = 72: the box's last 8 columns fall outside
+    tmap = H.tensor_map_4d(view, rows)
+    out = cuda.to_device(np.zeros(rows * 128, np.uint8))
+    launch(kern, 1, 1, 2 * 1024 + rows * 128, (tmap, 16, 5, 2, 1, out))
+    box = np.zeros((rows, 64), np.uint16)               # (row, column) of the box at column 16, row 5
+    box[:5, :56] = src[1, 2, 5:, 24:]
+    got = out.copy_to_host().view(np.uint16).reshape(rows, 8, 8)   # (row, stored chunk, element)
+    for r in range(rows):
+        for c in range(8):
+            np.testing.assert_array_equal(got[r, c ^ (r % 8)], box[r, 8 * c:8 * c + 8], err_msg=f"row {r} chunk {c}")
+
+
+@pytest.mark.parametrize("arrivals,tx,missing", [(1, 0, "1 of 2 arrivals and 0 transaction"),
+                                                   (2, 16, "0 of 2 arrivals and 16 transaction")])
+def test_mbarrier_phase_needs_arrivals_and_bytes_in_simulator(monkeypatch, arrivals, tx, missing):
+    """A phase completes only when every arrival and every expected byte is in (the phase
+    before the first counts as complete); a wait on one that cannot complete fails with what
+    is missing (here after 0.2 s)."""
+    if not _simulator():
+        pytest.skip("a check of the simulator's twins")
+    import numba
+    from numba_flash import _hopper_sim
+    from numba_flash import ops_hopper as H
+    from numba_flash.launch import launch
+
+    monkeypatch.setattr(_hopper_sim, "_TIMEOUT_S", 0.2)
+
+    @cuda.jit
+    def kern():
+        sm = cuda.shared.array(0, numba.uint8, alignment=1024)
+        bar = (H.shared_address(sm) + 1023) & ~1023
+        H.mbarrier_init(bar, 2)
+        H.mbarrier_try_wait(bar, 1)                     # returns at once
+        H.mbarrier_arrive(bar)
+        if arrivals == 2:
+            H.mbarrier_arrive_expect_tx(bar, tx)
+        H.mbarrier_try_wait(bar, 0)
+
+    with pytest.raises(RuntimeError, match=f"parity 0 never completed .{missing}"):
+        launch(kern, 1, 1, 2048, ())
+
+
+def test_named_barrier_producer_arrives_consumers_sync_in_simulator():
+    """``named_arrive`` counts without waiting, ``named_barrier`` waits for the count: a
+    producer warp's writes are visible to the consumer warp after its sync."""
+    if not _simulator():
+        pytest.skip("a check of the simulator's twins")
+    import numba
+    import numpy as np
+    from numba_flash import ops_hopper as H
+    from numba_flash.launch import launch
+
+    @cuda.jit
+    def kern(out):
+        sm = cuda.shared.array(32, numba.int32)
+        tid = cuda.threadIdx.x
+        for rnd in range(3):
+            if tid < 32:
+                sm[tid] = 100 * rnd + tid
+                H.named_arrive(3, 64)
+                H.named_barrier(4, 64)          # the consumers have read this round
+            else:
+                H.named_barrier(3, 64)
+                out[rnd, tid - 32] = sm[tid - 32]
+                H.named_arrive(4, 64)
+
+    out = np.zeros((3, 32), np.int32)
+    launch(kern, 1, 64, 0, (out,))
+    np.testing.assert_array_equal(out, 100 * np.arange(3)[:, None] + np.arange(32))
+
+
+def test_wgmma_layouts_in_simulator():
+    """The layout kernel (the H200's TMA and wgmma layouts, above) runs on the simulator's twins."""
+    if not _simulator():
+        pytest.skip("the GPU runs test_wgmma_layouts_on_gpu")
+    check_layouts()
+
+
+@pytest.mark.parametrize("d,causal,nq,nk", [(64, True, 100, 150), (128, False, 130, 300)])
+def test_forward_in_simulator(d, causal, nq, nk):
+    """The Hopper forward on the twins: one or two blocks, ragged tiles, a ring that wraps."""
+    if not _simulator():
+        pytest.skip("the GPU runs test_forward_draft_on_gpu")
+    check_forward(d, causal, nq, nk, (1, 1))
 
 
 if __name__ == "__main__":
