@@ -436,8 +436,8 @@ def _compute(name, planner, arrays, options):
     """A call through its cached launch plan when there is one (:mod:`numba_flash._plans`),
     otherwise through ``planner`` (which then leaves a plan behind)."""
     options = tuple(tuple(o) if isinstance(o, list) else o for o in options)   # hashable
-    options += (registry.hopper_choice(),)          # the family choice, which the environment may change
-    sig = _plans.signature(name, [a for a in arrays if a is not None], options)
+    # the family choice, which the environment may change, is part of the plan's signature
+    sig = _plans.signature(name, [a for a in arrays if a is not None], options + (registry.hopper_choice(),))
     plan = _plans.lookup(sig)
     if plan is not None:
         found = plan.run(sig, _POISON)

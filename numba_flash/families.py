@@ -45,7 +45,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
         maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in views]
         if None not in maps:
             return _hopper_launches(inp, spec, views, maps, score_args)
-        spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit)
+        spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
     launches = []
@@ -72,6 +72,31 @@ def _hopper_launches(inp, spec, views, maps, score_args):
 
 _MAPS = {}          # (context, pointer, shape, strides, box rows) -> tensor map
 MAX_MAPS = 256      # the table starts afresh when it is full
+MAP_SOURCES = {}    # id(tensor map) -> (the view it describes, box rows): launch plans remake maps
+
+
+class _View:
+    """What ``ops_hopper.tensor_map_4d`` reads of an array: a pointer, shape and strides."""
+    def __init__(self, ptr, shape, strides):
+        self.shape, self.strides = shape, strides
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "strides": strides,
+                                         "typestr": "<u2", "version": 3}
+
+
+def tensor_map(ptr, shape, strides, rows, ary=None):
+    """The (cached) tensor map of a view at ``ptr`` with this shape and these strides (the
+    device array ``ary`` itself where the caller has it)."""
+    from . import ops_hopper
+    from ._runtime import SIMULATOR
+    from .launch import context_handle
+    key = (None if SIMULATOR else context_handle(), ptr, shape, strides, rows)
+    m = _MAPS.get(key)
+    if m is None:
+        if len(_MAPS) >= MAX_MAPS:
+            _MAPS.clear()
+            MAP_SOURCES.clear()
+        m = _MAPS[key] = ops_hopper.tensor_map_4d(_View(ptr, shape, strides) if ary is None else ary, rows)
+    return m
 
 
 def _tma_maps(q4, k4, v4, t):
@@ -79,21 +104,19 @@ def _tma_maps(q4, k4, v4, t):
     where a view has a stride the TMA cannot take (zero, as grouped heads' repeated K/V
     axis, or not a multiple of 16 bytes) or an unaligned start. A map holds only the
     address, shape and strides, so one made for the same values is reused."""
-    from . import ops_hopper
-    from ._runtime import SIMULATOR
-    from .launch import context_handle
-    ctx = None if SIMULATOR else context_handle()
     found = []
     for a, rows in ((q4, t.BM), (k4, t.BN), (v4, t.BN)):
-        ptr, strides = _arrays.device_pointer(a), tuple(a.strides)
+        ptr, shape, strides = _arrays.device_pointer(a), tuple(a.shape), list(a.strides)
+        for i in (2, 1, 0):        # a dim of one element: any stride; the map wants a valid one
+            if shape[i] == 1:
+                strides[i] = strides[i + 1] * shape[i + 1]
+        strides = tuple(strides)
         if ptr % 16 or strides[3] != 2 or any(s <= 0 or s % 16 for s in strides[:3]):
             return None
-        key = (ctx, ptr, tuple(a.shape), strides, rows)
-        m = _MAPS.get(key)
-        if m is None:
-            if len(_MAPS) >= MAX_MAPS:
-                _MAPS.clear()
-            m = _MAPS[key] = ops_hopper.tensor_map_4d(a, rows)
+        if strides != tuple(a.strides):
+            a = _arrays.strided_view(a, shape, strides)
+        m = tensor_map(ptr, shape, strides, rows, a)
+        MAP_SOURCES[id(m)] = (a, rows)
         found.append(m)
     return tuple(found)
 

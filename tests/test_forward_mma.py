@@ -149,6 +149,28 @@ def test_forward_mma_matches_oracle(case):
         assert bits(dout) == bits(out) and bits(dlse) == bits(lse)
 
 
+HOPPER_EXAMPLES = [     # ragged against the family's 128-row, 128-key tiles; the ring wraps in the second
+    Case((), 100, 150, 64, "bfloat16", causal=True, seed=11),
+    Case((2,), 130, 300, 64, "float16", scale=0.5, seed=12, device=True),
+]
+
+
+@pytest.mark.parametrize("case", HOPPER_EXAMPLES, ids=["causal-100x150", "full-130x300"])
+def test_hopper_family_through_the_api(case, monkeypatch):
+    """The Hopper family forced on (``NUMBA_FLASH_HOPPER=1``): in the simulator through
+    ``ops_hopper``'s twins, on a GPU where it is one of cc 9.0 (elsewhere the variable
+    cannot give a GPU the instructions it lacks, so the test stops there)."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    assert registry.forward_specialisation(case.dtype, case.d, registry.FULL, True, cc=(9, 0)).variant == "forward_wgmma"
+    q, k, v = case.inputs()
+    out, lse = _run(case, q, k, v, on_device=case.device)
+    check_forward_low(out, lse, q, k, v, case.causal, case.scale)
+
+
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):
@@ -310,4 +332,6 @@ def _check_large(lead, nq, nk, d, dtype, causal):
 
 def _as_torch(out, torch):
     """A 16-bit numba_flash output as a torch tensor of its raw bits (int16)."""
+    if isinstance(out, torch.Tensor):       # torch inputs give torch outputs
+        return out.view(torch.int16)
     return torch.as_tensor(out.view(np.int16), device="cuda")
