@@ -72,20 +72,11 @@ def _hopper_launches(inp, spec, views, maps, score_args):
 
 _MAPS = {}          # (context, pointer, shape, strides, box rows) -> tensor map
 MAX_MAPS = 256      # the table starts afresh when it is full
-MAP_SOURCES = {}    # id(tensor map) -> (the view it describes, box rows): launch plans remake maps
 
 
-class _View:
-    """What ``ops_hopper.tensor_map_4d`` reads of an array: a pointer, shape and strides."""
-    def __init__(self, ptr, shape, strides):
-        self.shape, self.strides = shape, strides
-        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "strides": strides,
-                                         "typestr": "<u2", "version": 3}
-
-
-def tensor_map(ptr, shape, strides, rows, ary=None):
-    """The (cached) tensor map of a view at ``ptr`` with this shape and these strides (the
-    device array ``ary`` itself where the caller has it)."""
+def tensor_map(ary, ptr, shape, strides, rows):
+    """The tensor map of the view ``ary`` (at ``ptr``, with this shape and these strides),
+    made once per context and such values."""
     from . import ops_hopper
     from ._runtime import SIMULATOR
     from .launch import context_handle
@@ -94,8 +85,7 @@ def tensor_map(ptr, shape, strides, rows, ary=None):
     if m is None:
         if len(_MAPS) >= MAX_MAPS:
             _MAPS.clear()
-            MAP_SOURCES.clear()
-        m = _MAPS[key] = ops_hopper.tensor_map_4d(_View(ptr, shape, strides) if ary is None else ary, rows)
+        m = _MAPS[key] = ops_hopper.tensor_map_4d(ary, rows)
     return m
 
 
@@ -115,9 +105,7 @@ def _tma_maps(q4, k4, v4, t):
             return None
         if strides != tuple(a.strides):
             a = _arrays.strided_view(a, shape, strides)
-        m = tensor_map(ptr, shape, strides, rows, a)
-        MAP_SOURCES[id(m)] = (a, rows)
-        found.append(m)
+        found.append(tensor_map(a, ptr, shape, strides, rows))
     return tuple(found)
 
 
