@@ -171,6 +171,28 @@ def test_hopper_family_through_the_api(case, monkeypatch):
     check_forward_low(out, lse, q, k, v, case.causal, case.scale)
 
 
+@pytest.mark.parametrize("pingpong", [True, False])
+def test_hopper_family_score_rules(pingpong, monkeypatch):
+    """The Hopper family with a window, softcap and ALiBi (the scores' general path), with
+    and without the consumers' ping-pong (the kernel is built directly for the second)."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    if not pingpong:
+        plain = forward_wgmma.make_forward_wgmma
+        monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                            lambda dt, d, scores: plain(dt, d, scores, pingpong=False))
+    rng = np.random.default_rng(13 + pingpong)
+    q = rng.standard_normal((2, 70, 64)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((2, 140, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    opts = {"window": (40, 7), "softcap": 3.0, "alibi_slopes": np.array([0.25, 0.0625], np.float32)}
+    out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+    check_forward_low(out, lse, q, k, v, opts, None)
+
+
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):

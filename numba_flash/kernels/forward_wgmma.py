@@ -82,8 +82,12 @@ def smem_bytes(D):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
+def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True):
+    """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
+    warpgroups take turns to issue their products (below), else they issue freely."""
     assert D in HEAD_DIMS, D
+    PINGPONG = pingpong
+    RAW = not (scores.softcap or scores.alibi)   # scores are scale · q·k: the scale joins exp2's FMA
     NSUB, SUB_Q, SUB_K, STAGES, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D)
     NS = BN // 2                          # S accumulator elements per thread
     NP = NS // 2                          # the same, packed in 16-bit pairs
@@ -141,12 +145,29 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
             H.mbarrier_arrive(empty)
 
     @cuda.jit(device=True, inline=True)
+    def my_turn(wg):
+        """Ping-pong: wait until the other consumer warpgroup has issued its products."""
+        if PINGPONG:
+            H.named_barrier(3 + wg, 256)
+
+    @cuda.jit(device=True, inline=True)
+    def their_turn(wg):
+        """Ping-pong: let the other consumer warpgroup issue its products."""
+        if PINGPONG:
+            H.named_arrive(4 - wg, 256)
+
+    @cuda.jit(device=True, inline=True)
     def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1, geo, diag, sc):
         """One key tile's online softmax on the raw products ``s`` (two rows per thread, a
         quad per row): scores in log2 units, masks, the new maxima, ``s`` replaced by the
-        exponentials. Returns the maxima, the partial sums and the old-to-new factors."""
-        for i in range(NS):
-            s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
+        exponentials. Returns the maxima, the partial sums and the old-to-new factors.
+        Without softcap and ALiBi the scores are ``scale_log2 · s``: the maxima are taken
+        on ``s`` (the scale is positive) and the scale is applied inside the exponent's
+        argument, one FMA per element."""
+        sl = sc[0]
+        if not RAW:
+            for i in range(NS):
+                s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
         if tile_needs_mask(r0, ROWS, k0, BN, geo):
             for i in range(NS):
                 col = k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1)
@@ -162,17 +183,20 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
         for off in (1, 2):
             mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
             mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
+        if RAW:
+            mx0, mx1 = mx0 * sl, mx1 * sl
         mn0, mn1 = max(m0, mx0), max(m1, mx1)
         mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
         mu1 = ZERO if mn1 == NEG_INF else mn1
         alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
         rs0, rs1 = ZERO, ZERO
         for i in range(NS):
+            x = s[i] * sl if RAW else s[i]
             if (i >> 1) & 1:
-                e = ops.exp2_approx(s[i] - mu1)
+                e = ops.exp2_approx(x - mu1)
                 rs1 += e
             else:
-                e = ops.exp2_approx(s[i] - mu0)
+                e = ops.exp2_approx(x - mu0)
                 rs0 += e
             s[i] = e
         return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
@@ -258,9 +282,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
             # so the compiler keeps the products asynchronous)
             wait_phase(q_full, 0)
             wait_phase(q_full + 8, 0)
+            if wg == 1:
+                their_turn(wg)                     # warpgroup 0 issues first
+            my_turn(wg)
             H.wgmma_fence()
             acc = qk(q_at, base + K_OFF)
             H.wgmma_commit()
+            their_turn(wg)
             wait0()
             H.to_array(acc, s)
             m0, m1, l0, l1, alpha0, alpha1 = softmax(s, kt0 * BN, row0, tq4, r0, m0, m1, l0, l1,
@@ -272,11 +300,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
             phase = 1 if STAGES == 1 else 0
             for j in range(1, tiles):
                 wait_phase(q_full + 8 + 8 * st, phase)
+                my_turn(wg)
                 H.wgmma_fence()
                 acc = qk(q_at, base + K_OFF + st * NSUB * SUB_K)
                 H.wgmma_commit()
                 o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
                 H.wgmma_commit()
+                their_turn(wg)
                 wait1()
                 H.to_array(acc, s)
                 m0, m1, l0, l1, alpha0, alpha1 = softmax(s, (kt0 + j) * BN, row0, tq4, r0, m0, m1, l0, l1,
@@ -296,6 +326,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec):
             o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
             H.wgmma_commit()
             wait0()
+            if wg == 0:
+                my_turn(wg)        # warpgroup 1's last turn: no barrier is left half-arrived
 
         # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------------
         for off in (1, 2):
