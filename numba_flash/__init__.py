@@ -11,7 +11,11 @@ with a :class:`SimulatorWarning`): correct, but seconds for the tiny shape above
 Import numba_flash before ``numba.cuda``.
 
 float32 and float64 run on CUDA cores (forward and backward); float16 and bfloat16
-(``ml_dtypes.bfloat16`` on the host) run on tensor cores (forward).
+(``ml_dtypes.bfloat16`` on the host) run on tensor cores (forward and backward).
+
+Serving layouts: :func:`attention_varlen` (packed batches of sequences of different
+lengths), :func:`attention_with_kvcache` (KV caches, appended in place) and
+:func:`merge_attention` (partial results over disjoint key sets).
 
 ``numba_flash.reference`` is the float64 NumPy oracle with the same semantics.
 """
@@ -19,8 +23,11 @@ from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulato
 from . import reference
 from ._arrays import release_cached_memory, to_device
 from .api import attention, attention_bwd, attention_fwd
+from .merge import merge_attention
+from .varlen import attention_varlen, attention_varlen_fwd, attention_with_kvcache
 
 __version__ = "0.1.0"
-__all__ = ["attention", "attention_fwd", "attention_bwd", "reference", "to_device",
+__all__ = ["attention", "attention_fwd", "attention_bwd", "attention_varlen", "attention_varlen_fwd",
+           "attention_with_kvcache", "merge_attention", "reference", "to_device",
            "release_cached_memory", "SIMULATOR",
            "SimulatorWarning"]

@@ -103,6 +103,7 @@ class _Inputs:
         self.batch = math.prod(self.lead)
         self.arrays = dict(zip(names, values))
         self.slopes = None if slopes is None else _check_slopes(slopes, self.lead, self.on_device, self.acc_dtype)
+        self.packed = None      # packed sequences' table (numba_flash.varlen), set by their entry points
 
     def score_args(self, lse):
         """The kernels' score arguments: window sides, softcap factors and the ALiBi slopes

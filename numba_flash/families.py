@@ -21,7 +21,12 @@ MAX_GRID_Y = 65535
 
 def grid(inp, rows, b, rows_per_block, cols_per_block):
     """``(x, y)``: ``rows`` rows of ``b`` leading indices in blocks of ``rows_per_block``,
-    the head dim in slices of ``cols_per_block``; a ValueError past the GPU's limits."""
+    the head dim in slices of ``cols_per_block``; a ValueError past the GPU's limits.
+    Packed sequences (``inp.packed``): ``(x, y, S)``, ``rows`` the longest sequence's."""
+    if inp.packed is not None:
+        g = (-(-inp.packed.max_q // rows_per_block) * b, -(-inp.d // cols_per_block), inp.packed.count)
+        assert g[0] <= MAX_GRID_X and g[2] <= MAX_GRID_Y, g    # checked with the sequence table
+        return g
     g = (-(-rows // rows_per_block) * b, -(-inp.d // cols_per_block))
     if g[0] > MAX_GRID_X or g[1] > MAX_GRID_Y:
         raise ValueError(f"problem too large for one launch: {b} leading indices × {rows} rows "
@@ -41,6 +46,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
                                            cc=cc)
     score_args, slopes = inp.score_args(lse)
     views = inp.kernel_views([q, out, lse, slopes], [k, v])
+    seqs = () if inp.packed is None else (inp.packed.table,)
     if spec.variant == "forward_wgmma":
         maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in views]
         if None not in maps:
@@ -51,7 +57,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     launches = []
     for q4, o4, l3, s3, k4, v4 in views:
         g = grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
-        tail = (*score_args, s3)
+        tail = (*score_args, s3, *seqs)
         if spec.variant == "forward_mma":
             launches.append((kern, g, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2, *tail),
                              inp.stream))
@@ -114,7 +120,8 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     tile) the forward into per-split partial results and then the merge kernel."""
     q4, k4, v4, o4, l3 = arrays
     t = spec.tiling
-    n_kt = scores.band_tiles(inp.rules, t.BM, t.BN, inp.nq, inp.nk)   # key tiles a query tile sees
+    nq, nk = (inp.nq, inp.nk) if inp.packed is None else (inp.packed.max_q, inp.packed.max_k)
+    n_kt = scores.band_tiles(inp.rules, t.BM, t.BN, nq, nk)   # key tiles a query tile sees
     # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
     z = splits or registry.forward_splits(g[0] * g[1], n_kt, sm_count, inp.scores.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
@@ -131,7 +138,7 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
     scratch += (parts, parts_ml)
     merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
-    return [(kern, (g[0] * z, g[1]), t.threads, spec.smem_bytes,
+    return [(kern, (g[0] * z,) + g[1:], t.threads, spec.smem_bytes,
              (q4, k4, v4, parts, parts_ml, scale_log2, split_keys, *tail), inp.stream),
             (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)]
 

@@ -10,12 +10,13 @@ import dataclasses
 import numpy as np
 
 from ._runtime import SIMULATOR
-from .scores import FULL, RULE_SPECS, SCORE_SPECS, ScoreSpec
+from .scores import FULL, PACKED_SPECS, RULE_SPECS, SCORE_SPECS, ScoreSpec
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.backward_mma import MmaBwdTiling, make_backward_mma
 from .kernels.backward_mma import smem_elements as mma_bwd_smem_elements
-from .kernels.copy import make_copy4
+from .kernels.copy import make_append, make_copy4
+from .kernels.merge import make_merge_finish, make_merge_into
 from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
 from .kernels.forward_mma import smem_elements as mma_smem_elements
@@ -184,6 +185,7 @@ class Variant:
     plain_compact: object = None  # (dtype, d) -> whether plain-load kernels take the compact tiling
     async_only: bool = False      # cp.async loads only (the API gives such kernels aligned rows)
     arch: str = None        # "sm_90a": Hopper instructions, built and run for compute capability 9.0 only
+    packed: bool = False    # takes packed sequences (scores.ScoreSpec.packed: varlen batches, KV caches)
 
 
 def _sig_scores(acc):
@@ -192,23 +194,43 @@ def _sig_scores(acc):
     return f"int64, int64, {acc}, {acc}, {acc}[:, :, :]"
 
 
-def _sig_forward(dt, layout):
+def _sig_forward(dt, layout, packed=False):
     a = _a4(dt, layout)
-    return f"void({a}, {a}, {a}, {dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt}, int64, {_sig_scores(dt)})"
+    o, l = (f"{dt}[:, :, :, :]", f"{dt}[:, :, :]") if packed else (f"{dt}[:, :, :, ::1]", f"{dt}[:, :, ::1]")
+    return f"void({a}, {a}, {a}, {o}, {l}, {dt}, int64, {_sig_scores(dt)}{_SEQS if packed else ''})"
+
+
+_SEQS = ", int32[:, ::1]"    # the sequence table of packed rows (scores.ScoreSpec.packed)
 
 
 def _sig_forward_merge(dt, layout):
     return f"void({dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt}[:, :, :, ::1], {dt}[:, :, ::1])"
 
 
-def _sig_forward_mma(dt, layout):
+def _sig_forward_mma(dt, layout, packed=False):
     a = _a4("uint16", layout)
-    return f"void({a}, {a}, {a}, uint16[:, :, :, ::1], float32[:, :, ::1], float32, {_sig_scores('float32')})"
+    o, l = ("uint16[:, :, :, :]", "float32[:, :, :]") if packed else ("uint16[:, :, :, ::1]", "float32[:, :, ::1]")
+    return f"void({a}, {a}, {a}, {o}, {l}, float32, {_sig_scores('float32')}{_SEQS if packed else ''})"
 
 
 def _sig_forward_wgmma(dt, layout):
     return (f"void(uint8[::1], uint8[::1], uint8[::1], uint16[:, :, :, ::1], float32[:, :, ::1], int64, int64, "
             f"float32, {_sig_scores('float32')})")
+
+
+def _merge_types(dt):
+    acc = "float32" if dt in LOW_DTYPES else dt
+    return acc, _a4(acc, "A"), _a4("uint16" if dt in LOW_DTYPES else dt, "A"), f"{acc}[:, :, :]"
+
+
+def _sig_merge_into(dt, layout):
+    acc, a4, s4, r3 = _merge_types(dt)
+    return f"void({a4}, {s4}, {r3}, {r3}, {r3}, boolean)"
+
+
+def _sig_merge_finish(dt, layout):
+    acc, a4, s4, r3 = _merge_types(dt)
+    return f"void({a4}, {r3}, {r3}, {s4}, {r3})"
 
 
 def _sig_backward(dt, layout):
@@ -237,7 +259,7 @@ def _sig_stats(dt, layout):
 VARIANTS = {v.name: v for v in (
     Variant("forward_simt", "FlashAttention-2 forward on CUDA cores", forward_tiling,
             lambda s: make_forward(s.dtype, s.d, s.tiling, s.scores, s.use_async),
-            smem_words, _sig_forward, compact=forward_tiling_compact, direction="forward",
+            smem_words, _sig_forward, compact=forward_tiling_compact, direction="forward", packed=True,
             # ptxas: the plain-load kernel of the d > 256 tiling spills 0.5 KiB per thread
             plain_compact=lambda dt, d: dt == "float32" and d > 256),
     Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,
@@ -245,7 +267,7 @@ VARIANTS = {v.name: v for v in (
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
-            direction="forward", async_only=True),
+            direction="forward", async_only=True, packed=True),
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
             lambda dt, d, sim: forward_wgmma.TILING, lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
             lambda d, t: forward_wgmma.smem_bytes(d) // 2, _sig_forward_wgmma, LOW_DTYPES,
@@ -272,6 +294,15 @@ VARIANTS = {v.name: v for v in (
     Variant("copy_rows", "strided -> contiguous copy of 16-bit inputs the tensor cores cannot read in place",
             lambda dt, d, sim: None, lambda s: make_copy4(), lambda d, t: 0,
             lambda dt, layout: f"void({_a4('uint16', 'A')}, {_a4('uint16', 'C')})", ("uint16",)),
+    Variant("cache_append", "KV caches: new rows written in place at each sequence's length",
+            lambda dt, d, sim: None, lambda s: make_append(), lambda d, t: 0,
+            lambda dt, layout: f"void({_a4(dt, 'A')}, {_a4(dt, 'A')}, int32[::1])", ("uint16", "float32", "float64")),
+    Variant("merge_into", "merge_attention: fold one partial (out, lse) into a running softmax",
+            lambda dt, d, sim: None, lambda s: make_merge_into(s.dtype), lambda d, t: 0, _sig_merge_into,
+            DTYPES + LOW_DTYPES),
+    Variant("merge_finish", "merge_attention: the merged out and lse from the running softmax",
+            lambda dt, d, sim: None, lambda s: make_merge_finish(s.dtype), lambda d, t: 0, _sig_merge_finish,
+            DTYPES + LOW_DTYPES),
 )}
 
 
@@ -316,6 +347,8 @@ class Specialisation:
 
     def signature(self, layout="C"):
         """Numba signature string, for PTX compilation without a GPU."""
+        if self.scores.packed:
+            return VARIANTS[self.variant].signature(self.dtype, layout, packed=True)
         return VARIANTS[self.variant].signature(self.dtype, layout)
 
 
@@ -331,6 +364,8 @@ def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FU
     bytes of shared memory per block (the GPU's opt-in maximum), or for plain loads where
     the variant says so (``plain_compact``)."""
     v = VARIANTS[variant]
+    if scores.packed and not v.packed:
+        raise ValueError(f"{variant} does not take packed sequences (scores {scores.tag})")
     t = v.tiling(dtype_name, d, simulator)
     if t is None:                                       # shape-independent kernels
         return Specialisation(variant, dtype_name, 0, FULL, False, None)
@@ -372,7 +407,7 @@ def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR
     """The forward kernel for these inputs: on a Hopper GPU (``cc`` 9.0) the Hopper family
     where :func:`uses_hopper` says so, else tensor cores (``mma.sync``) for 16-bit dtypes
     (which always load with cp.async: the API gives them aligned rows), CUDA cores otherwise."""
-    if uses_hopper(dtype_name, d, cc, simulator):
+    if not scores.packed and uses_hopper(dtype_name, d, cc, simulator):
         return specialisation("forward_wgmma", dtype_name, d, scores, True, simulator)
     if dtype_name in LOW_DTYPES:
         return specialisation("forward_mma", dtype_name, d, scores, True, simulator)
@@ -461,5 +496,5 @@ def specialisations(simulator: bool = False):
     for variant, v in VARIANTS.items():      # the other rule sets: at RULE_SPEC_D only
         for dt in v.dtypes:
             if v.tiling(dt, RULE_SPEC_D, simulator) is not None and v.head_dims(RULE_SPEC_D):
-                for scores in RULE_SPECS:
+                for scores in RULE_SPECS + (PACKED_SPECS if v.packed else ()):
                     yield specialisation(variant, dt, RULE_SPEC_D, scores, True, simulator)

@@ -50,11 +50,17 @@ class ScoreSpec:
     ``window``: the band ``[i + diag − left, i + diag + right]``, ``left`` and ``right``
     kernel arguments (a causal window is ``right = 0``: ``causal`` is then off).
     ``softcap``: ``s ← c·tanh(s/c)``, ``c`` an argument. ``alibi``: a per-head slope array.
+    ``packed``: the rows hold packed sequences (variable-length batches, KV caches): the
+    kernel takes one more argument, a table ``seqs (S, 4)`` int32 of ``(q_start, q_len,
+    k_start, k_len)`` per sequence; sequence ``z`` (grid axis z) attends its queries
+    ``q_start .. q_start + q_len − 1`` to its keys ``k_start .. k_start + k_len − 1``, and
+    the rules above apply within each sequence (``diag = k_len − q_len``).
     """
     causal: bool = False
     window: bool = False
     softcap: bool = False
     alibi: bool = False
+    packed: bool = False
 
     @property
     def masks_keys(self) -> bool:
@@ -65,7 +71,7 @@ class ScoreSpec:
     def tag(self) -> str:
         """Short name, as used in kernel names (``full``, ``causal``, ``window+softcap``...)."""
         base = "window" if self.window else "causal" if self.causal else "full"
-        return base + "".join(f"+{n}" for n in ("softcap", "alibi") if getattr(self, n))
+        return base + "".join(f"+{n}" for n in ("softcap", "alibi", "packed") if getattr(self, n))
 
 
 FULL = ScoreSpec()
@@ -77,6 +83,9 @@ CAUSAL = ScoreSpec(causal=True)
 SCORE_SPECS = (FULL, CAUSAL)
 RULE_SPECS = (ScoreSpec(window=True), ScoreSpec(causal=True, softcap=True, alibi=True),
               ScoreSpec(window=True, softcap=True, alibi=True))
+# ... and for the families that take packed sequences (registry.Variant.packed): plain and
+# with every rule.
+PACKED_SPECS = (ScoreSpec(packed=True), ScoreSpec(window=True, softcap=True, alibi=True, packed=True))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +372,26 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None)
         return scale_log2, cap_in, cap_out, slope_log2
 
     fns = (row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts)
+    return _device(fns)
+
+
+def _device(fns):
     if SIMULATOR:
         return fns
     from numba import cuda
     return tuple(cuda.jit(device=True, inline="always")(f) for f in fns)
+
+
+def device_sequence(spec: ScoreSpec):
+    """``sequence(seqs, z, nq, nk)``: ``(q_start, q_len, k_start, k_len)`` of sequence ``z``
+    — row ``z`` of the table ``seqs`` when ``spec.packed``, else ``(0, nq, 0, nk)``: the
+    whole of the kernel's views (``seqs`` is then not read)."""
+    from numba import int64 as I64
+    packed = spec.packed
+
+    def sequence(seqs, z, nq, nk):
+        if packed:        # (int64, as the rules' sums with the window sides need)
+            return I64(seqs[z, 0]), I64(seqs[z, 1]), I64(seqs[z, 2]), I64(seqs[z, 3])
+        return 0, nq, 0, nk
+
+    return _device((sequence,))[0]

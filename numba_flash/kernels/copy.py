@@ -33,3 +33,29 @@ def make_copy4():
 
     copy4.threads = THREADS
     return copy4
+
+
+@functools.lru_cache(maxsize=None)
+def make_append():
+    """``dst[b, pos[b] + i, h, c] = src[b, i, h, c]``: new rows written into a KV cache at
+    each sequence's length (``pos`` int32 ``(B,)``, checked on the host to keep every row
+    inside ``dst``). Launch with ``grid = ceil(Nnew · H · D / THREADS) · B``,
+    ``block = THREADS``."""
+
+    @cuda.jit
+    def append(src, dst, pos):
+        N = src.shape[1]
+        H = src.shape[2]
+        D = src.shape[3]
+        per_b = (N * H * D + THREADS - 1) // THREADS
+        b = cuda.blockIdx.x // per_b
+        i = (cuda.blockIdx.x - b * per_b) * THREADS + cuda.threadIdx.x
+        if i < N * H * D:
+            r = i // (H * D)
+            i -= r * (H * D)
+            h = i // D
+            c = i - h * D
+            dst[b, pos[b] + r, h, c] = src[b, r, h, c]
+
+    append.threads = THREADS
+    return append

@@ -71,7 +71,7 @@ from .. import ops, warp
 from . import tiles
 from .tiles import PAD
 from .._runtime import SIMULATOR
-from ..scores import ScoreSpec, device_rules
+from ..scores import ScoreSpec, device_rules, device_sequence
 
 LN2 = 0.6931471805599453
 
@@ -124,6 +124,11 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     slopes, in the dtype; any array of that type when ``scores.alibi`` is off: it is
     not read). Launch with ``grid = (ceil(Nq / BM) · B1 · B2 · Z, ceil(D / DO))``,
     ``block = RG · CG`` and ``smem_words(D, t) · itemsize`` bytes of dynamic shared memory.
+
+    With ``scores.packed`` a last argument ``seqs (S, 4)`` int32 gives each sequence's
+    rows (``numba_flash.scores.ScoreSpec``): launch with ``grid = (ceil(max q_len / BM) ·
+    B1 · B2 · Z, ceil(D / DO), S)``, ``split_keys`` covering the longest sequence; ``out``
+    and ``lse`` may then have any strides when ``Z = 1``.
     """
     np_dt = np.dtype(dtype_name)
     TM, TN, CG, DK, DO = t.TM, t.TN, t.CG, t.DK, t.DO
@@ -153,6 +158,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
 
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name)
+    sequence = device_sequence(scores)
 
     def softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo):
         """Online softmax on one S tile: rescale O and l, write P = exp2(S - m) to shared memory."""
@@ -191,10 +197,8 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     if not SIMULATOR:
         softmax_update = cuda.jit(device=True, inline="always")(softmax_update)
 
-    @cuda.jit(**JIT)
-    def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
-        Nq = q.shape[2]
-        Nk = k.shape[2]
+    def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
+        q_start, Nq, k_start, Nk = sequence(seqs, cuda.blockIdx.z, q.shape[2], k.shape[2])
         tid = cuda.threadIdx.x
         r = tid // CG
         c = tid - r * CG
@@ -203,10 +207,14 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         B = q.shape[0] * B2
         # Block x = (query tile, leading index, key split), the split varying fastest and
         # the heaviest (causal: last) query tiles first, so that blocks start heaviest first.
-        Z = cuda.gridDim.x // (n_qt * B)
+        Z = out.shape[0] // q.shape[0]
         zb = cuda.blockIdx.x // Z
         z = cuda.blockIdx.x - zb * Z   # key split: keys [k_lo, k_lo + split_keys)
         qt = n_qt - 1 - zb // B
+        if qt < 0:                     # packed sequences: the grid covers the longest one
+            return
+        q_end = q_start + Nq           # rows past these are zero-filled on load
+        k_end = k_start + Nk
         b = zb - (zb // B) * B
         b1 = b // B2
         b2 = b - b1 * B2
@@ -242,12 +250,12 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
 
         if NKC == 1:
             # Prologue: Q (once) and K(kt0) in one group, V(kt0) in the next.
-            copy_tile(smem, Q_OFF, QS, q, b1, b2, q0, BM, 0, DK, Nq, tid)
+            copy_tile(smem, Q_OFF, QS, q, b1, b2, q_start + q0, BM, 0, DK, q_end, tid)
             if n_kt > kt0:
-                copy_tile(smem, K_OFF, QS, k, b1, b2, k_lo, BN, 0, DK, Nk, tid)
+                copy_tile(smem, K_OFF, QS, k, b1, b2, k_start + k_lo, BN, 0, DK, k_end, tid)
             ops.cp_async_commit()
             if n_kt > kt0:
-                copy_tile(smem, V_OFF, DO, v, b1, b2, k_lo, BN, d0, DO, Nk, tid)
+                copy_tile(smem, V_OFF, DO, v, b1, b2, k_start + k_lo, BN, d0, DO, k_end, tid)
             ops.cp_async_commit()
 
         for kt in range(kt0, n_kt):
@@ -261,16 +269,16 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                 mm_abt(smem, Q_OFF, K_OFF, QS, s, qv, kv, r, c)
             else:
                 # V(kt) joins chunk 0's group; chunk c+1 is in flight while chunk c is used.
-                copy_tile(smem, V_OFF, DO, v, b1, b2, k0, BN, d0, DO, Nk, tid)
-                copy_tile(smem, Q_OFF, QS, q, b1, b2, q0, BM, 0, DK, Nq, tid)
-                copy_tile(smem, K_OFF, QS, k, b1, b2, k0, BN, 0, DK, Nk, tid)
+                copy_tile(smem, V_OFF, DO, v, b1, b2, k_start + k0, BN, d0, DO, k_end, tid)
+                copy_tile(smem, Q_OFF, QS, q, b1, b2, q_start + q0, BM, 0, DK, q_end, tid)
+                copy_tile(smem, K_OFF, QS, k, b1, b2, k_start + k0, BN, 0, DK, k_end, tid)
                 ops.cp_async_commit()
                 for kc in range(NKC):
                     slot = (kc & 1) * SLOT
                     if kc + 1 < NKC:
                         nxt = SLOT - slot  # the other slot: last read in chunk kc-1, before its barrier
-                        copy_tile(smem, nxt + Q_OFF, QS, q, b1, b2, q0, BM, (kc + 1) * DK, DK, Nq, tid)
-                        copy_tile(smem, nxt + K_OFF, QS, k, b1, b2, k0, BN, (kc + 1) * DK, DK, Nk, tid)
+                        copy_tile(smem, nxt + Q_OFF, QS, q, b1, b2, q_start + q0, BM, (kc + 1) * DK, DK, q_end, tid)
+                        copy_tile(smem, nxt + K_OFF, QS, k, b1, b2, k_start + k0, BN, (kc + 1) * DK, DK, k_end, tid)
                         ops.cp_async_commit()
                         ops.cp_async_wait(1)   # chunk kc (and V) landed; chunk kc+1 in flight
                     else:
@@ -284,12 +292,12 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                 ops.cp_async_wait(0)       # V(kt) has landed
             cuda.syncthreads()             # P and V complete; every thread is done reading K(kt)
             if NKC == 1 and kt + 1 < n_kt:
-                copy_tile(smem, K_OFF, QS, k, b1, b2, k0 + BN, BN, 0, DK, Nk, tid)  # overlaps P V
+                copy_tile(smem, K_OFF, QS, k, b1, b2, k_start + k0 + BN, BN, 0, DK, k_end, tid)  # overlaps P V
                 ops.cp_async_commit()
             mm_pv(smem, P_OFF, PS, V_OFF, DO, o, pv, vv, r, c)
             cuda.syncthreads()             # V and P fully read before they are overwritten
             if NKC == 1 and kt + 1 < n_kt:
-                copy_tile(smem, V_OFF, DO, v, b1, b2, k0 + BN, BN, d0, DO, Nk, tid)  # overlaps next S
+                copy_tile(smem, V_OFF, DO, v, b1, b2, k_start + k0 + BN, BN, d0, DO, k_end, tid)  # overlaps next S
                 ops.cp_async_commit()
 
         ops.cp_async_wait(0)               # nothing left in flight when the loop had no iteration
@@ -306,15 +314,26 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                     for f in range(4):
                         col = d0 + 4 * (c + CG * g) + f
                         if col < D:
-                            out[ob1, b2, row, col] = o[i, 4 * g + f] * inv
+                            out[ob1, b2, q_start + row, col] = o[i, 4 * g + f] * inv
                 if c == 0 and cuda.blockIdx.y == 0:
                     if Z > 1:                  # a split's row max and sum, for the merge
-                        lse[ob1, b2, row] = m[i]
-                        lse[ob1 + Z * q.shape[0], b2, row] = li
+                        lse[ob1, b2, q_start + row] = m[i]
+                        lse[ob1 + Z * q.shape[0], b2, q_start + row] = li
                     elif li == ZERO:
-                        lse[ob1, b2, row] = NEG_INF
+                        lse[ob1, b2, q_start + row] = NEG_INF
                     else:
-                        lse[ob1, b2, row] = (m[i] + math.log2(li)) * LN2_T
+                        lse[ob1, b2, q_start + row] = (m[i] + math.log2(li)) * LN2_T
+
+    if not SIMULATOR:
+        forward_body = cuda.jit(device=True, inline="always")(forward_body)
+    if scores.packed:
+        @cuda.jit(**JIT)
+        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs)
+    else:
+        @cuda.jit(**JIT)
+        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, slopes)
 
     forward.tiling = t
     forward.smem_bytes = END * np_dt.itemsize

@@ -36,9 +36,9 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules, device_sequence
 from .forward import LN2
-from .mma_parts import ROW_PAD, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
+from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
 
 
@@ -80,6 +80,10 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     ``cap_in, cap_out`` float32, ``slopes (B1, B2, 1)`` float32: see
     ``numba_flash.kernels.forward.make_forward``). Launch with ``grid = (ceil(Nq / BM) · B1 · B2, 1)``,
     ``block = 32 · WARPS``, ``smem_elements(D, t) · 2`` bytes of dynamic shared memory.
+
+    With ``scores.packed`` a last argument ``seqs (S, 4)`` int32 gives each sequence's
+    rows (``numba_flash.scores.ScoreSpec``): launch with ``grid = (ceil(max q_len / BM) ·
+    B1 · B2, 1, S)``; ``out`` and ``lse`` may then have any strides.
     """
     assert D % 8 == 0
     mma, pack = operand_kinds(dtype_name)
@@ -102,16 +106,16 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
+    sequence = device_sequence(scores)
 
     copy_q = make_copy_rows(D, NT, BM)
     copy_kv = make_copy_rows(D, NT, BN)
     mma_pair = make_mma_pair(mma)
     a_frag, b_frag, bt_frag = make_fragments(RS)
 
-    @cuda.jit(**JIT)
-    def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes):
-        Nq = q.shape[2]
-        Nk = k.shape[2]
+    @device
+    def forward_body(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
+        q_start, Nq, k_start, Nk = sequence(seqs, cuda.blockIdx.z, q.shape[2], k.shape[2])
         tid = cuda.threadIdx.x
         lane = tid & 31
         w = tid >> 5
@@ -121,6 +125,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
         B2 = q.shape[1]
         B = q.shape[0] * B2
         qt = n_qt - 1 - cuda.blockIdx.x // B    # heaviest (causal: last) query tiles first
+        if qt < 0:                     # packed sequences: the grid covers the longest one
+            return
         b = cuda.blockIdx.x - (cuda.blockIdx.x // B) * B
         b1 = b // B2
         b2 = b - b1 * B2
@@ -153,10 +159,11 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
         kt0 = kv_begin // BN
         n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
 
-        copy_q(smem, 0, q, b1, b2, q0, Nq, tid)
+        copy_q(smem, 0, q, b1, b2, q_start + q0, q_start + Nq, tid)
+        k_end = k_start + Nk           # rows past this one are zero-filled
         if n_kt > kt0:
-            copy_kv(smem, K_OFF, k, b1, b2, kt0 * BN, Nk, tid)
-            copy_kv(smem, V_OFF, v, b1, b2, kt0 * BN, Nk, tid)
+            copy_kv(smem, K_OFF, k, b1, b2, k_start + kt0 * BN, k_end, tid)
+            copy_kv(smem, V_OFF, v, b1, b2, k_start + kt0 * BN, k_end, tid)
         ops.cp_async_commit()
 
         for kt in range(kt0, n_kt):
@@ -165,8 +172,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile kt landed for all; every warp is done with kt - 1
             if kt + 1 < n_kt:           # the other slot held tile kt - 1: refill it
-                copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k0 + BN, Nk, tid)
-                copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k0 + BN, Nk, tid)
+                copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + k0 + BN, k_end, tid)
+                copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + k0 + BN, k_end, tid)
                 ops.cp_async_commit()
             if Q_IN_REGS and kt == kt0:
                 for mt in range(MT):
@@ -265,10 +272,19 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
                     col = 8 * n + 2 * tq
                     if col < D:
                         bits = pack(o[mt, n, e0] * inv, o[mt, n, e0 + 1] * inv)
-                        out[b1, b2, row, col] = numba.uint16(bits & 0xFFFF)
-                        out[b1, b2, row, col + 1] = numba.uint16(bits >> 16)
+                        out[b1, b2, q_start + row, col] = numba.uint16(bits & 0xFFFF)
+                        out[b1, b2, q_start + row, col + 1] = numba.uint16(bits >> 16)
                 if tq == 0:
-                    lse[b1, b2, row] = NEG_INF if lh == ZERO else (m[h] + math.log2(lh)) * LN2_T
+                    lse[b1, b2, q_start + row] = NEG_INF if lh == ZERO else (m[h] + math.log2(lh)) * LN2_T
+
+    if scores.packed:
+        @cuda.jit(**JIT)
+        def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
+            forward_body(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs)
+    else:
+        @cuda.jit(**JIT)
+        def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes):
+            forward_body(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, slopes)
 
     forward.tiling = t
     forward.smem_bytes = smem_elements(D, t) * 2

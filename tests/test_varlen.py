@@ -1,0 +1,268 @@
+"""Packed sequences and partial results against the float64 oracle: variable-length batches
+(``attention_varlen_fwd``), KV caches with in-place appends (``attention_with_kvcache``)
+and ``merge_attention``.
+
+Each sequence of a packed call is checked on its own against the oracle with the
+tolerance rules of the plain tests (:func:`conftest.check_forward` for float32 and
+float64, :func:`test_forward_mma.check_forward_low` for float16 and bfloat16): a packed
+call must compute exactly what attention over each sequence alone computes, with no row
+of another sequence leaking in. Outputs are NaN-poisoned before each launch, so a row the
+kernels skip fails. Lengths include empty sequences (no query, or no key: zero output and
+``-inf`` lse), Nq != Nk per sequence and lengths that cross tile edges.
+"""
+import numpy as np
+import pytest
+from hypothesis import example, given, note
+from hypothesis import strategies as st
+
+import numba_flash
+from numba import cuda
+from numba_flash import reference, registry
+from conftest import ON_GPU, check_forward, host, np_dtype
+from test_forward_mma import check_forward_low
+
+DTYPES = registry.dtypes("forward")
+LOW = registry.LOW_DTYPES
+N_MAX = 300 if ON_GPU else 20
+D_CHOICES = {"float32": (5, 16), "float64": (3, 8), "float16": (8, 16), "bfloat16": (16,)}
+if ON_GPU:
+    D_CHOICES = {"float32": (40, 64), "float64": (24,), "float16": (64, 128), "bfloat16": (128,)}
+
+
+def _check(dt, out, lse, q, k, v, options, scale=None):
+    """One sequence, heads first: out, q ``(H, n, d)``, lse ``(H, n)``."""
+    if dt in LOW:
+        check_forward_low(out, lse, q, k, v, options, scale)
+    else:
+        check_forward(out, lse, q, k, v, options, scale)
+
+
+def _heads_first(x):
+    return np.ascontiguousarray(np.swapaxes(x, 0, 1))
+
+
+def _host(x):
+    return x if isinstance(x, np.ndarray) else host(x)
+
+
+def _device(x):
+    return numba_flash.to_device(x) if x.dtype == np_dtype("bfloat16") else cuda.to_device(x)
+
+
+@st.composite
+def varlen_cases(draw):
+    dt = draw(st.sampled_from(DTYPES))
+    batch = draw(st.integers(1, 3))
+    lens_q = draw(st.lists(st.integers(0, N_MAX), min_size=batch, max_size=batch))
+    lens_k = draw(st.lists(st.integers(0, N_MAX), min_size=batch, max_size=batch))
+    hkv = draw(st.sampled_from((1, 2)))
+    group = draw(st.sampled_from((1, 2)))
+    options = dict(causal=draw(st.booleans()))
+    rule = draw(st.sampled_from(("none", "window", "softcap", "alibi")))
+    if rule == "window":
+        options["window"] = (draw(st.integers(0, 6)), draw(st.one_of(st.none(), st.integers(0, 6))))
+    elif rule == "softcap":
+        options["softcap"] = draw(st.sampled_from((2.0, 20.0)))
+    return dict(dtype=dt, lens_q=lens_q, lens_k=lens_k, hq=hkv * group, hkv=hkv,
+                d=draw(st.sampled_from(D_CHOICES[dt])), options=options, alibi=rule == "alibi",
+                seed=draw(st.integers(0, 2**31 - 1)))
+
+
+def _varlen_inputs(case):
+    rng = np.random.default_rng(case["seed"])
+    dt = np_dtype(case["dtype"])
+    cu_q = np.concatenate([[0], np.cumsum(case["lens_q"])]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(case["lens_k"])]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], case["hq"], case["d"])).astype(dt)
+    k = rng.standard_normal((cu_k[-1], case["hkv"], case["d"])).astype(dt)
+    v = rng.standard_normal((cu_k[-1], case["hkv"], case["d"])).astype(dt)
+    slopes = (2.0 ** -rng.uniform(0.5, 8.0, case["hq"])).astype(np.float32) if case["alibi"] else None
+    return q, k, v, cu_q, cu_k, slopes
+
+
+def _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes):
+    hq, d = case["hq"], case["d"]
+    assert out.shape == (cu_q[-1], hq, d) and lse.shape == (cu_q[-1], hq)
+    assert out.flags.c_contiguous and lse.flags.c_contiguous
+    options = dict(case["options"], alibi_slopes=slopes)
+    for b in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b + 1] == cu_q[b]:
+            continue
+        _check(case["dtype"], _heads_first(out[rq]), np.ascontiguousarray(lse[rq].T), _heads_first(q[rq]),
+               _heads_first(k[rk]), _heads_first(v[rk]), options)
+
+
+@example(case=dict(dtype="float32", lens_q=[3, 0, 17, 5], lens_k=[7, 4, 17, 0], hq=4, hkv=2, d=16,
+                   options=dict(causal=True), alibi=False, seed=1))
+@example(case=dict(dtype="bfloat16", lens_q=[1, 16, 2], lens_k=[20, 16, 0], hq=2, hkv=1, d=16,
+                   options=dict(causal=False, window=(3, 1)), alibi=False, seed=2))
+@given(case=varlen_cases())
+def test_varlen_matches_oracle(case):
+    note(repr(case))
+    q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case)
+    out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, alibi_slopes=slopes, **case["options"])
+    assert isinstance(out, np.ndarray)
+    _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_varlen_device_arrays_and_attention(dtype):
+    """Device arrays in, device arrays out, bit for bit the NumPy path's results;
+    ``attention_varlen`` is the out of ``attention_varlen_fwd``."""
+    case = dict(dtype=dtype, lens_q=[5, 9], lens_k=[9, 5], hq=2, hkv=2, d=16, options=dict(causal=True),
+                alibi=False, seed=3)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case)
+    out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, causal=True, max_seqlen_q=9)
+    dout, dlse = numba_flash.attention_varlen_fwd(*(_device(x) for x in (q, k, v)), cuda.to_device(cu_q),
+                                                  cu_k, causal=True)
+    assert not isinstance(dout, np.ndarray)
+    np.testing.assert_array_equal(host(dout).view(np.uint8), out.view(np.uint8))
+    np.testing.assert_array_equal(host(dlse), lse)
+    only = numba_flash.attention_varlen(q, k, v, cu_q, cu_k, causal=True)
+    np.testing.assert_array_equal(only.view(np.uint8), out.view(np.uint8))
+
+
+@pytest.mark.parametrize("dtype,causal,n_new,device", [
+    ("float32", True, 2, False), ("bfloat16", False, 3, True), ("float64", True, 0, True)])
+def test_kvcache_matches_oracle(dtype, causal, n_new, device):
+    """Queries against each sequence's cache rows in use, after appending k_new and v_new in
+    place (checked row by row: the new rows land at cache_seqlens, the others are unchanged)."""
+    rng = np.random.default_rng(4)
+    dt = np_dtype(dtype)
+    b, nq, nmax, hq, hkv, d = 3, 2, 14, 4, 2, 16 if dtype in LOW else 8
+    lens = np.array([5, 0, nmax - n_new])
+    q = rng.standard_normal((b, nq, hq, d)).astype(dt)
+    kc = rng.standard_normal((b, nmax, hkv, d)).astype(dt)
+    vc = rng.standard_normal((b, nmax, hkv, d)).astype(dt)
+    kn = rng.standard_normal((b, n_new, hkv, d)).astype(dt) if n_new else None
+    vn = rng.standard_normal((b, n_new, hkv, d)).astype(dt) if n_new else None
+    expect_k, expect_v = kc.copy(), vc.copy()
+    for i in range(b):
+        if n_new:
+            expect_k[i, lens[i]:lens[i] + n_new] = kn[i]
+            expect_v[i, lens[i]:lens[i] + n_new] = vn[i]
+    args = [q, kc, vc]
+    new = dict(k_new=kn, v_new=vn)
+    if device:
+        args = [_device(x) for x in args]
+        new = {n: None if x is None else _device(x) for n, x in new.items()}
+    out, lse = numba_flash.attention_with_kvcache(*args, lens.astype(np.int32), causal=causal, return_lse=True,
+                                                  **new)
+    out, lse = _host(out), _host(lse)
+    kc_after, vc_after = (_host(x) for x in args[1:])
+    np.testing.assert_array_equal(kc_after.view(np.uint8), expect_k.view(np.uint8))
+    np.testing.assert_array_equal(vc_after.view(np.uint8), expect_v.view(np.uint8))
+    assert out.shape == (b, nq, hq, d) and lse.shape == (b, nq, hq)
+    for i in range(b):
+        n = lens[i] + n_new
+        _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+               _heads_first(expect_k[i, :n]), _heads_first(expect_v[i, :n]), dict(causal=causal))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("device", [False, True])
+def test_merge_attention(dtype, device):
+    """Partial results over disjoint key sets (one of them empty, and one invisible to
+    some rows under the causal mask) merge into attention over all the keys."""
+    rng = np.random.default_rng(5)
+    dt = np_dtype(dtype)
+    q = rng.standard_normal((2, 3, 6, 8)).astype(dt)
+    k = rng.standard_normal((2, 3, 20, 8)).astype(dt)
+    v = rng.standard_normal((2, 3, 20, 8)).astype(dt)
+    bounds = ((0, 7), (7, 7), (7, 20))
+    parts = []
+    for lo, hi in bounds:        # the oracle's partials, exact up to float64 rounding
+        o, l = reference.attention_fwd(q.astype(np.float64), k[..., lo:hi, :].astype(np.float64),
+                                       v[..., lo:hi, :].astype(np.float64))
+        parts.append((o.astype(dt), l.astype(np.float64 if dtype == "float64" else np.float32)))
+    outs, lses = [p[0] for p in parts], [p[1] for p in parts]
+    if device:
+        outs, lses = [_device(x) for x in outs], [cuda.to_device(x) for x in lses]
+    out, lse = numba_flash.merge_attention(outs, lses)
+    out, lse = _host(out), _host(lse)
+    ref_out, ref_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)))
+    eps = {"float64": 1e-15, "float32": 2**-24}.get(dtype, float(np.finfo(np.float32).eps))
+    if dtype in LOW:
+        import ml_dtypes
+        eps = float(ml_dtypes.finfo(dt).eps)
+    # Each partial is rounded to the dtype (half an ulp of |v| at most); the merge adds a few
+    # accumulator roundings: 2 ulps of max|v| bound both, lse to the accumulator's precision.
+    assert out.dtype == dt and np.abs(out.astype(np.float64) - ref_out).max() <= 2 * eps * np.abs(v.astype(float)).max()
+    acc_eps = 1e-14 if dtype == "float64" else 1e-6
+    assert np.abs(lse - ref_lse).max() <= acc_eps * max(1.0, np.abs(ref_lse).max())
+    stacked_out, stacked_lse = numba_flash.merge_attention(np.stack([p[0] for p in parts]),
+                                                           np.stack([p[1] for p in parts]))
+    assert stacked_out.shape == out.shape
+
+
+def test_merge_attention_rows_with_no_key():
+    o = np.full((2, 3), 7.0, np.float32)
+    out, lse = numba_flash.merge_attention([o, o], [np.full(2, -np.inf, np.float32)] * 2)
+    assert (out == 0).all() and np.isneginf(lse).all()
+
+
+BAD = [
+    ("decreasing", lambda: ([0, 5, 3, 10], [0, 2, 4, 6]), ValueError, "never decrease"),
+    ("wrong end", lambda: ([0, 5, 9], [0, 2, 6]), ValueError, "must equal the number of rows"),
+    ("batch mismatch", lambda: ([0, 5, 10], [0, 6]), ValueError, "must have 3 entries"),
+    ("float metadata", lambda: (np.array([0.0, 5.0, 10.0]), [0, 2, 6]), TypeError, "integer"),
+]
+
+
+@pytest.mark.parametrize("make,exc,match", [b[1:] for b in BAD], ids=[b[0] for b in BAD])
+def test_varlen_bad_metadata(make, exc, match):
+    q = np.zeros((10, 2, 8), np.float32)
+    k = np.zeros((6, 2, 8), np.float32)
+    cu_q, cu_k = make()
+    cu_q = np.asarray(cu_q) if isinstance(cu_q, np.ndarray) else np.asarray(cu_q, np.int32)
+    with pytest.raises(exc, match=match):
+        numba_flash.attention_varlen_fwd(q, k, k, cu_q, np.asarray(cu_k, np.int32))
+
+
+def test_varlen_bad_layout_and_max_seqlen():
+    q = np.zeros((10, 2, 8), np.float32)
+    with pytest.raises(ValueError, match=r"\(total_tokens, heads, d\)"):
+        numba_flash.attention_varlen_fwd(q[None], q, q, [0, 10], [0, 10])
+    with pytest.raises(ValueError, match="shorter than the longest"):
+        numba_flash.attention_varlen_fwd(q, q, q, np.array([0, 10], np.int32), np.array([0, 10], np.int32),
+                                         max_seqlen_q=4)
+
+
+def test_kvcache_bad_input():
+    q = np.zeros((2, 1, 2, 8), np.float32)
+    kc = np.zeros((2, 6, 2, 8), np.float32)
+    kn = np.ones((2, 2, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="cache overflows"):
+        numba_flash.attention_with_kvcache(q, kc, kc.copy(), np.array([3, 5], np.int32), k_new=kn, v_new=kn)
+    assert not kc.any(), "nothing may be written when the call is refused"
+    with pytest.raises(ValueError, match="both or neither"):
+        numba_flash.attention_with_kvcache(q, kc, kc, np.array([3, 5], np.int32), k_new=kn)
+    with pytest.raises(ValueError, match=r"lie in \[0, Nmax=6\]"):
+        numba_flash.attention_with_kvcache(q, kc, kc, np.array([3, 7], np.int32))
+    with pytest.raises(ValueError, match="same batch size"):
+        numba_flash.attention_with_kvcache(q[:1], kc, kc, np.array([3, 5], np.int32))
+    with pytest.raises(TypeError, match="cache's dtype"):
+        numba_flash.attention_with_kvcache(q, kc, kc.copy(), np.array([0, 0], np.int32), k_new=kn.astype(np.float64),
+                                           v_new=kn.astype(np.float64))
+
+
+def test_merge_attention_bad_input():
+    o = np.zeros((4, 8), np.float32)
+    l32 = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match="as many partial results"):
+        numba_flash.merge_attention([o, o], [l32])
+    with pytest.raises(ValueError, match=r"lses\[0\] must be float32"):
+        numba_flash.merge_attention([o], [l32.astype(np.float64)])
+    with pytest.raises(ValueError, match=r"outs\[1\] has shape"):
+        numba_flash.merge_attention([o, o[:3]], [l32, l32])
+    with pytest.raises(ValueError, match="at least one"):
+        numba_flash.merge_attention([], [])
+
+
+def test_packed_specialisations_are_registered():
+    """Only the families that take packed sequences are asked for them; the others refuse."""
+    names = [s.name for s in registry.specialisations() if s.scores.packed]
+    assert names and all(n.startswith(("forward_simt", "forward_mma")) for n in names)
+    with pytest.raises(ValueError, match="does not take packed"):
+        registry.specialisation("forward_wgmma", "bfloat16", 64, numba_flash.scores.ScoreSpec(packed=True))
