@@ -1532,6 +1532,178 @@ def variants_options(p):
                    help="skip timing attention_bwd on the rows whose dtype has a backward")
 
 
+# --------------------------------------------------------------------------- serving mode
+@dataclasses.dataclass(frozen=True)
+class ServingRow:
+    """One serving problem. ``kind``: "kvcache" (``attention_with_kvcache``, one new query
+    per sequence, the (B, N, H, d) cache layout), "decode" (``attention`` with ``Nq = 1``
+    in the (B, H, N, d) layout), "varlen" (``attention_varlen``, causal prefill of
+    sequences of ``lens``) or "padded" (the same sequences padded to the longest, one
+    ``attention`` call)."""
+    label: str
+    kind: str
+    B: int
+    Hq: int
+    Hkv: int
+    Nk: int
+    d: int
+    dtype: str
+    lens: tuple = ()
+
+
+def _serving_rows(B, Hq, N, d, lens, dtypes):
+    rows = []
+    for dt in dtypes:
+        rows += [ServingRow("kvcache", "kvcache", B, Hq, Hq, N, d, dt),
+                 ServingRow("kvcache gqa", "kvcache", B, Hq, Hq // 4, N, d, dt),
+                 ServingRow("decode", "decode", B, Hq, Hq, N, d, dt),
+                 ServingRow("varlen", "varlen", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens)),
+                 ServingRow("padded", "padded", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens))]
+    return rows
+
+
+# The issue's targets: decode bf16 (B=16, Hq=32, Nk=8192, d=128) >= 0.9x SDPA and >= 3.5 TB/s of
+# K/V read; with GQA (Hkv=8) K/V read once per group; varlen prefill (16 sequences of 256..4096,
+# causal) within 10% of the padded batch's TFLOP/s and faster than it in time.
+SERVING_ROWS = _serving_rows(16, 32, 8192, 128, tuple(int(x) for x in np.linspace(256, 4096, 16)),
+                             ("bfloat16", "float32"))
+TINY_SERVING_ROWS = _serving_rows(2, 4, 40, 16, (5, 17, 33), ("bfloat16", "float32"))
+SERVING_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 4e-3, "bfloat16": 3e-2}
+
+
+def serving_flops(r: ServingRow) -> float:
+    """4·d per visible (query, key) pair per head; "padded" counts its padded problem."""
+    if r.kind in ("kvcache", "decode"):
+        return 4.0 * r.d * r.B * r.Hq * r.Nk
+    rules = scores.parse(True)
+    lens = (r.Nk,) * len(r.lens) if r.kind == "padded" else r.lens
+    return 4.0 * r.d * r.Hq * sum(scores.visible_pairs(rules, n, n) for n in lens)
+
+
+def serving_bytes(r: ServingRow) -> float:
+    """Bytes of K and V a decode row must read (once per K/V head)."""
+    return 2.0 * r.B * r.Nk * r.Hkv * r.d * NP_DTYPES[r.dtype].itemsize
+
+
+def _oracle_err(got, q, k, v, causal):
+    """Max abs error of ``got (Hq, n, d)`` against the float64 oracle (K/V heads repeated)."""
+    q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+    g = q.shape[0] // k.shape[0]
+    k, v = np.repeat(k, g, axis=0), np.repeat(v, g, axis=0)
+    return max_abs_err(got, reference.attention(q, k, v, causal=causal))
+
+
+def serving_inputs(r: ServingRow, bench):
+    """``(call, peer_calls, check)``: ours, the SDPA calls of the same problem (PyTorch
+    inputs only) and ``check()`` -> ours' max abs error against the float64 oracle on
+    sequence 0 (its first 256 queries for the padded batch)."""
+    kind, torch = bench.kind, bench.torch
+    sdpa = None if kind != "torch" else torch.nn.functional.scaled_dot_product_attention
+    peers = {}
+    if r.kind in ("kvcache", "decode"):
+        gqa = r.Hkv != r.Hq
+        if r.kind == "kvcache":
+            q, kc, vc = random_arrays([(r.B, 1, r.Hq, r.d), (r.B, r.Nk, r.Hkv, r.d), (r.B, r.Nk, r.Hkv, r.d)],
+                                      r.dtype, kind, torch)
+            lens = np.full(r.B, r.Nk, np.int32)
+            call = lambda: numba_flash.attention_with_kvcache(q, kc, vc, lens)  # noqa: E731
+            heads_first = lambda x: np.swapaxes(x, 0, 1)  # noqa: E731
+            if sdpa:
+                tq, tk, tv = (x.transpose(1, 2) for x in (q, kc, vc))
+        else:
+            q, kc, vc = random_arrays([(r.B, r.Hq, 1, r.d), (r.B, r.Hkv, r.Nk, r.d), (r.B, r.Hkv, r.Nk, r.d)],
+                                      r.dtype, kind, torch)
+            call = lambda: numba_flash.attention(q, kc, vc)  # noqa: E731
+            heads_first = lambda x: x  # noqa: E731
+            tq, tk, tv = q, kc, vc
+        if sdpa:
+            peers = {name: lambda: sdpa(tq, tk, tv, enable_gqa=gqa) for name in PEERS}
+        q0, k0, v0 = (heads_first(to_host(x)[0]) for x in (q, kc, vc))
+        return call, peers, lambda: _oracle_err(heads_first(to_host(call())[0]), q0, k0, v0, False)
+    if r.kind == "varlen":
+        lens = np.asarray(r.lens)
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        q, k, v = random_arrays([(int(cu[-1]), r.Hq, r.d)] * 3, r.dtype, kind, torch)
+        call = lambda: numba_flash.attention_varlen(q, k, v, cu, cu, causal=True)  # noqa: E731
+        n0 = int(lens[0])
+        q0, k0, v0 = (np.swapaxes(to_host(x)[:n0], 0, 1) for x in (q, k, v))
+        return call, peers, lambda: _oracle_err(np.swapaxes(to_host(call())[:n0], 0, 1), q0, k0, v0, True)
+    q, k, v = random_arrays([(r.B, r.Hq, r.Nk, r.d)] * 3, r.dtype, kind, torch)
+    call = lambda: numba_flash.attention(q, k, v, causal=True)  # noqa: E731
+    if sdpa:
+        peers = {name: lambda: sdpa(q, k, v, is_causal=True) for name in PEERS}
+    n0 = min(256, r.Nk)
+    q0, k0, v0 = (to_host(x)[0, :, :n0] for x in (q, k, v))
+    return call, peers, lambda: _oracle_err(to_host(call())[0, :, :n0], q0, k0, v0, True)
+
+
+def run_serving(args):
+    """Decoding against KV caches, and a packed variable-length prefill against its padded
+    batch: validated on sequence 0, then timed against SDPA."""
+    bench = make_bench(args)
+    env = environment(bench.torch)
+    print(_header(env), flush=True)
+    rows_cfg = [r for r in (TINY_SERVING_ROWS if args.tiny else SERVING_ROWS) if r.dtype in args.serving_dtypes]
+    rows, status, varlen = [], 0, {}
+    for r in rows_cfg:
+        rec = {"mode": "serving", "row": dataclasses.asdict(r), "flops": serving_flops(r), "ours": {}, "peers": {}}
+        try:
+            call, peers, check = serving_inputs(r, bench)
+            rec["max_abs_err"] = check()
+            rec["valid"] = bool(rec["max_abs_err"] <= SERVING_TOLERANCE[r.dtype])
+        except Exception as exc:  # noqa: BLE001 - reported in the row
+            rec.update(valid=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        if not rec["valid"]:
+            status = 1
+            print(f"VALIDATION FAILED for {r.label} {r.dtype}: {rec.get('error') or rec['max_abs_err']}\n"
+                  f"{rec.get('traceback', '')}", file=sys.stderr, flush=True)
+        else:
+            rec["ours"] = time_numba(call, bench, rec["flops"])
+            if r.kind in ("kvcache", "decode") and rec["ours"].get("ms_median"):
+                rec["ours"]["tb_per_s"] = serving_bytes(r) / (rec["ours"]["ms_median"] * 1e-3) / 1e12
+            for name, peer_call in peers.items():
+                if r.dtype in PEER_DTYPES[name] and bench.peers:
+                    peer = run_peer(name, bench, lambda: time_torch(peer_call, bench, rec["flops"]))
+                    peer["ratio"] = ratio(rec["ours"], peer)
+                    rec["peers"][name] = peer
+            if r.kind == "varlen":
+                varlen[r.dtype] = rec
+            mine = varlen.get(r.dtype, {}).get("ours", {})
+            if r.kind == "padded" and mine.get("ms_median") and rec["ours"].get("ms_median"):
+                varlen[r.dtype]["vs_padded"] = {"time_ratio": mine["ms_median"] / rec["ours"]["ms_median"],
+                                                "tflops_ratio": mine["tflops"] / rec["ours"]["tflops"]}
+        rows.append(rec)
+        print(f"  {serving_line(rec)}", flush=True)
+    doc = {"mode": "serving", **env, "settings": _settings(args, bench), "rows": rows}
+    write_json(args.json, doc)
+    print(f"Wrote {args.json}\n")
+    print("\n".join([SERVING_HEADER, "-" * len(SERVING_HEADER)] + [serving_line(r) for r in rows]))
+    print("TFLOP/s: 4·d per visible (query, key) pair (padded: of its padded problem). TB/s: K and V bytes read "
+          "once per K/V head ÷ time. varlen vs padded: time ratio and TFLOP/s ratio. peers: TFLOP/s (ours/peer).")
+    return status
+
+
+SERVING_HEADER = (f"{'row':>12} {'dtype':>8} {'B,Hq/Hkv,Nk,d':>18} {'ours ms':>8} {'TF/s':>7} {'TB/s':>6} "
+                  f"{'valid':>7}  peers; vs padded")
+
+
+def serving_line(rec):
+    r, o = rec["row"], rec["ours"]
+    shape = f"{r['B']},{r['Hq']}/{r['Hkv']},{r['Nk']},{r['d']}"
+    peers = "; ".join(f"{n} {_fmt(p.get('tflops'), '.1f')} ({_fmt(p.get('ratio'), '.2f')})"
+                      + (f" [{p['error'][:50]}]" if p.get("error") else "") for n, p in rec["peers"].items())
+    vp = rec.get("vs_padded")
+    extra = f"vs padded: {vp['time_ratio']:.3f}x time, {vp['tflops_ratio']:.3f}x TF/s" if vp else ""
+    return (f"{r['label']:>12} {r['dtype']:>8} {shape:>18} {_fmt(o.get('ms_median'), '.3f'):>8} "
+            f"{_fmt(o.get('tflops'), '.1f'):>7} {_fmt(o.get('tb_per_s'), '.2f'):>6} "
+            f"{'ok' if rec.get('valid') else 'INVALID':>7}  {peers}{extra}")
+
+
+def serving_options(p):
+    p.add_argument("--serving-dtypes", type=_csv_choice(("float32", "bfloat16")), default=["bfloat16", "float32"],
+                   help="dtypes of the serving rows (default: bfloat16,float32)")
+
+
 # --------------------------------------------------------------------------- command line
 def _csv_choice(choices):
     def parse(text):
@@ -1582,6 +1754,8 @@ MODES = {
                    run_ladder, ladder_options),
     "variants": Mode("GQA, sliding window, softcap, ALiBi: vs the plain call and PyTorch's SDPA / FlexAttention",
                      run_variants, variants_options),
+    "serving": Mode("decoding against KV caches, packed variable-length prefill: vs SDPA and the padded batch",
+                    run_serving, serving_options),
 }
 DEFAULT_MODE = "forward"
 NO_GPU = ("bench.py times kernels with CUDA events, so it needs a CUDA GPU, and none was found "

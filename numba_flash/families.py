@@ -42,8 +42,9 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     family), the ``mma.sync`` tensor-core family for the other 16-bit inputs, the
     CUDA-core one otherwise (with key splits and their merge when the grid is small; the
     split buffers are appended to ``scratch``)."""
+    rows = inp.nq if inp.packed is None else inp.packed.max_q
     spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit,
-                                           cc=cc)
+                                           cc=cc, rows=rows)
     score_args, slopes = inp.score_args(lse)
     views = inp.kernel_views([q, out, lse, slopes], [k, v])
     seqs = () if inp.packed is None else (inp.packed.table,)
@@ -63,7 +64,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
                              inp.stream))
         else:
             launches += _split_launches(inp, spec, kern, g, (q4, k4, v4, o4, l3), scale_log2, tail,
-                                        splits, sm_count, scratch)
+                                        splits, sm_count, smem_limit, scratch)
     return launches
 
 
@@ -115,26 +116,32 @@ def _tma_maps(q4, k4, v4, t):
     return tuple(found)
 
 
-def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_count, scratch):
-    """The CUDA-core forward's launches: one, or with Z key splits (Z blocks per query
-    tile) the forward into per-split partial results and then the merge kernel."""
+def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_count, smem_limit, scratch):
+    """The launches of a forward with key splits (the CUDA-core family, and the tensor
+    cores' one-warp kernel for few query rows): one, or with Z key splits (Z blocks per
+    query tile) the forward into per-split partial results and then the merge kernel
+    (always, for the tensor-core kernel, whose results are partial)."""
     q4, k4, v4, o4, l3 = arrays
     t = spec.tiling
     nq, nk = (inp.nq, inp.nk) if inp.packed is None else (inp.packed.max_q, inp.packed.max_k)
     n_kt = scores.band_tiles(inp.rules, t.BM, t.BN, nq, nk)   # key tiles a query tile sees
-    # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers).
-    z = splits or registry.forward_splits(g[0] * g[1], n_kt, sm_count, inp.scores.causal)
+    # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers);
+    # the one-warp tensor-core kernel as many as its shared memory allows.
+    resident = 1
+    if spec.variant != "forward_simt" and smem_limit:
+        resident = max(1, smem_limit // spec.smem_bytes)
+    z = splits or registry.forward_splits(g[0] * g[1], n_kt, sm_count * resident, inp.scores.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
                          "let registry.forward_splits choose.")
     split_tiles = -(-n_kt // z) if n_kt else 1   # whole key tiles per split
     z = -(-n_kt // split_tiles) if n_kt else 1
     split_keys = split_tiles * t.BN
-    if z == 1:
+    if z == 1 and spec.variant == "forward_simt":
         return [(kern, g, t.threads, spec.smem_bytes,
                  (q4, k4, v4, o4, l3, scale_log2, max(split_keys, inp.nk), *tail), inp.stream)]
     b1, b2 = q4.shape[0], q4.shape[1]
-    parts = inp.empty_like((z * b1, b2, inp.nq, inp.d))
+    parts = inp.empty_like((z * b1, b2, inp.nq, inp.d), inp.acc_dtype)
     parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
     scratch += (parts, parts_ml)
     merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()

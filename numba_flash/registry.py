@@ -113,6 +113,35 @@ def mma_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> MmaTilin
     return MmaTiling(WARPS=8, BN=32, Q_IN_REGS=False)
 
 
+# Query rows per sequence (per query tile of the grid) up to which the tensor-core forward
+# runs one warp per block with key splits (forward_mma_split): decoding and short chunks.
+SPLIT_ROWS = 16
+
+
+def mma_split_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> MmaTiling:
+    """Tile shape of the tensor-core forward for at most ``SPLIT_ROWS`` query rows: one warp
+    (16 rows, the M of one ``mma``) per block, so that a block's products are not spent on
+    padding rows and the keys, split across blocks, are read at the memory's pace.
+
+    * d <= 64: 64-key tiles, Q in registers (ptxas, sm_90: 164 registers, 38 KiB of
+      shared memory: five blocks per SM on an H200);
+    * d <= 128: 32-key tiles, Q in registers (204 registers, 38 KiB; 64-key tiles need
+      255 registers and spill);
+    * d <= 256: 16-key tiles, Q re-read from shared memory per tile (238 registers,
+      41 KiB; 32-key tiles need 255).
+    * In the simulator: 16-key tiles, as ``mma_tiling``.
+
+    (Chosen from ptxas's counts and the byte counts, not yet a sweep on a GPU.)
+    """
+    if simulator:
+        return MmaTiling(WARPS=1, BN=16, Q_IN_REGS=d <= 32)
+    if d <= 64:
+        return MmaTiling(WARPS=1, BN=64, Q_IN_REGS=True)
+    if d <= 128:
+        return MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True)
+    return MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False)
+
+
 def backward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tiling:
     """Tile shape of the CUDA-core backward kernels (``dkdv`` and ``dq`` share it).
 
@@ -186,6 +215,7 @@ class Variant:
     async_only: bool = False      # cp.async loads only (the API gives such kernels aligned rows)
     arch: str = None        # "sm_90a": Hopper instructions, built and run for compute capability 9.0 only
     packed: bool = False    # takes packed sequences (scores.ScoreSpec.packed: varlen batches, KV caches)
+    ptx_dims: tuple = None  # the head dims specialisations() builds it at (None: HEAD_DIMS)
 
 
 def _sig_scores(acc):
@@ -204,13 +234,20 @@ _SEQS = ", int32[:, ::1]"    # the sequence table of packed rows (scores.ScoreSp
 
 
 def _sig_forward_merge(dt, layout):
-    return f"void({dt}[:, :, :, ::1], {dt}[:, :, ::1], {dt}[:, :, :, ::1], {dt}[:, :, ::1])"
+    acc, o = ("float32", "uint16") if dt in LOW_DTYPES else (dt, dt)
+    return f"void({acc}[:, :, :, ::1], {acc}[:, :, ::1], {o}[:, :, :, ::1], {acc}[:, :, ::1])"
 
 
 def _sig_forward_mma(dt, layout, packed=False):
     a = _a4("uint16", layout)
     o, l = ("uint16[:, :, :, :]", "float32[:, :, :]") if packed else ("uint16[:, :, :, ::1]", "float32[:, :, ::1]")
     return f"void({a}, {a}, {a}, {o}, {l}, float32, {_sig_scores('float32')}{_SEQS if packed else ''})"
+
+
+def _sig_forward_mma_split(dt, layout, packed=False):
+    a = _a4("uint16", layout)
+    return (f"void({a}, {a}, {a}, float32[:, :, :, ::1], float32[:, :, ::1], float32, int64, "
+            f"{_sig_scores('float32')}{_SEQS if packed else ''})")
 
 
 def _sig_forward_wgmma(dt, layout):
@@ -263,11 +300,16 @@ VARIANTS = {v.name: v for v in (
             # ptxas: the plain-load kernel of the d > 256 tiling spills 0.5 KiB per thread
             plain_compact=lambda dt, d: dt == "float32" and d > 256),
     Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,
-            lambda s: make_merge(s.dtype), lambda d, t: 0, _sig_forward_merge),
+            lambda s: make_merge(s.dtype), lambda d, t: 0, _sig_forward_merge, DTYPES + LOW_DTYPES),
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
             direction="forward", async_only=True, packed=True),
+    Variant("forward_mma_split", "forward on tensor cores for few query rows (decoding): one warp, key splits",
+            mma_split_tiling, lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores, split=True),
+            mma_smem_elements, _sig_forward_mma_split, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
+            direction="forward", async_only=True, packed=True,
+            ptx_dims=(128,)),     # forward_mma's code at one tiling: its other shapes are forward_mma's
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
             lambda dt, d, sim: forward_wgmma.TILING, lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
             lambda d, t: forward_wgmma.smem_bytes(d) // 2, _sig_forward_wgmma, LOW_DTYPES,
@@ -403,10 +445,15 @@ def uses_hopper(dtype_name, d, cc, simulator=SIMULATOR):
     return choice == "1" or (choice == "auto" and not simulator and cc is not None and tuple(cc[:2]) == (9, 0))
 
 
-def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR, smem_limit=None, cc=None):
-    """The forward kernel for these inputs: on a Hopper GPU (``cc`` 9.0) the Hopper family
-    where :func:`uses_hopper` says so, else tensor cores (``mma.sync``) for 16-bit dtypes
-    (which always load with cp.async: the API gives them aligned rows), CUDA cores otherwise."""
+def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR, smem_limit=None, cc=None,
+                           rows=None):
+    """The forward kernel for these inputs: for 16-bit dtypes with at most ``SPLIT_ROWS``
+    query rows per sequence (``rows``; decoding) the one-warp tensor-core kernel with key
+    splits; else on a Hopper GPU (``cc`` 9.0) the Hopper family where :func:`uses_hopper`
+    says so, tensor cores (``mma.sync``) for 16-bit dtypes (which always load with
+    cp.async: the API gives them aligned rows), CUDA cores otherwise."""
+    if dtype_name in LOW_DTYPES and rows is not None and rows <= SPLIT_ROWS:
+        return specialisation("forward_mma_split", dtype_name, d, scores, True, simulator)
     if not scores.packed and uses_hopper(dtype_name, d, cc, simulator):
         return specialisation("forward_wgmma", dtype_name, d, scores, True, simulator)
     if dtype_name in LOW_DTYPES:
@@ -480,7 +527,7 @@ def specialisations(simulator: bool = False):
     seen = set()
     for variant, v in VARIANTS.items():
         for dt in v.dtypes:
-            for d in HEAD_DIMS:
+            for d in v.ptx_dims or HEAD_DIMS:
                 if not v.head_dims(d):
                     continue
                 for scores in SCORE_SPECS:

@@ -226,3 +226,23 @@ def test_tiny_variants_run(tmp_path):
     causal = next(rec for rec in rows if rec["row"]["label"] == "causal")
     assert window["flops"] < causal["flops"], "a window's FLOPs count its visible area only"
     assert proc.stdout.rstrip().splitlines()[-1].startswith("TFLOP/s count"), "the table ends the log"
+
+
+# --------------------------------------------------------------------------- serving mode
+def test_tiny_serving_run(tmp_path):
+    """``bench.py serving --tiny`` (bfloat16 rows): KV-cache and 4-D decoding, a packed
+    varlen prefill and its padded batch, each validated against the oracle; the varlen
+    row compared with the padded one; FLOPs of the visible pairs."""
+    js = tmp_path / "s.json"
+    proc = subprocess.run([sys.executable, str(BENCH), "serving", "--tiny", "--serving-dtypes", "bfloat16",
+                           "--repeats", "1", "--json", str(js)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(js.read_text())["rows"]
+    expected = [r for r in bench.TINY_SERVING_ROWS if r.dtype == "bfloat16"]
+    assert [r["row"]["label"] for r in rows] == [r.label for r in expected]
+    for rec, r in zip(rows, expected):
+        assert rec["valid"] and rec["max_abs_err"] <= bench.SERVING_TOLERANCE["bfloat16"], rec
+        assert rec["flops"] == bench.serving_flops(r) > 0 and rec["ours"]["ms_median"] > 0
+    varlen, padded = (next(rec for rec in rows if rec["row"]["kind"] == k) for k in ("varlen", "padded"))
+    assert varlen["flops"] < padded["flops"] and "vs_padded" in varlen

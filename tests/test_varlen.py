@@ -266,3 +266,29 @@ def test_packed_specialisations_are_registered():
     assert names and all(n.startswith(("forward_simt", "forward_mma")) for n in names)
     with pytest.raises(ValueError, match="does not take packed"):
         registry.specialisation("forward_wgmma", "bfloat16", 64, numba_flash.scores.ScoreSpec(packed=True))
+
+
+@pytest.mark.parametrize("dtype", LOW)
+@pytest.mark.parametrize("packed", [False, True])
+def test_key_splits_of_few_query_rows(dtype, packed, monkeypatch):
+    """At most ``registry.SPLIT_ROWS`` query rows: the one-warp tensor-core kernel with key
+    splits (forced to 3, as a GPU with idle SMs would choose) and their merge, plain and
+    packed (a KV cache), causal and with a window, against the oracle."""
+    monkeypatch.setattr(registry, "forward_splits", lambda *args: 3)
+    rng = np.random.default_rng(6)
+    dt = np_dtype(dtype)
+    assert registry.forward_specialisation(dtype, 16, registry.FULL, True, rows=2).variant == "forward_mma_split"
+    if not packed:
+        q = rng.standard_normal((2, 3, 16)).astype(dt)
+        k, v = (rng.standard_normal((2, 70, 16)).astype(dt) for _ in range(2))
+        for options in (dict(causal=True), dict(window=(20, 0))):
+            out, lse = numba_flash.attention_fwd(q, k, v, **options)
+            check_forward_low(out, lse, q, k, v, options, None)
+        return
+    q = rng.standard_normal((3, 1, 4, 16)).astype(dt)
+    kc, vc = (rng.standard_normal((3, 60, 2, 16)).astype(dt) for _ in range(2))
+    lens = np.array([60, 0, 33], np.int32)
+    out, lse = numba_flash.attention_with_kvcache(q, kc, vc, lens, return_lse=True)
+    for i in range(3):
+        _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+               _heads_first(kc[i, :lens[i]]), _heads_first(vc[i, :lens[i]]), dict(causal=False))

@@ -351,8 +351,14 @@ def make_merge(dtype_name: str):
     splits: row maxima, then row sums) into ``out (B1, B2, Nq, D)`` and
     ``lse (B1, B2, Nq)``. One block per query row: ``grid = B1 · B2 · Nq``,
     ``block = MERGE_THREADS`` and ``merge.smem_bytes`` of dynamic shared memory (the weights:
-    at most ``MAX_SPLITS`` splits)."""
-    np_dt = np.dtype(dtype_name)
+    at most ``MAX_SPLITS`` splits). For float16 and bfloat16 (the tensor-core forward's
+    splits) ``parts``, ``parts_ml`` and ``lse`` are float32 and ``out`` holds the uint16
+    bits of the dtype."""
+    from .merge import _convert
+    store = _convert(dtype_name)[1]
+    if not SIMULATOR:
+        store = cuda.jit(device=True, inline="always")(store)
+    np_dt = np.dtype(np.float32 if dtype_name in ("float16", "bfloat16") else dtype_name)
     nb_dt = numba.from_dtype(np_dt)
     ZERO, NEG_INF, LN2_T = np_dt.type(0), np_dt.type(-np.inf), np_dt.type(LN2)
     NT = MERGE_THREADS
@@ -389,7 +395,7 @@ def make_merge(dtype_name: str):
             acc = ZERO
             for zz in range(Z):
                 acc += w[zz] * parts[zz * B1 + b1, b2, row, col]
-            out[b1, b2, row, col] = acc
+            out[b1, b2, row, col] = store(acc)
 
     merge.threads = NT
     merge.smem_bytes = MAX_SPLITS * np_dt.itemsize

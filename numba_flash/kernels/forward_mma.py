@@ -70,7 +70,7 @@ def smem_elements(d, t: MmaTiling):
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
+def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, split: bool = False):
     """Build the tensor-core forward kernel for one (dtype, head dim, tiling, score rules).
 
     Kernel arguments: ``q (B1, B2, Nq, D)``, ``k, v (B1, B2, Nk, D)`` as ``uint16`` views
@@ -84,6 +84,14 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     With ``scores.packed`` a last argument ``seqs (S, 4)`` int32 gives each sequence's
     rows (``numba_flash.scores.ScoreSpec``): launch with ``grid = (ceil(max q_len / BM) ·
     B1 · B2, 1, S)``; ``out`` and ``lse`` may then have any strides.
+
+    With ``split`` (key splits, for grids that would leave SMs idle: decoding) the kernel
+    computes partial results as the CUDA-core forward's splits do, for
+    ``numba_flash.kernels.forward.make_merge``: ``out`` becomes ``parts (Z·B1, B2, Nq, D)``
+    float32 (each split's normalised output), ``lse`` ``parts_ml (2·Z·B1, B2, Nq)``
+    (row maxima in log2 units, then row sums), and ``split_keys`` (int64, keys per
+    split, a multiple of ``BN`` counted from the query tile's first visible key tile)
+    follows ``scale_log2``; launch with ``Z`` times the blocks on grid axis x.
     """
     assert D % 8 == 0
     mma, pack = operand_kinds(dtype_name)
@@ -101,6 +109,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     SLOT = BN * RS
     assert V_OFF + 2 * SLOT == smem_elements(D, t)
     Q_IN_REGS = t.Q_IN_REGS
+    SPLIT = split
     ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
@@ -114,7 +123,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
     a_frag, b_frag, bt_frag = make_fragments(RS)
 
     @device
-    def forward_body(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
+    def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
         q_start, Nq, k_start, Nk = sequence(seqs, cuda.blockIdx.z, q.shape[2], k.shape[2])
         tid = cuda.threadIdx.x
         lane = tid & 31
@@ -124,10 +133,18 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
         n_qt = (Nq + BM - 1) // BM
         B2 = q.shape[1]
         B = q.shape[0] * B2
-        qt = n_qt - 1 - cuda.blockIdx.x // B    # heaviest (causal: last) query tiles first
+        if SPLIT:                      # block x = (query tile, leading index, key split)
+            Z = out.shape[0] // q.shape[0]
+            zb = cuda.blockIdx.x // Z
+            zs = cuda.blockIdx.x - zb * Z
+        else:
+            Z = 1
+            zb = cuda.blockIdx.x
+            zs = 0
+        qt = n_qt - 1 - zb // B        # heaviest (causal: last) query tiles first
         if qt < 0:                     # packed sequences: the grid covers the longest one
             return
-        b = cuda.blockIdx.x - (cuda.blockIdx.x // B) * B
+        b = zb - (zb // B) * B
         b1 = b // B2
         b2 = b - b1 * B2
         q0 = qt * BM
@@ -157,6 +174,9 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
 
         kv_begin, kv_end = key_range(q0, BM, geo)   # other keys: invisible to the whole tile
         kt0 = kv_begin // BN
+        if SPLIT:                      # split zs: split_keys keys from the first visible tile on
+            kt0 += zs * (split_keys // BN)
+            kv_end = min(kv_end, (kt0 + split_keys // BN) * BN)
         n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
 
         copy_q(smem, 0, q, b1, b2, q_start + q0, q_start + Nq, tid)
@@ -267,7 +287,17 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
             for off in (1, 2):
                 lh += warp.shfl_xor_sync(warp.FULL_MASK, lh, off)
             inv = ZERO if lh == ZERO else numba.float32(1) / lh   # no visible key: 0, lse -inf
-            if row < Nq:
+            if SPLIT and row < Nq:    # this split's normalised output, row max and sum
+                ob1 = zs * q.shape[0] + b1
+                for n in range(ND):
+                    col = 8 * n + 2 * tq
+                    if col < D:
+                        out[ob1, b2, q_start + row, col] = o[mt, n, e0] * inv
+                        out[ob1, b2, q_start + row, col + 1] = o[mt, n, e0 + 1] * inv
+                if tq == 0:
+                    lse[ob1, b2, q_start + row] = m[h]
+                    lse[ob1 + Z * q.shape[0], b2, q_start + row] = lh
+            elif row < Nq:
                 for n in range(ND):
                     col = 8 * n + 2 * tq
                     if col < D:
@@ -277,14 +307,22 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec):
                 if tq == 0:
                     lse[b1, b2, q_start + row] = NEG_INF if lh == ZERO else (m[h] + math.log2(lh)) * LN2_T
 
-    if scores.packed:
+    if split and scores.packed:
+        @cuda.jit(**JIT)
+        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs)
+    elif split:
+        @cuda.jit(**JIT)
+        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, slopes)
+    elif scores.packed:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
-            forward_body(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs)
+            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, seqs)
     else:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes):
-            forward_body(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, slopes)
+            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, slopes)
 
     forward.tiling = t
     forward.smem_bytes = smem_elements(D, t) * 2
