@@ -47,7 +47,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
                                            cc=cc, rows=rows)
     score_args, slopes = inp.score_args(lse)
     views = inp.kernel_views([q, out, lse, slopes], [k, v])
-    seqs = () if inp.packed is None else (inp.packed.table,)
+    seqs = () if inp.packed is None else (inp.packed.table, inp.packed.pages, inp.packed.page_size)
     if spec.variant == "forward_wgmma":
         maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in views]
         if None not in maps:

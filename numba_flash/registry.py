@@ -10,12 +10,12 @@ import dataclasses
 import numpy as np
 
 from ._runtime import SIMULATOR
-from .scores import FULL, PACKED_SPECS, RULE_SPECS, SCORE_SPECS, ScoreSpec
+from .scores import FULL, PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, ScoreSpec
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.backward_mma import MmaBwdTiling, make_backward_mma
 from .kernels.backward_mma import smem_elements as mma_bwd_smem_elements
-from .kernels.copy import make_append, make_copy4
+from .kernels.copy import make_append, make_append_paged, make_copy4
 from .kernels.merge import make_merge_finish, make_merge_into
 from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
@@ -215,6 +215,7 @@ class Variant:
     async_only: bool = False      # cp.async loads only (the API gives such kernels aligned rows)
     arch: str = None        # "sm_90a": Hopper instructions, built and run for compute capability 9.0 only
     packed: bool = False    # takes packed sequences (scores.ScoreSpec.packed: varlen batches, KV caches)
+    paged: bool = False     # takes paged KV caches (scores.ScoreSpec.paged)
     ptx_dims: tuple = None  # the head dims specialisations() builds it at (None: HEAD_DIMS)
 
 
@@ -230,7 +231,7 @@ def _sig_forward(dt, layout, packed=False):
     return f"void({a}, {a}, {a}, {o}, {l}, {dt}, int64, {_sig_scores(dt)}{_SEQS if packed else ''})"
 
 
-_SEQS = ", int32[:, ::1]"    # the sequence table of packed rows (scores.ScoreSpec.packed)
+_SEQS = ", int32[:, ::1], int32[:, ::1], int64"   # packed rows: sequence table, page table, page size
 
 
 def _sig_forward_merge(dt, layout):
@@ -304,11 +305,11 @@ VARIANTS = {v.name: v for v in (
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
-            direction="forward", async_only=True, packed=True),
+            direction="forward", async_only=True, packed=True, paged=True),
     Variant("forward_mma_split", "forward on tensor cores for few query rows (decoding): one warp, key splits",
             mma_split_tiling, lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores, split=True),
             mma_smem_elements, _sig_forward_mma_split, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
-            direction="forward", async_only=True, packed=True,
+            direction="forward", async_only=True, packed=True, paged=True,
             ptx_dims=(128,)),     # forward_mma's code at one tiling: its other shapes are forward_mma's
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
             lambda dt, d, sim: forward_wgmma.TILING, lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
@@ -339,6 +340,10 @@ VARIANTS = {v.name: v for v in (
     Variant("cache_append", "KV caches: new rows written in place at each sequence's length",
             lambda dt, d, sim: None, lambda s: make_append(), lambda d, t: 0,
             lambda dt, layout: f"void({_a4(dt, 'A')}, {_a4(dt, 'A')}, int32[::1])", ("uint16", "float32", "float64")),
+    Variant("cache_append_paged", "paged KV caches: new rows written in place through the page table",
+            lambda dt, d, sim: None, lambda s: make_append_paged(), lambda d, t: 0,
+            lambda dt, layout: f"void({_a4(dt, 'A')}, {_a4(dt, 'A')}, int32[::1], int32[:, ::1], int64)",
+            ("uint16", "float32", "float64")),
     Variant("merge_into", "merge_attention: fold one partial (out, lse) into a running softmax",
             lambda dt, d, sim: None, lambda s: make_merge_into(s.dtype), lambda d, t: 0, _sig_merge_into,
             DTYPES + LOW_DTYPES),
@@ -406,8 +411,9 @@ def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FU
     bytes of shared memory per block (the GPU's opt-in maximum), or for plain loads where
     the variant says so (``plain_compact``)."""
     v = VARIANTS[variant]
-    if scores.packed and not v.packed:
-        raise ValueError(f"{variant} does not take packed sequences (scores {scores.tag})")
+    if scores.packed and not v.packed or scores.paged and not v.paged:
+        raise ValueError(f"{variant} does not take {'paged caches' if scores.paged else 'packed sequences'} "
+                         f"(scores {scores.tag})")
     t = v.tiling(dtype_name, d, simulator)
     if t is None:                                       # shape-independent kernels
         return Specialisation(variant, dtype_name, 0, FULL, False, None)
@@ -543,5 +549,5 @@ def specialisations(simulator: bool = False):
     for variant, v in VARIANTS.items():      # the other rule sets: at RULE_SPEC_D only
         for dt in v.dtypes:
             if v.tiling(dt, RULE_SPEC_D, simulator) is not None and v.head_dims(RULE_SPEC_D):
-                for scores in RULE_SPECS + (PACKED_SPECS if v.packed else ()):
+                for scores in RULE_SPECS + (PACKED_SPECS if v.packed else ()) + (PAGED_SPECS if v.paged else ()):
                     yield specialisation(variant, dt, RULE_SPEC_D, scores, True, simulator)

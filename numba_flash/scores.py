@@ -55,12 +55,16 @@ class ScoreSpec:
     k_start, k_len)`` per sequence; sequence ``z`` (grid axis z) attends its queries
     ``q_start .. q_start + q_len − 1`` to its keys ``k_start .. k_start + k_len − 1``, and
     the rules above apply within each sequence (``diag = k_len − q_len``).
+    ``paged`` (with ``packed``): the keys are a paged KV cache's, key ``j`` of sequence
+    ``z`` at row ``pages[z, j // page_size] · page_size + j % page_size`` (two more
+    arguments: the page table and the page size; ``k_start`` is then 0).
     """
     causal: bool = False
     window: bool = False
     softcap: bool = False
     alibi: bool = False
     packed: bool = False
+    paged: bool = False
 
     @property
     def masks_keys(self) -> bool:
@@ -71,7 +75,7 @@ class ScoreSpec:
     def tag(self) -> str:
         """Short name, as used in kernel names (``full``, ``causal``, ``window+softcap``...)."""
         base = "window" if self.window else "causal" if self.causal else "full"
-        return base + "".join(f"+{n}" for n in ("softcap", "alibi", "packed") if getattr(self, n))
+        return base + "".join(f"+{n}" for n in ("softcap", "alibi", "packed", "paged") if getattr(self, n))
 
 
 FULL = ScoreSpec()
@@ -86,6 +90,7 @@ RULE_SPECS = (ScoreSpec(window=True), ScoreSpec(causal=True, softcap=True, alibi
 # ... and for the families that take packed sequences (registry.Variant.packed): plain and
 # with every rule.
 PACKED_SPECS = (ScoreSpec(packed=True), ScoreSpec(window=True, softcap=True, alibi=True, packed=True))
+PAGED_SPECS = (ScoreSpec(packed=True, paged=True),)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -31,6 +31,12 @@ class Packed:
     count: int           # S, the number of sequences
     max_q: int           # the longest query and key sequences (the grid covers them)
     max_k: int
+    pages: object = None     # a paged cache's page table (S, max pages) int32 on the device, else ``table``
+    page_size: int = 0
+
+    def __post_init__(self):
+        if self.pages is None:
+            object.__setattr__(self, "pages", self.table)
 
 
 # --------------------------------------------------------------------------- metadata
@@ -62,8 +68,9 @@ def _prefix_sums(cu, name, total, total_name):
     return cu
 
 
-def _packed(inp, starts_q, lens_q, starts_k, lens_k):
-    """The call's :class:`Packed` table (on the device, on the call's stream)."""
+def _packed(inp, starts_q, lens_q, starts_k, lens_k, pages=None, page_size=0):
+    """The call's :class:`Packed` table (on the device, on the call's stream); ``pages``:
+    a paged cache's page table, on the device."""
     from numba import cuda
     table = np.stack([starts_q, lens_q, starts_k, lens_k], axis=1).astype(np.int32)
     count = table.shape[0]
@@ -72,7 +79,8 @@ def _packed(inp, starts_q, lens_q, starts_k, lens_k):
                          "of the batch.")
     max_q = int(lens_q.max()) if count else 0
     max_k = int(lens_k.max()) if count else 0
-    return Packed(cuda.to_device(np.ascontiguousarray(table), stream=inp.stream), count, max_q, max_k)
+    return Packed(cuda.to_device(np.ascontiguousarray(table), stream=inp.stream), count, max_q, max_k, pages,
+                  page_size)
 
 
 # --------------------------------------------------------------------------- layouts
@@ -184,9 +192,14 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=No
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None,
                      causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
-    """attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, ...) -> out
+    """attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> out
 
-    :func:`attention_varlen_fwd` without the lse: ``out (total_q, Hq, d)``."""
+    Attention over a packed batch of sequences of different lengths, each sequence's
+    queries attending to its own keys only: :func:`attention_varlen_fwd` without the lse.
+
+    Returns ``out (total_q, Hq, d)`` in the input dtype, C-contiguous, of q's kind.
+    Arguments, layouts and limits: see :func:`attention_varlen_fwd`.
+    """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                    (causal, window, softcap), scale)[0]
 
@@ -208,9 +221,9 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
 
 
 # --------------------------------------------------------------------------- KV cache
-def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=False,
-                           scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False):
-    """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False) -> out (or (out, lse))
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
+                           causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False):
+    """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False) -> out (or (out, lse))
 
     Attention of new queries to a KV cache (decoding, chunked prefill), in the
     ``(batch, tokens, heads, d)`` layout of FlashAttention's ``flash_attn_with_kvcache``:
@@ -222,13 +235,20 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     Args:
         q: ``(B, Nq, Hq, d)``: the new queries, the last ``Nq`` positions of each sequence.
         k_cache, v_cache: ``(B, Nmax, Hkv, d)``, ``Hq % Hkv == 0`` (grouped heads read
-            their K/V head with no copy); the first two axes must be mergeable into rows
-            (a contiguous cache is). Written in place when ``k_new``/``v_new`` are given.
+            their K/V head with no copy); or, with ``block_table``, a paged cache
+            ``(num_pages, page_size, Hkv, d)``. The first two axes must be mergeable into
+            rows (a contiguous cache is). Written in place when ``k_new``/``v_new`` are given.
         cache_seqlens: ``(B,)`` integers, the rows of each cache in use before the call.
             It is not advanced: the caller owns it (add ``Nnew`` after the call). NumPy or
             device array (device arrays are copied to the host to be checked).
         k_new, v_new: ``(B, Nnew, Hkv, d)`` or None (both or neither): rows appended in
             place; ``cache_seqlens[b] + Nnew <= Nmax`` is checked before anything is written.
+        block_table: ``(B, max_pages)`` integers or None: sequence ``b``'s row ``j`` lies in
+            page ``block_table[b, j // page_size]`` at row ``j % page_size`` (pages in any
+            order, and shared between sequences if the caller wishes: appends then write
+            the shared page). ``Nmax = max_pages · page_size``; the entries a sequence uses
+            (its first ``ceil((cache_seqlens[b] + Nnew) / page_size)``) must name existing
+            pages. float16 and bfloat16 only (the tensor-core kernels).
         causal, window, softcap, alibi_slopes, scale: as :func:`numba_flash.attention_fwd`,
             per sequence with ``Nk = cache_seqlens[b] + Nnew`` keys: causal lets query ``i``
             see keys ``j <= i + Nk − Nq`` (bottom-right, the queries being the newest
@@ -240,16 +260,25 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
         key in use gets zeros (lse ``-inf``).
 
     All arrays (but the metadata) must be of one kind: NumPy (the cache is then updated on
-    the host) or CUDA device arrays (updated on the device, on the call's stream).
+    the host) or CUDA device arrays (updated on the device, on the call's stream). At most
+    ``registry.SPLIT_ROWS`` (16) queries per sequence run on the one-warp tensor-core
+    kernel with key splits (decoding); more run on the prefill kernels.
     """
     q, k_cache, v_cache = (_arrays.host_view(a) for a in (q, k_cache, v_cache))
     qs = _check_rank(q, "q", 4, "(batch, Nq, heads, d)")
-    ks = _check_rank(k_cache, "k_cache", 4, "(batch, Nmax, heads, d)")
+    layout = "(batch, Nmax, heads, d)" if block_table is None else "(num_pages, page_size, heads, d)"
+    ks = _check_rank(k_cache, "k_cache", 4, layout)
     if tuple(v_cache.shape) != ks:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {ks} and {tuple(v_cache.shape)}.")
-    if qs[0] != ks[0]:
-        raise ValueError(f"q and k_cache must have the same batch size (axis 0), got q {qs} and k_cache {ks}.")
-    b, nq, nmax = qs[0], qs[1], ks[1]
+    b, nq = qs[0], qs[1]
+    pages = None
+    if block_table is None:
+        if qs[0] != ks[0]:
+            raise ValueError(f"q and k_cache must have the same batch size (axis 0), got q {qs} and k_cache {ks}.")
+        nmax = ks[1]
+    else:
+        pages = _page_table(block_table, b)
+        nmax = pages.shape[1] * ks[1]
     lens = _host_ints(cache_seqlens, "cache_seqlens", b)
     if lens.size and (lens.min() < 0 or lens.max() > nmax):
         raise ValueError(f"cache_seqlens must lie in [0, Nmax={nmax}], got {lens.tolist() if b <= 16 else lens}.")
@@ -266,35 +295,86 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
         if lens.size and lens.max() + n_new > nmax:
             worst = int(np.argmax(lens))
             raise ValueError(f"the cache overflows: sequence {worst} holds {lens[worst]} rows and k_new adds "
-                             f"{n_new}, but k_cache holds Nmax={nmax}. Allocate a longer cache.")
+                             f"{n_new}, but the cache holds Nmax={nmax}. Allocate a longer cache.")
+    if pages is not None:
+        _check_pages(pages, lens + n_new, ks[1], ks[0])
     q2, k2, v2 = _swap01(_merge01(q, "q")), _swap01(_merge01(k_cache, "k_cache")), _swap01(_merge01(v_cache, "v_cache"))
     inp = api._Inputs({"q": q2, "k": k2, "v": v2}, (causal, window, softcap), scale, alibi_slopes, "forward")
+    if pages is not None and not inp.low:
+        raise TypeError(f"paged KV caches take float16 or bfloat16 (the tensor-core kernels), got {inp.dtype}. "
+                        "Use a contiguous cache (block_table=None) for float32 and float64.")
     if n_new:
-        _append(inp, k_cache, v_cache, k_new, v_new, lens)
+        _append(inp, k_cache, v_cache, k_new, v_new, lens, pages)
     starts = np.arange(b, dtype=np.int64)
-    packed = _packed(inp, starts * nq, np.full(b, nq), starts * nmax, lens + n_new)
+    if pages is None:
+        packed = _packed(inp, starts * nq, np.full(b, nq), starts * nmax, lens + n_new)
+    else:
+        from numba import cuda
+        inp.scores = dataclasses.replace(inp.scores, paged=True)
+        packed = _packed(inp, starts * nq, np.full(b, nq), np.zeros(b, np.int64), lens + n_new,
+                         cuda.to_device(_int32(pages), stream=inp.stream), ks[1])
     out, lse = _run(inp, packed, (b, nq), q)
     return (out, lse) if return_lse else out
 
 
-def _append(inp, k_cache, v_cache, k_new, v_new, lens):
-    """Write ``k_new``, ``v_new`` into the caches at rows ``lens[b]`` on (in place)."""
-    for name, new, cache in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+def _page_table(block_table, batch):
+    """The page table on the host, int32 ``(batch, max_pages)``."""
+    x = _arrays.host_view(block_table)
+    if not isinstance(x, np.ndarray):
+        if not _arrays.is_device_array(x):
+            raise TypeError(f"block_table must be an int32 NumPy or device array, got {type(x).__name__}.")
+        x = _arrays.as_numba_device(x).copy_to_host()
+    if x.ndim != 2 or x.dtype.kind not in "iu" or x.shape[0] != batch or x.shape[1] < 1:
+        raise ValueError(f"block_table must be an integer (batch={batch}, max_pages >= 1) array, got dtype "
+                         f"{x.dtype} and shape {x.shape}.")
+    return x.astype(np.int64)
+
+
+def _int32(pages):
+    """The page table as the kernels read it (the entries in use are checked to fit)."""
+    return np.ascontiguousarray(np.clip(pages, -1, 2**31 - 1).astype(np.int32))
+
+
+def _check_pages(pages, used, page_size, num_pages):
+    """Every page a sequence uses (its first ``ceil(used / page_size)`` entries) exists."""
+    if page_size < 1:
+        raise ValueError(f"a paged cache's page_size (axis 1) must be at least 1, got {page_size}.")
+    for b, n in enumerate(used):
+        row = pages[b, :-(-int(n) // page_size)]
+        if row.size and (row.min() < 0 or row.max() >= num_pages):
+            raise ValueError(f"block_table[{b}] names page {int(row.min() if row.min() < 0 else row.max())}, "
+                             f"outside the cache's {num_pages} pages (sequence {b} uses its first {row.size} "
+                             "entries).")
+
+
+def _append(inp, k_cache, v_cache, k_new, v_new, lens, pages=None):
+    """Write ``k_new``, ``v_new`` into the caches at rows ``lens[b]`` on (in place; through
+    the page table ``pages`` of a paged cache)."""
+    for name, new in (("k_new", k_new), ("v_new", v_new)):
         if _arrays.logical_dtype(new) != inp.dtype:
             raise TypeError(f"{name} must have the cache's dtype {inp.dtype}, got {_arrays.logical_dtype(new)}.")
         if api._kind(new, name) != ("device" if inp.on_device else "NumPy"):
             raise TypeError(f"{name} must be on the same side as the cache (all NumPy or all device arrays).")
+    n_new = k_new.shape[1]
     if not inp.on_device:
         for b, n in enumerate(lens):
-            k_cache[b, n:n + k_new.shape[1]] = k_new[b]
-            v_cache[b, n:n + v_new.shape[1]] = v_new[b]
+            for new, cache in ((k_new, k_cache), (v_new, v_cache)):
+                if pages is None:
+                    cache[b, n:n + n_new] = new[b]
+                    continue
+                ps = cache.shape[1]
+                for i in range(n_new):
+                    j = n + i
+                    cache[pages[b, j // ps], j % ps] = new[b, i]
         return
     from numba import cuda
-    kern = registry.specialisation("cache_append", "uint16", 0).kernel()
+    kern = registry.specialisation("cache_append" if pages is None else "cache_append_paged", "uint16", 0).kernel()
     pos = cuda.to_device(lens.astype(np.int32), stream=inp.stream)
+    extra = () if pages is None else (cuda.to_device(_int32(pages), stream=inp.stream), int(tuple(k_cache.shape)[1]))
     store = inp.storage if inp.low else None
     for new, cache in ((k_new, k_cache), (v_new, v_cache)):
         src, dst = _arrays.as_numba_device(new, store), _arrays.as_numba_device(cache, store)
         bb, n, h, d = tuple(src.shape)
         if bb * n * h * d:
-            api.launch(kern, -(-n * h * d // kern.threads) * bb, kern.threads, 0, (src, dst, pos), inp.stream)
+            api.launch(kern, -(-n * h * d // kern.threads) * bb, kern.threads, 0, (src, dst, pos, *extra),
+                       inp.stream)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from numba_flash import registry
-from numba_flash.scores import RULE_SPECS, SCORE_SPECS, SOFTCAP_TANH
+from numba_flash.scores import PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, SOFTCAP_TANH
 from conftest import HANG_GUARD_S, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +123,7 @@ def _check_row(r):
             bad.append("no shfl.sync (row max and row sum are warp shuffles)")
         if r["dtype"] == "float32" and r["ld.shared.v4"] == 0:
             bad.append("no ld.shared.v4 (128-bit shared loads) in a float32 kernel")
-    if name.startswith(MMA + "/"):
+    if name.startswith((MMA + "/", MMA + "_split/")):
         for feature in ("mma.sync", "ldmatrix", "cp.async", "shfl.sync"):
             if r[feature] == 0:
                 bad.append(f"no {feature} in the tensor-core forward")
@@ -199,7 +199,7 @@ def test_forward_ptx_is_covered():
     """The forward variant is registered with both dtypes, every rule set and both load paths."""
     fwd = [s for s in registry.specialisations() if s.variant == FORWARD]
     assert {s.dtype for s in fwd} == set(registry.VARIANTS[FORWARD].dtypes)
-    assert {s.scores for s in fwd} == set(SCORE_SPECS + RULE_SPECS)
+    assert {s.scores for s in fwd} == set(SCORE_SPECS + RULE_SPECS + PACKED_SPECS)
     assert {s.use_async for s in fwd} == {False, True}
 
 
@@ -207,8 +207,10 @@ def test_tensor_core_ptx_is_covered():
     """Both 16-bit dtypes, every rule set, and each fast-path head dim get their own PTX check."""
     mma = [s for s in registry.specialisations() if s.variant == MMA]
     assert {s.dtype for s in mma} == set(registry.LOW_DTYPES)
-    assert {s.scores for s in mma} == set(SCORE_SPECS + RULE_SPECS)
+    assert {s.scores for s in mma} == set(SCORE_SPECS + RULE_SPECS + PACKED_SPECS + PAGED_SPECS)
     assert set(registry.MMA_FAST_DIMS) <= {s.d for s in mma}
+    split = [s for s in registry.specialisations() if s.variant == "forward_mma_split"]
+    assert {s.scores for s in split} == {s.scores for s in mma}
 
 
 @pytest.mark.parametrize("dtype", sorted(ONLY_A))

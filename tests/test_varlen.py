@@ -292,3 +292,55 @@ def test_key_splits_of_few_query_rows(dtype, packed, monkeypatch):
     for i in range(3):
         _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
                _heads_first(kc[i, :lens[i]]), _heads_first(vc[i, :lens[i]]), dict(causal=False))
+
+
+@pytest.mark.parametrize("dtype,page,nq,n_new,device", [
+    ("bfloat16", 5, 1, 2, False), ("float16", 16, 3, 0, True), ("bfloat16", 3, 20, 4, True)])
+def test_paged_kvcache_matches_oracle(dtype, page, nq, n_new, device):
+    """A paged cache, its pages shuffled and some shared by no sequence: the same result as
+    the contiguous cache the pages spell out (decoding and prefill kernels: 1, 3 and 20
+    queries), with k_new/v_new appended across page boundaries through the page table."""
+    rng = np.random.default_rng(7 + page)
+    dt = np_dtype(dtype)
+    b, hq, hkv, d, max_pages = 3, 2, 1, 16, 6
+    num_pages = b * max_pages + 2
+    lens = np.array([4, 0, max_pages * page - n_new])
+    table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+    q = rng.standard_normal((b, nq, hq, d)).astype(dt)
+    kc, vc = (rng.standard_normal((num_pages, page, hkv, d)).astype(dt) for _ in range(2))
+    kn, vn = ((rng.standard_normal((b, n_new, hkv, d)).astype(dt) for _ in range(2)) if n_new else (None, None))
+    # the contiguous view of each sequence, after the appends
+    flat_k = [np.concatenate([kc[p] for p in table[i]]) for i in range(b)]
+    flat_v = [np.concatenate([vc[p] for p in table[i]]) for i in range(b)]
+    for i in range(b):
+        if n_new:
+            flat_k[i][lens[i]:lens[i] + n_new], flat_v[i][lens[i]:lens[i] + n_new] = kn[i], vn[i]
+    args, new = [q, kc, vc], dict(k_new=kn, v_new=vn)
+    if device:
+        args = [_device(x) for x in args]
+        new = {n: None if x is None else _device(x) for n, x in new.items()}
+    out, lse = numba_flash.attention_with_kvcache(*args, lens.astype(np.int32), block_table=table, causal=True,
+                                                  return_lse=True, **new)
+    out, lse = _host(out), _host(lse)
+    kc_after = _host(args[1])
+    for i in range(b):
+        n = lens[i] + n_new
+        got_k = np.concatenate([kc_after[p] for p in table[i]])[:n]
+        np.testing.assert_array_equal(got_k.view(np.uint8), flat_k[i][:n].view(np.uint8))
+        _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+               _heads_first(flat_k[i][:n]), _heads_first(flat_v[i][:n]), dict(causal=True))
+
+
+def test_paged_kvcache_bad_input():
+    q = np.zeros((2, 1, 2, 8), np.float16)
+    kc = np.zeros((4, 4, 2, 8), np.float16)
+    table = np.array([[0, 1], [2, 9]], np.int32)
+    with pytest.raises(ValueError, match=r"block_table\[1\] names page 9"):
+        numba_flash.attention_with_kvcache(q, kc, kc, np.array([3, 5], np.int32), block_table=table)
+    with pytest.raises(ValueError, match=r"lie in \[0, Nmax=8\]"):
+        numba_flash.attention_with_kvcache(q, kc, kc, np.array([3, 9], np.int32), block_table=table)
+    with pytest.raises(ValueError, match="block_table must be an integer"):
+        numba_flash.attention_with_kvcache(q, kc, kc, np.array([3, 4], np.int32), block_table=table[:1])
+    with pytest.raises(TypeError, match="paged KV caches take float16 or bfloat16"):
+        numba_flash.attention_with_kvcache(q.astype(np.float32), kc.astype(np.float32), kc.astype(np.float32),
+                                           np.array([3, 4], np.int32), block_table=table)

@@ -59,3 +59,30 @@ def make_append():
 
     append.threads = THREADS
     return append
+
+
+@functools.lru_cache(maxsize=None)
+def make_append_paged():
+    """``make_append``'s kernel for a paged cache ``dst (num_pages, page_size, H, D)``:
+    row ``j = pos[b] + i`` of sequence ``b`` goes to page ``pages[b, j // page_size]``,
+    row ``j % page_size`` (the page table checked on the host). Same launch."""
+
+    @cuda.jit
+    def append_paged(src, dst, pos, pages, page_size):
+        N = src.shape[1]
+        H = src.shape[2]
+        D = src.shape[3]
+        per_b = (N * H * D + THREADS - 1) // THREADS
+        b = cuda.blockIdx.x // per_b
+        i = (cuda.blockIdx.x - b * per_b) * THREADS + cuda.threadIdx.x
+        if i < N * H * D:
+            r = i // (H * D)
+            i -= r * (H * D)
+            h = i // D
+            c = i - h * D
+            j = pos[b] + r
+            page = j // page_size
+            dst[pages[b, page], j - page * page_size, h, c] = src[b, r, h, c]
+
+    append_paged.threads = THREADS
+    return append_paged

@@ -125,8 +125,10 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     not read). Launch with ``grid = (ceil(Nq / BM) · B1 · B2 · Z, ceil(D / DO))``,
     ``block = RG · CG`` and ``smem_words(D, t) · itemsize`` bytes of dynamic shared memory.
 
-    With ``scores.packed`` a last argument ``seqs (S, 4)`` int32 gives each sequence's
-    rows (``numba_flash.scores.ScoreSpec``): launch with ``grid = (ceil(max q_len / BM) ·
+    With ``scores.packed`` three last arguments ``seqs (S, 4)`` int32, ``pages`` (int32
+    matrix) and ``page_size`` (int64) give each sequence's rows
+    (``numba_flash.scores.ScoreSpec``; paged caches are not taken: ``pages`` and
+    ``page_size`` are not read): launch with ``grid = (ceil(max q_len / BM) ·
     B1 · B2 · Z, ceil(D / DO), S)``, ``split_keys`` covering the longest sequence; ``out``
     and ``lse`` may then have any strides when ``Z = 1``.
     """
@@ -328,7 +330,8 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         forward_body = cuda.jit(device=True, inline="always")(forward_body)
     if scores.packed:
         @cuda.jit(**JIT)
-        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
+        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs, pages,
+                    page_size):     # (no paged caches: pages and page_size are not read)
             forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs)
     else:
         @cuda.jit(**JIT)
@@ -356,8 +359,6 @@ def make_merge(dtype_name: str):
     bits of the dtype."""
     from .merge import _convert
     store = _convert(dtype_name)[1]
-    if not SIMULATOR:
-        store = cuda.jit(device=True, inline="always")(store)
     np_dt = np.dtype(np.float32 if dtype_name in ("float16", "bfloat16") else dtype_name)
     nb_dt = numba.from_dtype(np_dt)
     ZERO, NEG_INF, LN2_T = np_dt.type(0), np_dt.type(-np.inf), np_dt.type(LN2)

@@ -81,8 +81,10 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     ``numba_flash.kernels.forward.make_forward``). Launch with ``grid = (ceil(Nq / BM) · B1 · B2, 1)``,
     ``block = 32 · WARPS``, ``smem_elements(D, t) · 2`` bytes of dynamic shared memory.
 
-    With ``scores.packed`` a last argument ``seqs (S, 4)`` int32 gives each sequence's
-    rows (``numba_flash.scores.ScoreSpec``): launch with ``grid = (ceil(max q_len / BM) ·
+    With ``scores.packed`` three last arguments give each sequence's rows
+    (``numba_flash.scores.ScoreSpec``): ``seqs (S, 4)`` int32, and for a paged KV cache
+    (``scores.paged``) its page table ``pages (S, max pages)`` int32 and ``page_size``
+    (int64; otherwise any int32 matrix and 0, not read): launch with ``grid = (ceil(max q_len / BM) ·
     B1 · B2, 1, S)``; ``out`` and ``lse`` may then have any strides.
 
     With ``split`` (key splits, for grids that would leave SMs idle: decoding) the kernel
@@ -119,11 +121,14 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
 
     copy_q = make_copy_rows(D, NT, BM)
     copy_kv = make_copy_rows(D, NT, BN)
+    copy_kv_paged = make_copy_rows(D, NT, BN, paged=True)
+    PAGED = scores.paged
     mma_pair = make_mma_pair(mma)
     a_frag, b_frag, bt_frag = make_fragments(RS)
 
     @device
-    def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
+    def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs,
+                     pages, page_size):
         q_start, Nq, k_start, Nk = sequence(seqs, cuda.blockIdx.z, q.shape[2], k.shape[2])
         tid = cuda.threadIdx.x
         lane = tid & 31
@@ -181,7 +186,10 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
 
         copy_q(smem, 0, q, b1, b2, q_start + q0, q_start + Nq, tid)
         k_end = k_start + Nk           # rows past this one are zero-filled
-        if n_kt > kt0:
+        if n_kt > kt0 and PAGED:       # a paged cache's rows, through the page table
+            copy_kv_paged(smem, K_OFF, k, b1, b2, kt0 * BN, Nk, tid, pages, cuda.blockIdx.z, page_size)
+            copy_kv_paged(smem, V_OFF, v, b1, b2, kt0 * BN, Nk, tid, pages, cuda.blockIdx.z, page_size)
+        elif n_kt > kt0:
             copy_kv(smem, K_OFF, k, b1, b2, k_start + kt0 * BN, k_end, tid)
             copy_kv(smem, V_OFF, v, b1, b2, k_start + kt0 * BN, k_end, tid)
         ops.cp_async_commit()
@@ -192,8 +200,14 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile kt landed for all; every warp is done with kt - 1
             if kt + 1 < n_kt:           # the other slot held tile kt - 1: refill it
-                copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + k0 + BN, k_end, tid)
-                copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + k0 + BN, k_end, tid)
+                if PAGED:
+                    copy_kv_paged(smem, K_OFF + SLOT - slot, k, b1, b2, k0 + BN, Nk, tid, pages, cuda.blockIdx.z,
+                                  page_size)
+                    copy_kv_paged(smem, V_OFF + SLOT - slot, v, b1, b2, k0 + BN, Nk, tid, pages, cuda.blockIdx.z,
+                                  page_size)
+                else:
+                    copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + k0 + BN, k_end, tid)
+                    copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + k0 + BN, k_end, tid)
                 ops.cp_async_commit()
             if Q_IN_REGS and kt == kt0:
                 for mt in range(MT):
@@ -309,20 +323,24 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
 
     if split and scores.packed:
         @cuda.jit(**JIT)
-        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
-            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs)
+        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs, pages,
+                    page_size):
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs,
+                         pages, page_size)
     elif split:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
-            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, slopes)
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, slopes,
+                         slopes, 0)
     elif scores.packed:
         @cuda.jit(**JIT)
-        def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
-            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, seqs)
+        def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs, pages, page_size):
+            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, seqs, pages,
+                         page_size)
     else:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes):
-            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, slopes)
+            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, slopes, slopes, 0)
 
     forward.tiling = t
     forward.smem_bytes = smem_elements(D, t) * 2

@@ -25,13 +25,18 @@ THREADS = 32 if SIMULATOR else 128
 
 
 def _convert(dtype_name):
-    """``(load, store)``: a stored element to the accumulator dtype and back (16-bit
-    floats are stored as their uint16 bits)."""
-    if dtype_name == "bfloat16":
-        return ops.bf16_to_f32, lambda x: numba.uint16(ops.pack_bf16x2(x, x) & 0xFFFF)
-    if dtype_name == "float16":
-        return ops.f16_to_f32, lambda x: numba.uint16(ops.pack_f16x2(x, x) & 0xFFFF)
-    return (lambda x: x), (lambda x: x)
+    """``(load, store)`` device functions: a stored element to the accumulator dtype and
+    back (16-bit floats are stored as their uint16 bits)."""
+    if dtype_name in ("float16", "bfloat16"):
+        pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
+
+        def store(x):
+            return numba.uint16(pack(x, x) & 0xFFFF)
+        return (ops.bf16_to_f32 if dtype_name == "bfloat16" else ops.f16_to_f32), _device(store)
+
+    def same(x):
+        return x
+    return _device(same), _device(same)
 
 
 def _device(f):
@@ -43,7 +48,7 @@ def make_merge_into(dtype_name: str):
     """``merge_into(acc, part, m, l, part_lse, first)``: fold one partial result into the
     running ``acc (B1, B2, N, D)``, ``m, l (B1, B2, N)`` (``first``: start them from it).
     Launch with ``grid = B1 · B2 · N``, ``block = THREADS``."""
-    load, _ = (_device(f) for f in _convert(dtype_name))
+    load, _ = _convert(dtype_name)
     acc_dt = np.float64 if dtype_name == "float64" else np.float32
     ZERO, NEG_INF = acc_dt(0), acc_dt(-np.inf)
 
@@ -78,7 +83,7 @@ def make_merge_into(dtype_name: str):
 def make_merge_finish(dtype_name: str):
     """``merge_finish(acc, m, l, out, lse)``: ``out = acc / l`` in the stored dtype and
     ``lse = m + log l`` (0 and ``-inf`` where ``l = 0``). Grid and block as ``merge_into``."""
-    _, store = (_device(f) for f in _convert(dtype_name))
+    _, store = _convert(dtype_name)
     acc_dt = np.float64 if dtype_name == "float64" else np.float32
     ZERO, ONE, NEG_INF = acc_dt(0), acc_dt(1), acc_dt(-np.inf)
 

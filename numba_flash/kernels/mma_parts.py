@@ -31,7 +31,7 @@ def operand_kinds(dtype_name):
     return ops.mma_f16_m16n8k16, ops.pack_f16x2
 
 
-def make_copy_rows(D, NT, NROWS):
+def make_copy_rows(D, NT, NROWS, paged=False):
     """``copy_rows(smem, off, src, b1, b2, row0, n_lim, tid)``: ``smem[off + r·RS + c] =
     src[b1, b2, row0 + r, c]`` for ``r < NROWS``, ``c < DP``, zero outside the array
     (rows ``>= n_lim``, columns ``>= D``), by 16-byte ``cp.async`` from the ``NT``
@@ -42,6 +42,10 @@ def make_copy_rows(D, NT, NROWS):
     chunk count rounded up to a power of two (threads past the row's end idle: a quarter
     of them at d = 96): the index arithmetic is done once, and a chunk costs a compare, a
     select and an address (measured in SASS: 26 → 8 instructions a chunk at d = 128).
+
+    With ``paged`` the rows are a paged KV cache's: ``copy_rows(..., tid, pages, z, ps)``
+    reads logical row ``j`` from row ``pages[z, j // ps] · ps + j % ps`` of ``src`` (each
+    row's address computed on its own).
     """
     DP = padded_dim(D)
     RS = DP + ROW_PAD
@@ -51,6 +55,25 @@ def make_copy_rows(D, NT, NROWS):
     STEP = NT // CPR2                  # rows between one thread's chunks
     ITER = -(-NROWS // STEP)
     RAGGED = NROWS % STEP != 0         # the last pass covers part of the threads
+
+    if paged:
+        @device
+        def copy_paged(smem, off, src, b1, b2, row0, n_lim, tid, pages, z, ps):
+            r = tid // CPR2
+            c = (tid - r * CPR2) * E16
+            if CPR2 == CPR or c < DP:
+                c_ok = D == DP or c < D
+                c_src = c if c_ok else 0
+                dst = off + r * RS + c
+                for it in range(ITER):
+                    if not RAGGED or r + it * STEP < NROWS:
+                        j = row0 + r + it * STEP
+                        ok = c_ok and j < n_lim
+                        j = j if ok else row0
+                        page = j // ps
+                        row = pages[z, page] * ps + j - page * ps
+                        ops.cp_async16_rows(smem, dst + it * STEP * RS, src, b1, b2, row, c_src, 0, 16 if ok else 0)
+        return copy_paged
 
     @device
     def copy_rows(smem, off, src, b1, b2, row0, n_lim, tid):
