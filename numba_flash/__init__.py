@@ -24,10 +24,11 @@ from . import reference
 from ._arrays import release_cached_memory, to_device
 from .api import attention, attention_bwd, attention_fwd
 from .merge import merge_attention
-from .varlen import attention_varlen, attention_varlen_fwd, attention_with_kvcache
+from .varlen import attention_varlen, attention_varlen_bwd, attention_varlen_fwd, attention_with_kvcache
 
 __version__ = "0.1.0"
 __all__ = ["attention", "attention_fwd", "attention_bwd", "attention_varlen", "attention_varlen_fwd",
+           "attention_varlen_bwd",
            "attention_with_kvcache", "merge_attention", "reference", "to_device",
            "release_cached_memory", "SIMULATOR",
            "SimulatorWarning"]

@@ -27,7 +27,7 @@ class _Inputs:
     slopes or None.
     """
 
-    def __init__(self, arrays, options, scale, slopes=None, direction="backward"):
+    def __init__(self, arrays, options, scale, slopes=None, direction="backward", stream=None):
         names = list(arrays)
         values = list(arrays.values())
         causal, window, softcap = options
@@ -58,7 +58,7 @@ class _Inputs:
                             "returned for these q, k, v.")
         self.stream = 0
         if self.on_device:
-            self.stream = _launch_stream(values)
+            self.stream = _launch_stream(values) if stream is None else stream
             values = [_arrays.as_numba_device(a, self.storage if self.low and n != "lse" else None)
                       for n, a in zip(names, values)]
         elif self.low:

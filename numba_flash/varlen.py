@@ -220,6 +220,78 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     return _run(inp, _packed(inp, cu_q[:-1], lens_q, cu_k[:-1], lens_k), (total_q,), q)
 
 
+def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
+                         max_seqlen_k=None, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
+    """attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, max_seqlen_k=None, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (dq, dk, dv)
+
+    Gradients of :func:`attention_varlen_fwd`: given ``dout = dL/d out`` and the forward's
+    ``out``, ``lse``, returns ``dq (total_q, Hq, d)``, ``dk``, ``dv (total_k, Hkv, d)`` in
+    the input dtype, of q's kind: per sequence exactly
+    :func:`numba_flash.attention_bwd` of that sequence alone (deterministic; the keys of a
+    sequence with no query get zero gradients).
+
+    Args:
+        dout, out: ``(total_q, Hq, d)``; q, k, v as for :func:`attention_varlen_fwd`;
+            ``lse (total_q, Hq)`` as it returned; ``cu_seqlens_q``, ``cu_seqlens_k`` and the
+            options: the forward's.
+
+    The sequences run one after another (the backward kernels' launches per sequence, into
+    the packed gradients in place): correct for any batch, but a batch of many short
+    sequences pays a few launches each.
+    """
+    arrays = [_arrays.host_view(a) for a in (dout, q, k, v, out)]
+    lse = _arrays.host_view(lse)
+    for a, n in zip(arrays, ("dout", "q", "k", "v", "out")):
+        _check_rank(a, n, 3, "(total_tokens, heads, d)")
+    total_q, total_k = tuple(arrays[1].shape)[0], tuple(arrays[2].shape)[0]
+    cu_q = _prefix_sums(_host_ints(cu_seqlens_q, "cu_seqlens_q"), "cu_seqlens_q", total_q, "q")
+    cu_k = _prefix_sums(_host_ints(cu_seqlens_k, "cu_seqlens_k", cu_q.shape[0]), "cu_seqlens_k", total_k, "k")
+    lens_q, lens_k = np.diff(cu_q), np.diff(cu_k)
+    for given, lens, n in ((max_seqlen_q, lens_q, "max_seqlen_q"), (max_seqlen_k, lens_k, "max_seqlen_k")):
+        if given is not None and lens.size and int(given) < int(lens.max()):
+            raise ValueError(f"{n}={given} is shorter than the longest sequence ({int(lens.max())}).")
+    if len(tuple(lse.shape)) != 2:
+        raise ValueError(f"lse must be (total_q, heads) as attention_varlen_fwd returns it, got {tuple(lse.shape)}.")
+    dout_t, q_t, k_t, v_t, out_t = (_swap01(a) for a in arrays)
+    options = (causal, window, softcap)
+    inp = api._Inputs({"q": q_t, "k": k_t, "v": v_t, "dout": dout_t, "out": out_t, "lse": _swap01_2d(lse)}, options,
+                      scale, alibi_slopes)
+    hq, hkv, d = inp.lead[0], tuple(k_t.shape)[0], inp.d
+    grads = [inp.empty_like((total_q, hq, d)), inp.empty_like((total_k, hkv, d)), inp.empty_like((total_k, hkv, d))]
+    dev = {n: inp.device(n) for n in ("q", "k", "v", "dout", "out", "lse")}
+    if inp.low:        # the per-sequence calls check dtypes: give them the 16-bit arrays' dtype back
+        dev = {n: a if n == "lse" else _arrays.retyped(a, inp.dtype) for n, a in dev.items()}
+    slopes = inp.device_slopes if inp.slopes is not None else None
+    g_views = [_swap01(g) for g in grads]
+    scratch = []
+    for b in range(len(lens_q)):
+        rq, rk = slice(int(cu_q[b]), int(cu_q[b + 1])), slice(int(cu_k[b]), int(cu_k[b + 1]))
+        if rq.start == rq.stop and rk.start == rk.stop:
+            continue
+        part = {n: (a[:, rk] if n in ("k", "v") else a[:, rq]) for n, a in dev.items()}
+        seq = api._Inputs(part, options, scale, slopes, stream=inp.stream)
+        views = [g_views[0][:, rq], g_views[1][:, rk], g_views[2][:, rk]]
+        read = ("q", "k", "v", "dout")
+        ready, aligned, _ = api._cp_async_ready(seq, [seq.arrays[n] for n in read])
+        found = dict(seq.arrays, **dict(zip(read, ready)))
+        for args in families.backward(seq, *(found[n] for n in ("q", "k", "v", "dout", "out", "lse")), *views,
+                                      seq.low or aligned, scratch):
+            api.launch(*args)
+    return _arrays.like(arrays[1], inp.result(*grads))
+
+
+def _swap01_2d(x):
+    """``(T, H)`` as ``(H, T)``, a view in the array's own kind."""
+    if isinstance(x, np.ndarray):
+        return x.T
+    if _arrays._is_torch(x):
+        return x.t()
+    if getattr(x, "__cuda_ndarray__", False):
+        shape, strides = tuple(x.shape), tuple(x.strides)
+        return _arrays.strided_view(x, (shape[1], shape[0]), (strides[1], strides[0]))
+    return x.T
+
+
 # --------------------------------------------------------------------------- KV cache
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
                            causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False):

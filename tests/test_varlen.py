@@ -344,3 +344,31 @@ def test_paged_kvcache_bad_input():
     with pytest.raises(TypeError, match="paged KV caches take float16 or bfloat16"):
         numba_flash.attention_with_kvcache(q.astype(np.float32), kc.astype(np.float32), kc.astype(np.float32),
                                            np.array([3, 4], np.int32), block_table=table)
+
+
+@pytest.mark.parametrize("dtype,device", [("float32", False), ("bfloat16", True), ("float64", True)])
+def test_varlen_backward_matches_oracle(dtype, device):
+    """The gradients of a packed batch (an empty sequence, one with queries but no keys and
+    one with keys but no queries among them, grouped heads, causal) are each sequence's
+    own, by the backward tests' tolerance rules."""
+    from test_backward import check_backward
+    from test_backward_mma import check_backward_low
+    case = dict(dtype=dtype, lens_q=[6, 0, 3, 0, 9], lens_k=[6, 0, 0, 4, 13], hq=2, hkv=1,
+                d=16 if dtype in LOW else 8, options=dict(causal=True), alibi=False, seed=8)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case)
+    dout = np.random.default_rng(9).standard_normal(q.shape).astype(q.dtype)
+    out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, causal=True)
+    args = [dout, q, k, v, out, lse]
+    if device:
+        args = [cuda.to_device(x) if x is lse else _device(x) for x in args]
+    grads = numba_flash.attention_varlen_bwd(*args, cu_q, cu_k, causal=True)
+    dq, dk, dv = (_host(g) for g in grads)
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
+    for b in range(len(cu_q) - 1):
+        rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if cu_q[b + 1] == cu_q[b]:
+            assert not dk[rk].astype(np.float64).any() and not dv[rk].astype(np.float64).any()
+            continue
+        g = [_heads_first(x) for x in (dq[rq], dk[rk], dv[rk])]
+        sq = [_heads_first(x) for x in (dout[rq], q[rq], k[rk], v[rk])]
+        (check_backward_low if dtype in LOW else check_backward)(g, *sq, dict(causal=True), None)
