@@ -144,10 +144,15 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     parts = inp.empty_like((z * b1, b2, inp.nq, inp.d), inp.acc_dtype)
     parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
     scratch += (parts, parts_ml)
-    merge = registry.specialisation("forward_merge", inp.dtype.name, 0).kernel()
+    merge = registry.specialisation("forward_merge", inp.dtype.name, 0,
+                                    scores.PACKED_SPECS[0] if inp.packed is not None else scores.FULL).kernel()
+    if inp.packed is None:
+        merged = (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)
+    else:         # the rows each sequence has (packed views may overlap between leading indices)
+        merged = (merge, (b1 * b2 * inp.packed.max_q, 1, inp.packed.count), merge.threads, merge.smem_bytes,
+                  (parts, parts_ml, o4, l3, inp.packed.table), inp.stream)
     return [(kern, (g[0] * z,) + g[1:], t.threads, spec.smem_bytes,
-             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys, *tail), inp.stream),
-            (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)]
+             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys, *tail), inp.stream), merged]
 
 
 # --------------------------------------------------------------------------- backward

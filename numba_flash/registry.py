@@ -234,8 +234,10 @@ def _sig_forward(dt, layout, packed=False):
 _SEQS = ", int32[:, ::1], int32[:, ::1], int64"   # packed rows: sequence table, page table, page size
 
 
-def _sig_forward_merge(dt, layout):
+def _sig_forward_merge(dt, layout, packed=False):
     acc, o = ("float32", "uint16") if dt in LOW_DTYPES else (dt, dt)
+    if packed:
+        return f"void({acc}[:, :, :, ::1], {acc}[:, :, ::1], {o}[:, :, :, :], {acc}[:, :, :], int32[:, ::1])"
     return f"void({acc}[:, :, :, ::1], {acc}[:, :, ::1], {o}[:, :, :, ::1], {acc}[:, :, ::1])"
 
 
@@ -301,7 +303,8 @@ VARIANTS = {v.name: v for v in (
             # ptxas: the plain-load kernel of the d > 256 tiling spills 0.5 KiB per thread
             plain_compact=lambda dt, d: dt == "float32" and d > 256),
     Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,
-            lambda s: make_merge(s.dtype), lambda d, t: 0, _sig_forward_merge, DTYPES + LOW_DTYPES),
+            lambda s: make_merge(s.dtype, s.scores.packed), lambda d, t: 0, _sig_forward_merge, DTYPES + LOW_DTYPES,
+            packed=True),
     Variant("forward_mma", "FlashAttention-2 forward on tensor cores (mma.sync m16n8k16)", mma_tiling,
             lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores),
             mma_smem_elements, _sig_forward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
@@ -416,7 +419,7 @@ def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FU
                          f"(scores {scores.tag})")
     t = v.tiling(dtype_name, d, simulator)
     if t is None:                                       # shape-independent kernels
-        return Specialisation(variant, dtype_name, 0, FULL, False, None)
+        return Specialisation(variant, dtype_name, 0, PACKED_SPECS[0] if scores.packed else FULL, False, None)
     use_async = (use_async or v.async_only) and async_possible(dtype_name, d)
     spec = Specialisation(variant, dtype_name, d, scores, use_async, t)
     if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit
@@ -548,6 +551,8 @@ def specialisations(simulator: bool = False):
                                 yield spec
     for variant, v in VARIANTS.items():      # the other rule sets: at RULE_SPEC_D only
         for dt in v.dtypes:
+            if v.tiling(dt, RULE_SPEC_D, simulator) is None and v.packed:    # a helper's packed form
+                yield specialisation(variant, dt, 0, PACKED_SPECS[0], simulator=simulator)
             if v.tiling(dt, RULE_SPEC_D, simulator) is not None and v.head_dims(RULE_SPEC_D):
                 for scores in RULE_SPECS + (PACKED_SPECS if v.packed else ()) + (PAGED_SPECS if v.paged else ()):
                     yield specialisation(variant, dt, RULE_SPEC_D, scores, True, simulator)

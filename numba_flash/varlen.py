@@ -118,19 +118,26 @@ def _check_rank(x, name, rank, layout):
     return shape
 
 
-def _run(inp, packed, out_shape, q_kind):
+def _run(inp, packed, out_shape, q_kind, group_rows=0):
     """Launch the packed forward of ``inp`` (q, k, v given as ``(H, T, d)``) and return
     ``(out, lse)`` in ``q_kind``'s kind: ``out`` shaped ``out_shape + (Hq, d)`` and lse
-    ``out_shape + (Hq,)``, both C-contiguous."""
+    ``out_shape + (Hq,)``, both C-contiguous. ``group_rows``: q is
+    :func:`_grouped_rows`' view, ``(Hkv, R, d)`` with groups of that many query heads as
+    rows (one query per sequence); out and lse are viewed alike."""
     inp.packed = packed
     inp.scores = dataclasses.replace(inp.scores, packed=True)
-    hq, d = inp.lead[0], inp.d
+    hq, d = inp.lead[0] * max(group_rows, 1), inp.d
     out = inp.empty_like(out_shape + (hq, d))
     lse = inp.empty_like(out_shape + (hq,), inp.acc_dtype)
     if inp.nq and packed.count and packed.max_q:
-        out_t = _swap01(_arrays.strided_view(out, (inp.nq, hq, d), _c_strides(out, 3)))
-        lse2 = _arrays.strided_view(lse, (inp.nq, hq), _c_strides(lse, 2))
-        lse_t = _arrays.strided_view(lse2, (hq, inp.nq), tuple(reversed(lse2.strides)))
+        if group_rows:
+            o_item, l_item = out.dtype.itemsize, lse.dtype.itemsize
+            out_t = _arrays.strided_view(out, (inp.lead[0], inp.nq, d), (group_rows * d * o_item, d * o_item, o_item))
+            lse_t = _arrays.strided_view(lse, (inp.lead[0], inp.nq), (group_rows * l_item, l_item))
+        else:
+            out_t = _swap01(_arrays.strided_view(out, (inp.nq, hq, d), _c_strides(out, 3)))
+            lse2 = _arrays.strided_view(lse, (inp.nq, hq), _c_strides(lse, 2))
+            lse_t = _arrays.strided_view(lse2, (hq, inp.nq), tuple(reversed(lse2.strides)))
         (qd, kd, vd), aligned, _ = api._cp_async_ready(inp, [inp.device(n) for n in "qkv"])
         sm_count, smem_limit, cc = api._device_facts()
         scratch = []
@@ -370,23 +377,62 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
                              f"{n_new}, but the cache holds Nmax={nmax}. Allocate a longer cache.")
     if pages is not None:
         _check_pages(pages, lens + n_new, ks[1], ks[0])
-    q2, k2, v2 = _swap01(_merge01(q, "q")), _swap01(_merge01(k_cache, "k_cache")), _swap01(_merge01(v_cache, "v_cache"))
-    inp = api._Inputs({"q": q2, "k": k2, "v": v2}, (causal, window, softcap), scale, alibi_slopes, "forward")
+    k2, v2 = _swap01(_merge01(k_cache, "k_cache")), _swap01(_merge01(v_cache, "v_cache"))
+    group = qs[2] // ks[2] if ks[2] and qs[2] % ks[2] == 0 else 1
+    grouped = None
+    if nq == 1 and 1 < group <= registry.SPLIT_ROWS and window is None and alibi_slopes is None:
+        grouped = _grouped_rows(q, ks[2], group)      # a query head group's rows in one block
+    stream = None
+    if grouped is not None:
+        causal = False      # one query per sequence sees every key in use: causal changes nothing
+        if api._kind(q, "q") == "device":
+            stream = api._launch_stream([q, k_cache, v_cache])
+        q2, row_step = grouped
+    else:
+        q2 = _swap01(_merge01(q, "q"))
+    inp = api._Inputs({"q": q2, "k": k2, "v": v2}, (causal, window, softcap), scale, alibi_slopes, "forward",
+                      stream)
     if pages is not None and not inp.low:
         raise TypeError(f"paged KV caches take float16 or bfloat16 (the tensor-core kernels), got {inp.dtype}. "
                         "Use a contiguous cache (block_table=None) for float32 and float64.")
     if n_new:
         _append(inp, k_cache, v_cache, k_new, v_new, lens, pages)
     starts = np.arange(b, dtype=np.int64)
+    q_starts, q_lens = (starts * row_step, np.full(b, group)) if grouped else (starts * nq, np.full(b, nq))
     if pages is None:
-        packed = _packed(inp, starts * nq, np.full(b, nq), starts * nmax, lens + n_new)
+        packed = _packed(inp, q_starts, q_lens, starts * nmax, lens + n_new)
     else:
         from numba import cuda
         inp.scores = dataclasses.replace(inp.scores, paged=True)
-        packed = _packed(inp, starts * nq, np.full(b, nq), np.zeros(b, np.int64), lens + n_new,
+        packed = _packed(inp, q_starts, q_lens, np.zeros(b, np.int64), lens + n_new,
                          cuda.to_device(_int32(pages), stream=inp.stream), ks[1])
-    out, lse = _run(inp, packed, (b, nq), q)
+    out, lse = _run(inp, packed, (b, nq), q, group if grouped else 0)
     return (out, lse) if return_lse else out
+
+
+def _grouped_rows(q, hkv, group):
+    """``(view, row_step)``: q ``(B, 1, Hq, d)`` seen as ``(Hkv, R, d)`` whose rows
+    ``b · row_step .. + group − 1`` under K/V head ``h`` are the ``group`` query heads that
+    read it, of sequence ``b`` (so one decoding block computes a whole group: its K/V rows
+    are read once, and ``group`` of the 16 rows of each product are useful); None where
+    q's strides do not allow it (its batch stride not Hq head strides)."""
+    shape = tuple(q.shape)
+    if api._kind(q, "q") == "device":
+        a = _arrays.as_numba_device(q)
+        dt = _arrays.logical_dtype(q)
+        if a.dtype != dt:
+            a = _arrays.retyped(a, dt)
+    else:
+        a = q
+    sb, _, sh, sd = tuple(a.strides)
+    if sh <= 0 or sb != shape[2] * sh:     # the output's layout: sequence b's heads from row b·Hq
+        return None
+    step = shape[2]
+    view_shape = (hkv, (shape[0] - 1) * step + group, shape[3])
+    view_strides = (group * sh, sh, sd)
+    if isinstance(a, np.ndarray):
+        return np.lib.stride_tricks.as_strided(a, view_shape, view_strides, writeable=False), step
+    return _arrays.strided_view(a, view_shape, view_strides), step
 
 
 def _page_table(block_table, batch):

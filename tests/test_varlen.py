@@ -263,7 +263,7 @@ def test_merge_attention_bad_input():
 def test_packed_specialisations_are_registered():
     """Only the families that take packed sequences are asked for them; the others refuse."""
     names = [s.name for s in registry.specialisations() if s.scores.packed]
-    assert names and all(n.startswith(("forward_simt", "forward_mma")) for n in names)
+    assert names and all(n.startswith(("forward_simt", "forward_mma", "forward_merge")) for n in names)
     with pytest.raises(ValueError, match="does not take packed"):
         registry.specialisation("forward_wgmma", "bfloat16", 64, numba_flash.scores.ScoreSpec(packed=True))
 
@@ -372,3 +372,37 @@ def test_varlen_backward_matches_oracle(dtype, device):
         g = [_heads_first(x) for x in (dq[rq], dk[rk], dv[rk])]
         sq = [_heads_first(x) for x in (dout[rq], q[rq], k[rk], v[rk])]
         (check_backward_low if dtype in LOW else check_backward)(g, *sq, dict(causal=True), None)
+
+
+@pytest.mark.parametrize("dtype,device,paged", [("float32", False, False), ("bfloat16", True, False),
+                                                ("float16", True, True)])
+def test_decoding_groups_query_heads(dtype, device, paged, monkeypatch):
+    """One query per sequence with grouped heads: a group's query heads are one block's rows
+    (``varlen._grouped_rows``), causal dropped as a no-op; a softcap still applies; the
+    result is each head's attention over its sequence's cache."""
+    calls = []
+    real = numba_flash.varlen._grouped_rows
+    monkeypatch.setattr(numba_flash.varlen, "_grouped_rows", lambda *a: calls.append(a) or real(*a))
+    rng = np.random.default_rng(10)
+    dt = np_dtype(dtype)
+    b, hq, hkv, d, n = 3, 6, 2, 16 if dtype in LOW else 8, 24
+    q = rng.standard_normal((b, 1, hq, d)).astype(dt)
+    lens = np.array([24, 1, 0], np.int32)
+    if paged:
+        page = 8
+        kc, vc = (rng.standard_normal((b * 3, page, hkv, d)).astype(dt) for _ in range(2))
+        table = rng.permutation(b * 3).reshape(b, 3).astype(np.int32)
+        flat = lambda c, i: np.concatenate([c[p] for p in table[i]])  # noqa: E731
+        extra = dict(block_table=table)
+    else:
+        kc, vc = (rng.standard_normal((b, n, hkv, d)).astype(dt) for _ in range(2))
+        flat = lambda c, i: c[i]  # noqa: E731
+        extra = {}
+    args = [_device(x) for x in (q, kc, vc)] if device else [q, kc, vc]
+    out, lse = numba_flash.attention_with_kvcache(*args, lens, causal=True, softcap=5.0, return_lse=True, **extra)
+    assert calls, "the grouped-rows path was not taken"
+    out, lse = _host(out), _host(lse)
+    for i in range(b):
+        ks, vs = (_heads_first(flat(c, i)[:lens[i]]) for c in (kc, vc))
+        _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]), ks, vs,
+               dict(softcap=5.0))

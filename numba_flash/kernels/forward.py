@@ -348,7 +348,7 @@ MAX_SPLITS = 16
 
 
 @functools.lru_cache(maxsize=None)
-def make_merge(dtype_name: str):
+def make_merge(dtype_name: str, packed: bool = False):
     """Combine the key splits' partial results: ``parts (Z·B1, B2, Nq, D)`` and
     ``parts_ml (2·Z·B1, B2, Nq)`` (C-contiguous, as the forward writes them with ``Z``
     splits: row maxima, then row sums) into ``out (B1, B2, Nq, D)`` and
@@ -356,7 +356,9 @@ def make_merge(dtype_name: str):
     ``block = MERGE_THREADS`` and ``merge.smem_bytes`` of dynamic shared memory (the weights:
     at most ``MAX_SPLITS`` splits). For float16 and bfloat16 (the tensor-core forward's
     splits) ``parts``, ``parts_ml`` and ``lse`` are float32 and ``out`` holds the uint16
-    bits of the dtype."""
+    bits of the dtype. With ``packed`` a fifth argument, the forward's sequence table
+    ``seqs (S, 4)``, says which rows exist (packed views may overlap between leading
+    indices): launch with ``grid = (B1 · B2 · max q_len, 1, S)``."""
     from .merge import _convert
     store = _convert(dtype_name)[1]
     np_dt = np.dtype(np.float32 if dtype_name in ("float16", "bfloat16") else dtype_name)
@@ -365,14 +367,21 @@ def make_merge(dtype_name: str):
     NT = MERGE_THREADS
     ALIGN = None if SIMULATOR else 16
 
-    @cuda.jit
-    def merge(parts, parts_ml, out, lse):
+    def merge_body(parts, parts_ml, out, lse, seqs):
         B1, B2, Nq, D = out.shape
         Z = parts.shape[0] // B1
         tid = cuda.threadIdx.x
         row = cuda.blockIdx.x
-        b = row // Nq
-        row -= b * Nq
+        if packed:                # rows q_start .. q_start + q_len − 1 of sequence z
+            n_rows = cuda.gridDim.x // (B1 * B2)
+            b = row // n_rows
+            row -= b * n_rows
+            if row >= seqs[cuda.blockIdx.z, 1]:
+                return
+            row += seqs[cuda.blockIdx.z, 0]
+        else:
+            b = row // Nq
+            row -= b * Nq
         b1 = b // B2
         b2 = b - b1 * B2
         w = cuda.shared.array(0, nb_dt, alignment=ALIGN)   # MAX_SPLITS weights a_z / Σ a_z
@@ -397,6 +406,17 @@ def make_merge(dtype_name: str):
             for zz in range(Z):
                 acc += w[zz] * parts[zz * B1 + b1, b2, row, col]
             out[b1, b2, row, col] = store(acc)
+
+    if not SIMULATOR:
+        merge_body = cuda.jit(device=True, inline="always")(merge_body)
+    if packed:
+        @cuda.jit
+        def merge(parts, parts_ml, out, lse, seqs):
+            merge_body(parts, parts_ml, out, lse, seqs)
+    else:
+        @cuda.jit
+        def merge(parts, parts_ml, out, lse):
+            merge_body(parts, parts_ml, out, lse, parts_ml)
 
     merge.threads = NT
     merge.smem_bytes = MAX_SPLITS * np_dt.itemsize
