@@ -15,7 +15,7 @@ from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.backward_mma import MmaBwdTiling, make_backward_mma
 from .kernels.backward_mma import smem_elements as mma_bwd_smem_elements
-from .kernels.copy import make_append, make_append_paged, make_copy4
+from .kernels.copy import make_append, make_copy4
 from .kernels.merge import make_merge_finish, make_merge_into
 from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
@@ -344,7 +344,7 @@ VARIANTS = {v.name: v for v in (
             lambda dt, d, sim: None, lambda s: make_append(), lambda d, t: 0,
             lambda dt, layout: f"void({_a4(dt, 'A')}, {_a4(dt, 'A')}, int32[::1])", ("uint16", "float32", "float64")),
     Variant("cache_append_paged", "paged KV caches: new rows written in place through the page table",
-            lambda dt, d, sim: None, lambda s: make_append_paged(), lambda d, t: 0,
+            lambda dt, d, sim: None, lambda s: make_append(paged=True), lambda d, t: 0,
             lambda dt, layout: f"void({_a4(dt, 'A')}, {_a4(dt, 'A')}, int32[::1], int32[:, ::1], int64)",
             ("uint16", "float32", "float64")),
     Variant("merge_into", "merge_attention: fold one partial (out, lse) into a running softmax",

@@ -8,6 +8,8 @@ import functools
 
 from numba import cuda
 
+from .._runtime import SIMULATOR
+
 THREADS = 256
 
 
@@ -36,39 +38,16 @@ def make_copy4():
 
 
 @functools.lru_cache(maxsize=None)
-def make_append():
+def make_append(paged=False):
     """``dst[b, pos[b] + i, h, c] = src[b, i, h, c]``: new rows written into a KV cache at
     each sequence's length (``pos`` int32 ``(B,)``, checked on the host to keep every row
-    inside ``dst``). Launch with ``grid = ceil(Nnew · H · D / THREADS) · B``,
+    inside ``dst``). With ``paged``, ``dst`` is a paged cache ``(num_pages, page_size, H,
+    D)`` and two more arguments, the page table ``pages (B, max pages)`` int32 and
+    ``page_size``, place row ``j = pos[b] + i`` at page ``pages[b, j // page_size]``, row
+    ``j % page_size``. Launch with ``grid = ceil(Nnew · H · D / THREADS) · B``,
     ``block = THREADS``."""
 
-    @cuda.jit
-    def append(src, dst, pos):
-        N = src.shape[1]
-        H = src.shape[2]
-        D = src.shape[3]
-        per_b = (N * H * D + THREADS - 1) // THREADS
-        b = cuda.blockIdx.x // per_b
-        i = (cuda.blockIdx.x - b * per_b) * THREADS + cuda.threadIdx.x
-        if i < N * H * D:
-            r = i // (H * D)
-            i -= r * (H * D)
-            h = i // D
-            c = i - h * D
-            dst[b, pos[b] + r, h, c] = src[b, r, h, c]
-
-    append.threads = THREADS
-    return append
-
-
-@functools.lru_cache(maxsize=None)
-def make_append_paged():
-    """``make_append``'s kernel for a paged cache ``dst (num_pages, page_size, H, D)``:
-    row ``j = pos[b] + i`` of sequence ``b`` goes to page ``pages[b, j // page_size]``,
-    row ``j % page_size`` (the page table checked on the host). Same launch."""
-
-    @cuda.jit
-    def append_paged(src, dst, pos, pages, page_size):
+    def append_body(src, dst, pos, pages, page_size):
         N = src.shape[1]
         H = src.shape[2]
         D = src.shape[3]
@@ -81,8 +60,22 @@ def make_append_paged():
             h = i // D
             c = i - h * D
             j = pos[b] + r
-            page = j // page_size
-            dst[pages[b, page], j - page * page_size, h, c] = src[b, r, h, c]
+            if paged:
+                page = j // page_size
+                dst[pages[b, page], j - page * page_size, h, c] = src[b, r, h, c]
+            else:
+                dst[b, j, h, c] = src[b, r, h, c]
 
-    append_paged.threads = THREADS
-    return append_paged
+    if not SIMULATOR:
+        append_body = cuda.jit(device=True, inline="always")(append_body)
+    if paged:
+        @cuda.jit
+        def append(src, dst, pos, pages, page_size):
+            append_body(src, dst, pos, pages, page_size)
+    else:
+        @cuda.jit
+        def append(src, dst, pos):
+            append_body(src, dst, pos, pos, 0)
+
+    append.threads = THREADS
+    return append

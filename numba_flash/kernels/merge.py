@@ -43,6 +43,17 @@ def _device(f):
     return f if SIMULATOR else cuda.jit(device=True, inline="always")(f)
 
 
+@_device
+def _block_row(acc):
+    """``(b1, b2, row)``: this block's row of ``acc (B1, B2, N, D)`` (one block per row)."""
+    B2, N = acc.shape[1], acc.shape[2]
+    row = cuda.blockIdx.x
+    b = row // N
+    row -= b * N
+    b1 = b // B2
+    return b1, b - b1 * B2, row
+
+
 @functools.lru_cache(maxsize=None)
 def make_merge_into(dtype_name: str):
     """``merge_into(acc, part, m, l, part_lse, first)``: fold one partial result into the
@@ -54,12 +65,8 @@ def make_merge_into(dtype_name: str):
 
     @cuda.jit
     def merge_into(acc, part, m, l, part_lse, first):
-        B2, N, D = acc.shape[1], acc.shape[2], acc.shape[3]
-        row = cuda.blockIdx.x
-        b = row // N
-        row -= b * N
-        b1 = b // B2
-        b2 = b - b1 * B2
+        b1, b2, row = _block_row(acc)
+        D = acc.shape[3]
         mi = part_lse[b1, b2, row]
         m_old = NEG_INF if first else m[b1, b2, row]
         l_old = ZERO if first else l[b1, b2, row]
@@ -89,12 +96,8 @@ def make_merge_finish(dtype_name: str):
 
     @cuda.jit
     def merge_finish(acc, m, l, out, lse):
-        B2, N, D = acc.shape[1], acc.shape[2], acc.shape[3]
-        row = cuda.blockIdx.x
-        b = row // N
-        row -= b * N
-        b1 = b // B2
-        b2 = b - b1 * B2
+        b1, b2, row = _block_row(acc)
+        D = acc.shape[3]
         total = l[b1, b2, row]
         inv = ZERO if total == ZERO else ONE / total
         for c in range(cuda.threadIdx.x, D, THREADS):
