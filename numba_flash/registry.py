@@ -25,6 +25,7 @@ from .kernels import forward_wgmma
 # Head dims the GPU suite, the PTX tests and the benchmark exercise (any other d works too).
 HEAD_DIMS = (32, 64, 96, 128, 256, 1024)
 RULE_SPEC_D = 64      # the head dim at which specialisations() compiles scores.RULE_SPECS
+RULE_LOW_DTYPE = "bfloat16"   # ... and the one 16-bit dtype it compiles them for
 DTYPES = ("float32", "float64")            # CUDA-core kernels (forward and backward)
 LOW_DTYPES = ("float16", "bfloat16")       # tensor-core kernels
 MMA_MAX_D = 256                            # tensor-core kernels: d a multiple of 8, at most this
@@ -217,6 +218,7 @@ class Variant:
     packed: bool = False    # takes packed sequences (scores.ScoreSpec.packed: varlen batches, KV caches)
     paged: bool = False     # takes paged KV caches (scores.ScoreSpec.paged)
     ptx_dims: tuple = None  # the head dims specialisations() builds it at (None: HEAD_DIMS)
+    ptx_rules: bool = True  # specialisations() builds it with scores.RULE_SPECS too
 
 
 def _sig_scores(acc):
@@ -313,7 +315,7 @@ VARIANTS = {v.name: v for v in (
             mma_split_tiling, lambda s: make_forward_mma(s.dtype, s.d, s.tiling, s.scores, split=True),
             mma_smem_elements, _sig_forward_mma_split, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
             direction="forward", async_only=True, packed=True, paged=True,
-            ptx_dims=(128,)),     # forward_mma's code at one tiling: its other shapes are forward_mma's
+            ptx_dims=(128,), ptx_rules=False),    # forward_mma's code: its shapes and rules are checked there
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
             lambda dt, d, sim: forward_wgmma.TILING, lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
             lambda d, t: forward_wgmma.smem_bytes(d) // 2, _sig_forward_wgmma, LOW_DTYPES,
@@ -530,8 +532,9 @@ def specialisations(simulator: bool = False):
     tiling rule differ only in loop bounds, so each (variant, dtype, thread tile,
     resident-or-chunked head dim, score rules, load path) appears once, at the first of
     ``HEAD_DIMS`` that produces it, for the rule sets of ``scores.SCORE_SPECS``; those of
-    ``scores.RULE_SPECS`` (windows, softcap, ALiBi) once per variant and dtype, at
-    ``RULE_SPEC_D`` with cp.async loads.
+    ``scores.RULE_SPECS`` (windows, softcap, ALiBi), ``PACKED_SPECS`` and ``PAGED_SPECS``
+    once per variant and dtype (of the 16-bit dtypes, ``RULE_LOW_DTYPE`` only: the rule
+    code does not depend on which), at ``RULE_SPEC_D`` with cp.async loads.
     """
     seen = set()
     for variant, v in VARIANTS.items():
@@ -553,6 +556,9 @@ def specialisations(simulator: bool = False):
         for dt in v.dtypes:
             if v.tiling(dt, RULE_SPEC_D, simulator) is None and v.packed:    # a helper's packed form
                 yield specialisation(variant, dt, 0, PACKED_SPECS[0], simulator=simulator)
+            if dt in LOW_DTYPES and dt != RULE_LOW_DTYPE:
+                continue           # the rules' code is the same for both 16-bit dtypes
             if v.tiling(dt, RULE_SPEC_D, simulator) is not None and v.head_dims(RULE_SPEC_D):
-                for scores in RULE_SPECS + (PACKED_SPECS if v.packed else ()) + (PAGED_SPECS if v.paged else ()):
+                rules = RULE_SPECS if v.ptx_rules else ()
+                for scores in rules + (PACKED_SPECS if v.packed else ()) + (PAGED_SPECS if v.paged else ()):
                     yield specialisation(variant, dt, RULE_SPEC_D, scores, True, simulator)

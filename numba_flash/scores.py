@@ -87,10 +87,11 @@ CAUSAL = ScoreSpec(causal=True)
 SCORE_SPECS = (FULL, CAUSAL)
 RULE_SPECS = (ScoreSpec(window=True), ScoreSpec(causal=True, softcap=True, alibi=True),
               ScoreSpec(window=True, softcap=True, alibi=True))
-# ... and for the families that take packed sequences (registry.Variant.packed): plain and
-# with every rule.
-PACKED_SPECS = (ScoreSpec(packed=True), ScoreSpec(window=True, softcap=True, alibi=True, packed=True))
-PAGED_SPECS = (ScoreSpec(packed=True, paged=True),)
+# ... and for the families that take packed sequences (registry.Variant.packed) and paged
+# caches (.paged): one rule set each, every rule with the packed rows (the packed code is
+# independent of the rules'), causal with the page table.
+PACKED_SPECS = (ScoreSpec(window=True, softcap=True, alibi=True, packed=True),)
+PAGED_SPECS = (ScoreSpec(causal=True, packed=True, paged=True),)
 
 
 @dataclasses.dataclass(frozen=True)
