@@ -9,7 +9,9 @@ Each call is checked against the float64 oracle as well, so a run that the sanit
 passes also computed the right thing. Exits 1 on a wrong result. ``--quick``: the first
 shape only (racecheck is slow); ``--transforms``: softcap and ALiBi on a grouped-head
 shape, float32 and bfloat16 only; ``--low``: float16 and bfloat16 only (the tensor-core
-kernels).
+kernels); ``--serving``: the packed-row kernels instead (a varlen batch forward and
+backward, contiguous and paged KV caches with appends, the one-warp decoding kernel with
+key splits forced, grouped query heads, merge_attention), every dtype they take.
 """
 import sys
 
@@ -32,8 +34,107 @@ SHAPES = [(2, 2, 37, 53, 40), (4, 2, 70, 29, 64), (3, 1, 17, 131, 24)]
 DTYPES = (("float32", 1e-4), ("float64", 1e-10), ("float16", 2e-2), ("bfloat16", 8e-2))   # and tolerances
 
 
+def _report(name, dt, err, tol):
+    ok = err <= tol
+    print(f"{'ok ' if ok else 'BAD'} {dt:9s} {name} max err {err:.1e}", flush=True)
+    return not ok
+
+
+def _heads_first(x):
+    return np.swapaxes(np.asarray(x, np.float64), 0, 1)
+
+
+def serving(rng):
+    """The packed-row kernels at ragged shapes, each result against the oracle."""
+    from numba_flash import registry
+    bad = 0
+    lens_q, lens_k = [5, 0, 37, 1], [9, 3, 70, 0]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
+    splits = registry.forward_splits
+    for dt, tol in DTYPES:
+        npdt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
+        d = 40
+        q = rng.standard_normal((cu_q[-1], 4, d))
+        k, v = (rng.standard_normal((cu_k[-1], 2, d)) for _ in range(2))
+        out, lse = numba_flash.attention_varlen_fwd(*(x.astype(npdt) for x in (q, k, v)), cu_q, cu_k, causal=True)
+        dout = rng.standard_normal(out.shape)
+        grads = numba_flash.attention_varlen_bwd(*(x.astype(npdt) for x in (dout, q, k, v)), out, lse, cu_q, cu_k,
+                                                 causal=True)
+        err = 0.0
+        for b in range(len(lens_q)):
+            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+            qs, ks, vs, ds = (_heads_first(x) for x in (q[rq], k[rk], v[rk], dout[rq]))
+            ks, vs = (np.repeat(x, 2, axis=0) for x in (ks, vs))
+            ro = reference.attention(qs, ks, vs, causal=True)
+            err = max(err, float(np.abs(_heads_first(out[rq]) - ro).max(initial=0)))
+            rg = reference.attention_bwd(ds, qs, ks, vs, causal=True)
+            got = [_heads_first(grads[0][rq]), _heads_first(grads[1][rk]), _heads_first(grads[2][rk])]
+            rg = [rg[0]] + [r.reshape(2, 2, *r.shape[1:]).sum(1) for r in rg[1:]]   # K/V heads: their group's sum
+            err = max(err, max(float(np.abs(g - r).max(initial=0)) / max(1, np.abs(r).max(initial=0))
+                               for g, r in zip(got, rg)))
+        bad += _report("varlen forward and backward (4 sequences, GQA, causal)", dt, err, tol)
+        for paged in (False, True):
+            if paged and dt not in registry.LOW_DTYPES:
+                continue
+            for forced in (None, 3):
+                registry.forward_splits = splits if forced is None else (lambda *a: 3)
+                try:
+                    bad += _kvcache(rng, npdt, dt, tol, paged, forced)
+                finally:
+                    registry.forward_splits = splits
+        parts = [(rng.standard_normal((3, 7, d)).astype(npdt), rng.standard_normal((3, 7)).astype(
+            np.float64 if dt == "float64" else np.float32)) for _ in range(3)]
+        from numba import cuda
+        dev = [cuda.to_device(p[0].view(np.uint16)) if dt == "bfloat16" else cuda.to_device(p[0]) for p in parts]
+        if dt != "bfloat16":
+            o, l = numba_flash.merge_attention(dev, [cuda.to_device(p[1]) for p in parts])
+            ho, hl = numba_flash.merge_attention([p[0] for p in parts], [p[1] for p in parts])
+            err = float(np.abs(o.copy_to_host().astype(np.float64) - ho.astype(np.float64)).max())
+            bad += _report("merge_attention (3 partials, device vs host)", dt, err, tol)
+    return bad
+
+
+def _kvcache(rng, npdt, dt, tol, paged, forced):
+    """A KV cache with appended rows (contiguous or paged), one and 5 queries per sequence."""
+    from numba import cuda
+    bad = 0
+    b, hq, hkv, d, page = 3, 4, 2, 24, 7
+    lens = np.array([13, 0, 40])
+    for nq in (1, 5):
+        q = rng.standard_normal((b, nq, hq, d)).astype(npdt)
+        kn, vn = (rng.standard_normal((b, 2, hkv, d)).astype(npdt) for _ in range(2))
+        if paged:
+            table = rng.permutation(b * 7).reshape(b, 7).astype(np.int32)
+            kc, vc = (rng.standard_normal((b * 7, page, hkv, d)).astype(npdt) for _ in range(2))
+            extra = {"block_table": table}
+        else:
+            kc, vc = (rng.standard_normal((b, 49, hkv, d)).astype(npdt) for _ in range(2))
+            extra = {}
+        args = [cuda.to_device(x.view(np.uint16)) if dt == "bfloat16" else cuda.to_device(x) for x in (q, kc, vc)]
+        news = [cuda.to_device(x.view(np.uint16)) if dt == "bfloat16" else cuda.to_device(x) for x in (kn, vn)]
+        if dt == "bfloat16":
+            args = [numba_flash.to_device(x) for x in (q, kc, vc)]
+            news = [numba_flash.to_device(x) for x in (kn, vn)]
+        out = numba_flash.attention_with_kvcache(*args, lens.astype(np.int32), k_new=news[0], v_new=news[1],
+                                                 causal=True, **extra)
+        out = out.copy_to_host()
+        kc2, vc2 = (a.copy_to_host() for a in args[1:])
+        err = 0.0
+        for i in range(b):
+            n = lens[i] + 2
+            rows = (lambda c: np.concatenate([c[p] for p in table[i]])) if paged else (lambda c: c[i])
+            ks, vs = (np.repeat(_heads_first(rows(c)[:n]), 2, axis=0) for c in (kc2, vc2))
+            ro = reference.attention(_heads_first(q[i]), ks, vs, causal=True)
+            err = max(err, float(np.abs(_heads_first(out[i]) - ro).max()))
+        name = f"KV cache{' paged' if paged else ''}, Nq={nq}, splits {forced or 'chosen'}"
+        bad += _report(name, dt, err, tol)
+    return bad
+
+
 def main():
     rng = np.random.default_rng(0)
+    if "--serving" in sys.argv:
+        return 1 if serving(rng) else 0
     bad = 0
     shapes, options, dtypes = SHAPES, OPTIONS, DTYPES
     if "--quick" in sys.argv:
