@@ -171,6 +171,7 @@ KNOWN_SPILLS = {
             "forward_simt/float32/d64/window/async": 72,
             "forward_simt/float32/d64/causal+softcap+alibi/async": 96,
             "forward_simt/float32/d64/window+softcap+alibi/async": 104,
+            "forward_simt/float32/d64/window+softcap+alibi+packed/async": 16,
             "backward_dkdv_simt/float64/d96/full/plain": 8,
             "backward_dkdv_simt/float64/d96/causal/plain": 60},
     "9.0": {"forward_simt/float32/d64/causal+softcap+alibi/async": 48,
