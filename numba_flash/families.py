@@ -145,7 +145,7 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
     scratch += (parts, parts_ml)
     merge = registry.specialisation("forward_merge", inp.dtype.name, 0,
-                                    scores.PACKED_SPECS[0] if inp.packed is not None else scores.FULL).kernel()
+                                    scores.PACKED if inp.packed is not None else scores.FULL).kernel()
     if inp.packed is None:
         merged = (merge, b1 * b2 * inp.nq, merge.threads, merge.smem_bytes, (parts, parts_ml, o4, l3), inp.stream)
     else:         # the rows each sequence has (packed views may overlap between leading indices)

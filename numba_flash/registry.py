@@ -10,7 +10,7 @@ import dataclasses
 import numpy as np
 
 from ._runtime import SIMULATOR
-from .scores import FULL, PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, ScoreSpec
+from .scores import FULL, PACKED, PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, ScoreSpec
 from .kernels.backward import make_backward, make_delta
 from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.backward_mma import MmaBwdTiling, make_backward_mma
@@ -421,7 +421,7 @@ def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FU
                          f"(scores {scores.tag})")
     t = v.tiling(dtype_name, d, simulator)
     if t is None:                                       # shape-independent kernels
-        return Specialisation(variant, dtype_name, 0, PACKED_SPECS[0] if scores.packed else FULL, False, None)
+        return Specialisation(variant, dtype_name, 0, PACKED if scores.packed else FULL, False, None)
     use_async = (use_async or v.async_only) and async_possible(dtype_name, d)
     spec = Specialisation(variant, dtype_name, d, scores, use_async, t)
     if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit
@@ -555,7 +555,7 @@ def specialisations(simulator: bool = False):
     for variant, v in VARIANTS.items():      # the other rule sets: at RULE_SPEC_D only
         for dt in v.dtypes:
             if v.tiling(dt, RULE_SPEC_D, simulator) is None and v.packed:    # a helper's packed form
-                yield specialisation(variant, dt, 0, PACKED_SPECS[0], simulator=simulator)
+                yield specialisation(variant, dt, 0, PACKED, simulator=simulator)
             if dt in LOW_DTYPES and dt != RULE_LOW_DTYPE:
                 continue           # the rules' code is the same for both 16-bit dtypes
             if v.tiling(dt, RULE_SPEC_D, simulator) is not None and v.head_dims(RULE_SPEC_D):

@@ -92,6 +92,7 @@ RULE_SPECS = (ScoreSpec(window=True), ScoreSpec(causal=True, softcap=True, alibi
 # independent of the rules'), causal with the page table.
 PACKED_SPECS = (ScoreSpec(window=True, softcap=True, alibi=True, packed=True),)
 PAGED_SPECS = (ScoreSpec(causal=True, packed=True, paged=True),)
+PACKED = ScoreSpec(packed=True)     # helpers that take the sequence table but no rule (the split merge)
 
 
 @dataclasses.dataclass(frozen=True)
