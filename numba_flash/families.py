@@ -24,15 +24,13 @@ def grid(inp, rows, b, rows_per_block, cols_per_block):
     the head dim in slices of ``cols_per_block``; a ValueError past the GPU's limits.
     Packed sequences (``inp.packed``): ``(x, y, S)``, ``rows`` the longest sequence's."""
     if inp.packed is not None:
-        g = (-(-inp.packed.max_q // rows_per_block) * b, -(-inp.d // cols_per_block), inp.packed.count)
-        assert g[0] <= MAX_GRID_X and g[2] <= MAX_GRID_Y, g    # checked with the sequence table
-        return g
+        rows = inp.packed.max_q     # (the sequence count, grid z, is checked with the table)
     g = (-(-rows // rows_per_block) * b, -(-inp.d // cols_per_block))
     if g[0] > MAX_GRID_X or g[1] > MAX_GRID_Y:
         raise ValueError(f"problem too large for one launch: {b} leading indices × {rows} rows "
                          f"needs {g[0]} blocks (limit {MAX_GRID_X}). Split the batch (the leading dims) "
                          "and call once per part.")
-    return g
+    return g if inp.packed is None else g + (inp.packed.count,)
 
 
 # --------------------------------------------------------------------------- forward

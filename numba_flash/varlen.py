@@ -68,6 +68,19 @@ def _prefix_sums(cu, name, total, total_name):
     return cu
 
 
+def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
+    """``(cu_q, cu_k, lens_q, lens_k)``: checked ``cu_seqlens`` on the host and the lengths;
+    ``max_seqlen_q``, ``max_seqlen_k`` (when given) checked against them."""
+    cu_q = _prefix_sums(_host_ints(cu_q, "cu_seqlens_q"), "cu_seqlens_q", total_q, "q")
+    cu_k = _prefix_sums(_host_ints(cu_k, "cu_seqlens_k", cu_q.shape[0]), "cu_seqlens_k", total_k, "k")
+    lens_q, lens_k = np.diff(cu_q), np.diff(cu_k)
+    for given, lens, n in ((max_q, lens_q, "max_seqlen_q"), (max_k, lens_k, "max_seqlen_k")):
+        if given is not None and lens.size and int(given) < int(lens.max()):
+            raise ValueError(f"{n}={given} is shorter than the longest sequence ({int(lens.max())}). "
+                             "Pass None to let the sequence table decide.")
+    return cu_q, cu_k, lens_q, lens_k
+
+
 def _packed(inp, starts_q, lens_q, starts_k, lens_k, pages=None, page_size=0):
     """The call's :class:`Packed` table (on the device, on the call's stream); ``pages``:
     a paged cache's page table, on the device."""
@@ -216,13 +229,7 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     for a, n in ((q, "q"), (k, "k"), (v, "v")):
         _check_rank(a, n, 3, "(total_tokens, heads, d)")
     total_q, total_k = tuple(q.shape)[0], tuple(k.shape)[0]
-    cu_q = _prefix_sums(_host_ints(cu_q, "cu_seqlens_q"), "cu_seqlens_q", total_q, "q")
-    cu_k = _prefix_sums(_host_ints(cu_k, "cu_seqlens_k", cu_q.shape[0]), "cu_seqlens_k", total_k, "k")
-    lens_q, lens_k = np.diff(cu_q), np.diff(cu_k)
-    for given, lens, n in ((max_q, lens_q, "max_seqlen_q"), (max_k, lens_k, "max_seqlen_k")):
-        if given is not None and lens.size and int(given) < int(lens.max()):
-            raise ValueError(f"{n}={given} is shorter than the longest sequence ({int(lens.max())}). "
-                             "Pass None to let the sequence table decide.")
+    cu_q, cu_k, lens_q, lens_k = _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k)
     inp = api._Inputs({"q": _swap01(q), "k": _swap01(k), "v": _swap01(v)}, options, scale, slopes, "forward")
     return _run(inp, _packed(inp, cu_q[:-1], lens_q, cu_k[:-1], lens_k), (total_q,), q)
 
@@ -251,12 +258,8 @@ def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
     for a, n in zip(arrays, ("dout", "q", "k", "v", "out")):
         _check_rank(a, n, 3, "(total_tokens, heads, d)")
     total_q, total_k = tuple(arrays[1].shape)[0], tuple(arrays[2].shape)[0]
-    cu_q = _prefix_sums(_host_ints(cu_seqlens_q, "cu_seqlens_q"), "cu_seqlens_q", total_q, "q")
-    cu_k = _prefix_sums(_host_ints(cu_seqlens_k, "cu_seqlens_k", cu_q.shape[0]), "cu_seqlens_k", total_k, "k")
-    lens_q, lens_k = np.diff(cu_q), np.diff(cu_k)
-    for given, lens, n in ((max_seqlen_q, lens_q, "max_seqlen_q"), (max_seqlen_k, lens_k, "max_seqlen_k")):
-        if given is not None and lens.size and int(given) < int(lens.max()):
-            raise ValueError(f"{n}={given} is shorter than the longest sequence ({int(lens.max())}).")
+    cu_q, cu_k, lens_q, lens_k = _sequences(cu_seqlens_q, cu_seqlens_k, total_q, total_k, max_seqlen_q,
+                                            max_seqlen_k)
     if len(tuple(lse.shape)) != 2:
         raise ValueError(f"lse must be (total_q, heads) as attention_varlen_fwd returns it, got {tuple(lse.shape)}.")
     dout_t, q_t, k_t, v_t, out_t = (_swap01(a) for a in arrays)
