@@ -118,7 +118,10 @@ def remember(sig, plan):
 class _Launch:
     """One kernel launch with its parameters in a persistent buffer (8 bytes a
     parameter, as ``cuLaunchKernel`` reads them through an array of pointers); the
-    data pointers are (parameter index, root, byte offset) slots."""
+    data pointers are (parameter index, root, byte offset, map) slots: ``map`` None for
+    a pointer into the root's memory, else ``(shape, strides, box rows)`` of a TMA tensor
+    map over it (the Hopper family), made for each call's pointer (``families.tensor_map``,
+    which keeps the maps it made)."""
 
     def __init__(self, handle, grid, block, smem, values, ptypes, slots):
         self.handle, self.smem, self.slots = handle, smem, slots
@@ -162,8 +165,9 @@ class Plan:
         try:
             with self.lock:
                 for ln in self.launches:
-                    for index, root, offset in ln.slots:
-                        ln.buf[index] = roots[root] + offset
+                    for index, root, offset, tmap in ln.slots:
+                        ptr = roots[root] + offset
+                        ln.buf[index] = ptr if tmap is None else _map_pointer(ptr, tmap)
                     err, = cu.cuLaunchKernel(ln.handle, *ln.grid, *ln.block, ln.smem, stream, ln.address, 0)
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
@@ -171,6 +175,11 @@ class Plan:
             if scratch is not None:
                 cu.cuMemFreeAsync(scratch, stream)
         return self.finish(outs)
+
+
+def _map_pointer(ptr, tmap):
+    from . import families
+    return _arrays.device_pointer(families.tensor_map(ptr, *tmap))
 
 
 SCRATCH_ALIGN = 256
@@ -187,6 +196,8 @@ def capture(inputs, outputs, scratch, launches, finish, stream):
     arguments must each share its memory with exactly one of those arrays (a view made
     by ``_arrays.strided_view`` or the array itself)."""
     from numba.cuda.cudadrv import devices
+
+    from . import families
     n_inputs = len(inputs)
     ctx = devices.get_context()
     pool = _arrays.pool_for(ctx.device.id)
@@ -216,10 +227,17 @@ def capture(inputs, outputs, scratch, launches, finish, stream):
             if _launch.is_scalar(a):
                 values.append(a)
                 continue
-            root = roots.get(id(a.gpu_data))
+            root, tmap = roots.get(id(a.gpu_data)), None
+            if root is None and id(a) in families.MAP_SOURCES:     # a TMA map over an input
+                gid, ptr, shape, strides, rows = families.MAP_SOURCES[id(a)]
+                root = roots.get(gid)
+                if root is None or root[0] >= n_inputs:
+                    return None
+                root = (root[0], ptr - _arrays.device_pointer(inputs[root[0]]))
+                tmap = (shape, strides, rows)
             if root is None:
                 return None
-            slots.append((len(values) + 4, root[0], root[1]))
+            slots.append((len(values) + 4, root[0], root[1], tmap))
             values += _launch.array_params(a, 0)
         plans.append(_Launch(entry[0], grid, block, smem, values, entry[1], slots))
     outs = [(tuple(a.shape), a.dtype, np.dtype(dt)) for a, dt in outputs]

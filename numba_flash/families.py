@@ -77,11 +77,26 @@ def _hopper_launches(inp, spec, views, maps, score_args):
 
 _MAPS = {}          # (context, pointer, shape, strides, box rows) -> tensor map
 MAX_MAPS = 256      # the table starts afresh when it is full
+# id(tensor map) -> (id of the memory it describes (``gpu_data``), pointer, shape, strides,
+# box rows), as the latest call made or reused it: what a launch plan (``_plans``) needs to
+# make the map of the same view of another call's memory. No reference to that memory is
+# kept; entries leave with their maps.
+MAP_SOURCES = {}
 
 
-def tensor_map(ary, ptr, shape, strides, rows):
-    """The tensor map of the view ``ary`` (at ``ptr``, with this shape and these strides),
-    made once per context and such values."""
+class _View:
+    """What ``ops_hopper.tensor_map_4d`` reads of an array: its pointer, shape, strides."""
+
+    def __init__(self, ptr, shape, strides):
+        self.shape, self.strides = shape, strides
+        self.__cuda_array_interface__ = {"data": (ptr, False), "shape": shape, "strides": strides,
+                                         "typestr": "<u2", "version": 3}
+
+
+def tensor_map(ptr, shape, strides, rows, ary=None):
+    """The tensor map of the 16-bit view at ``ptr`` with this shape and these strides
+    (``rows``-row boxes; ``ary``: that view as a device array, where the caller has one),
+    made once per context and such values: a map holds only them."""
     from . import ops_hopper
     from ._runtime import SIMULATOR
     from .launch import context_handle
@@ -90,7 +105,8 @@ def tensor_map(ary, ptr, shape, strides, rows):
     if m is None:
         if len(_MAPS) >= MAX_MAPS:
             _MAPS.clear()
-        m = _MAPS[key] = ops_hopper.tensor_map_4d(ary, rows)
+            MAP_SOURCES.clear()
+        m = _MAPS[key] = ops_hopper.tensor_map_4d(_View(ptr, shape, strides) if ary is None else ary, rows)
     return m
 
 
@@ -110,7 +126,9 @@ def _tma_maps(q4, k4, v4, t):
             return None
         if strides != tuple(a.strides):
             a = _arrays.strided_view(a, shape, strides)
-        found.append(tensor_map(a, ptr, shape, strides, rows))
+        m = tensor_map(ptr, shape, strides, rows, a)
+        MAP_SOURCES[id(m)] = (id(getattr(a, "gpu_data", a)), ptr, shape, strides, rows)
+        found.append(m)
     return tuple(found)
 
 

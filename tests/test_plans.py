@@ -7,6 +7,7 @@ import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
 from numba_flash import _plans, api
 from conftest import ON_GPU, check_forward, host, make_qkv
+from test_forward_mma import check_forward_low
 
 GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="launch plans exist only on a GPU")
 
@@ -141,6 +142,23 @@ def test_float16_repeat_calls(plan_runs):
     assert outs[1][0].dtype == np.float16 and outs[1][1].dtype == np.float32
     np.testing.assert_array_equal(host(outs[0][0]), host(outs[1][0]))
     np.testing.assert_array_equal(host(outs[0][1]), host(outs[1][1]))
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_family_repeat_calls(causal, plan_runs, monkeypatch):
+    """The Hopper family (on cc 9.0) through plans: each call's q, k, v fresh device
+    arrays (the plan makes, or finds, the TMA maps of the new addresses); every call's
+    outputs match the oracle."""
+    from numba_flash import registry
+    if cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    for call in range(3):
+        q, k, v = (x.astype(np.float16) for x in make_qkv(200 + call, (2, 3), 200, 330, 128, "float32"))
+        out, lse = numba_flash.attention_fwd(*(cuda.to_device(x) for x in (q, k, v)), causal=causal)
+        check_forward_low(host(out), host(lse), q, k, v, causal, None)
+        assert len(plan_runs) == call, "calls after the first must run through the plan"
 
 
 def test_parameter_buffer_layout():

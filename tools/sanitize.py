@@ -11,8 +11,11 @@ shape only (racecheck is slow); ``--transforms``: softcap and ALiBi on a grouped
 shape, float32 and bfloat16 only; ``--low``: float16 and bfloat16 only (the tensor-core
 kernels); ``--serving``: the packed-row kernels instead (a varlen batch forward and
 backward, contiguous and paged KV caches with appends, the one-warp decoding kernel with
-key splits forced, grouped query heads, merge_attention), every dtype they take.
+key splits forced, grouped query heads, merge_attention), every dtype they take;
+``--hopper``: the Hopper forward family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU)
+at ragged shapes of the head dims it takes, float16 and bfloat16.
 """
+import os
 import sys
 
 import ml_dtypes
@@ -31,6 +34,7 @@ OPTIONS = [
 ]
 # (Hq, Hkv, Nq, Nk, d): ragged against every tile size, Nq > Nk and Nq < Nk, GQA and MQA
 SHAPES = [(2, 2, 37, 53, 40), (4, 2, 70, 29, 64), (3, 1, 17, 131, 24)]
+HOPPER_SHAPES = [(4, 2, 130, 200, 64), (2, 1, 70, 29, 128), (2, 2, 200, 330, 128)]
 DTYPES = (("float32", 1e-4), ("float64", 1e-10), ("float16", 2e-2), ("bfloat16", 8e-2))   # and tolerances
 
 
@@ -141,7 +145,10 @@ def main():
         shapes = SHAPES[:1]
     if "--transforms" in sys.argv:
         shapes, options, dtypes = SHAPES[1:2], OPTIONS[4:], DTYPES[::3]
-    if "--low" in sys.argv:
+    if "--hopper" in sys.argv:
+        os.environ["NUMBA_FLASH_HOPPER"] = "1"
+        shapes = HOPPER_SHAPES
+    if "--low" in sys.argv or "--hopper" in sys.argv:
         dtypes = [(dt, tol) for dt, tol in dtypes if dt in ("float16", "bfloat16")]
     for (hq, hkv, nq, nk, d) in shapes:
         for opts in options:
