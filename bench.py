@@ -1536,7 +1536,8 @@ def variants_options(p):
 @dataclasses.dataclass(frozen=True)
 class ServingRow:
     """One serving problem. ``kind``: "kvcache" (``attention_with_kvcache``, one new query
-    per sequence, the (B, N, H, d) cache layout), "decode" (``attention`` with ``Nq = 1``
+    per sequence, the (B, N, H, d) cache layout), "paged" (the same through a paged cache of
+    ``page`` rows a page, its pages in shuffled order), "decode" (``attention`` with ``Nq = 1``
     in the (B, H, N, d) layout), "varlen" (``attention_varlen``, causal prefill of
     sequences of ``lens``) or "padded" (the same sequences padded to the longest, one
     ``attention`` call)."""
@@ -1549,13 +1550,16 @@ class ServingRow:
     d: int
     dtype: str
     lens: tuple = ()
+    page: int = 0
 
 
-def _serving_rows(B, Hq, N, d, lens, dtypes):
+def _serving_rows(B, Hq, N, d, lens, dtypes, pages=(16, 256)):
     rows = []
     for dt in dtypes:
-        rows += [ServingRow("kvcache", "kvcache", B, Hq, Hq, N, d, dt),
-                 ServingRow("kvcache gqa", "kvcache", B, Hq, Hq // 4, N, d, dt),
+        rows += [ServingRow("kvcache", "kvcache", B, Hq, Hq, N, d, dt)]
+        if dt in ("float16", "bfloat16"):      # paged caches: the tensor-core kernels only
+            rows += [ServingRow(f"paged {p}", "paged", B, Hq, Hq, N, d, dt, page=p) for p in pages]
+        rows += [ServingRow("kvcache gqa", "kvcache", B, Hq, Hq // 4, N, d, dt),
                  ServingRow("decode", "decode", B, Hq, Hq, N, d, dt),
                  ServingRow("varlen", "varlen", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens)),
                  ServingRow("padded", "padded", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens))]
@@ -1567,13 +1571,13 @@ def _serving_rows(B, Hq, N, d, lens, dtypes):
 # causal) within 10% of the padded batch's TFLOP/s and faster than it in time.
 SERVING_ROWS = _serving_rows(16, 32, 8192, 128, tuple(int(x) for x in np.linspace(256, 4096, 16)),
                              ("bfloat16", "float32"))
-TINY_SERVING_ROWS = _serving_rows(2, 4, 40, 16, (5, 17, 33), ("bfloat16", "float32"))
+TINY_SERVING_ROWS = _serving_rows(2, 4, 40, 16, (5, 17, 33), ("bfloat16", "float32"), pages=(8,))
 SERVING_TOLERANCE = {"float32": 1e-4, "float64": 1e-10, "float16": 4e-3, "bfloat16": 3e-2}
 
 
 def serving_flops(r: ServingRow) -> float:
     """4·d per visible (query, key) pair per head; "padded" counts its padded problem."""
-    if r.kind in ("kvcache", "decode"):
+    if r.kind in ("kvcache", "paged", "decode"):
         return 4.0 * r.d * r.B * r.Hq * r.Nk
     rules = scores.parse(True)
     lens = (r.Nk,) * len(r.lens) if r.kind == "padded" else r.lens
@@ -1600,9 +1604,27 @@ def serving_inputs(r: ServingRow, bench):
     kind, torch = bench.kind, bench.torch
     sdpa = None if kind != "torch" else torch.nn.functional.scaled_dot_product_attention
     peers = {}
-    if r.kind in ("kvcache", "decode"):
+    if r.kind in ("kvcache", "paged", "decode"):
         gqa = r.Hkv != r.Hq
-        if r.kind == "kvcache":
+        if r.kind == "paged":
+            n_pages = r.B * r.Nk // r.page
+            q, kp, vp = random_arrays([(r.B, 1, r.Hq, r.d), (n_pages, r.page, r.Hkv, r.d),
+                                       (n_pages, r.page, r.Hkv, r.d)], r.dtype, kind, torch)
+            order = np.random.default_rng(SEED).permutation(n_pages).astype(np.int32).reshape(r.B, -1)
+            table = torch.tensor(order, device="cuda") if kind == "torch" else (
+                order if kind == "numpy" else cuda.to_device(order))
+            lens = np.full(r.B, r.Nk, np.int32)
+            call = lambda: numba_flash.attention_with_kvcache(q, kp, vp, lens, block_table=table)  # noqa: E731
+            heads_first = lambda x: np.swapaxes(x, 0, 1)  # noqa: E731
+            # the contiguous cache of the same rows (sequence b's row j: page order[b, j // page])
+            flat = order.reshape(-1)
+            gather = {"torch": lambda x: x[torch.as_tensor(flat.astype(np.int64), device=x.device)],
+                      "numpy": lambda x: x[flat],
+                      "numba": lambda x: cuda.to_device(to_host(x)[flat])}[kind]
+            kc, vc = (gather(x).reshape(r.B, r.Nk, r.Hkv, r.d) for x in (kp, vp))
+            if sdpa:
+                tq, tk, tv = (x.transpose(1, 2) for x in (q, kc, vc))
+        elif r.kind == "kvcache":
             q, kc, vc = random_arrays([(r.B, 1, r.Hq, r.d), (r.B, r.Nk, r.Hkv, r.d), (r.B, r.Nk, r.Hkv, r.d)],
                                       r.dtype, kind, torch)
             lens = np.full(r.B, r.Nk, np.int32)
@@ -1644,7 +1666,7 @@ def run_serving(args):
     env = environment(bench.torch)
     print(_header(env), flush=True)
     rows_cfg = [r for r in (TINY_SERVING_ROWS if args.tiny else SERVING_ROWS) if r.dtype in args.serving_dtypes]
-    rows, status, varlen = [], 0, {}
+    rows, status, varlen, contiguous = [], 0, {}, {}
     for r in rows_cfg:
         rec = {"mode": "serving", "row": dataclasses.asdict(r), "flops": serving_flops(r), "ours": {}, "peers": {}}
         try:
@@ -1659,7 +1681,7 @@ def run_serving(args):
                   f"{rec.get('traceback', '')}", file=sys.stderr, flush=True)
         else:
             rec["ours"] = time_numba(call, bench, rec["flops"])
-            if r.kind in ("kvcache", "decode") and rec["ours"].get("ms_median"):
+            if r.kind in ("kvcache", "paged", "decode") and rec["ours"].get("ms_median"):
                 rec["ours"]["tb_per_s"] = serving_bytes(r) / (rec["ours"]["ms_median"] * 1e-3) / 1e12
             for name, peer_call in peers.items():
                 if r.dtype in PEER_DTYPES[name] and bench.peers:
@@ -1668,6 +1690,11 @@ def run_serving(args):
                     rec["peers"][name] = peer
             if r.kind == "varlen":
                 varlen[r.dtype] = rec
+            if r.kind == "kvcache" and r.Hkv == r.Hq:
+                contiguous[r.dtype] = rec["ours"]
+            base = contiguous.get(r.dtype, {}).get("ms_median")
+            if r.kind == "paged" and base and rec["ours"].get("ms_median"):
+                rec["vs_contiguous"] = {"time_ratio": rec["ours"]["ms_median"] / base}
             mine = varlen.get(r.dtype, {}).get("ours", {})
             if r.kind == "padded" and mine.get("ms_median") and rec["ours"].get("ms_median"):
                 varlen[r.dtype]["vs_padded"] = {"time_ratio": mine["ms_median"] / rec["ours"]["ms_median"],
@@ -1679,12 +1706,12 @@ def run_serving(args):
     print(f"Wrote {args.json}\n")
     print("\n".join([SERVING_HEADER, "-" * len(SERVING_HEADER)] + [serving_line(r) for r in rows]))
     print("TFLOP/s: 4·d per visible (query, key) pair (padded: of its padded problem). TB/s: K and V bytes read "
-          "once per K/V head ÷ time. varlen vs padded: time ratio and TFLOP/s ratio. peers: TFLOP/s (ours/peer).")
+          "once per K/V head ÷ time. varlen vs padded: time ratio and TFLOP/s ratio; paged vs contiguous: time ratio. peers: TFLOP/s (ours/peer).")
     return status
 
 
 SERVING_HEADER = (f"{'row':>12} {'dtype':>8} {'B,Hq/Hkv,Nk,d':>18} {'ours ms':>8} {'TF/s':>7} {'TB/s':>6} "
-                  f"{'valid':>7}  peers; vs padded")
+                  f"{'valid':>7}  peers; vs padded or contiguous")
 
 
 def serving_line(rec):
@@ -1694,6 +1721,8 @@ def serving_line(rec):
                       + (f" [{p['error'][:50]}]" if p.get("error") else "") for n, p in rec["peers"].items())
     vp = rec.get("vs_padded")
     extra = f"vs padded: {vp['time_ratio']:.3f}x time, {vp['tflops_ratio']:.3f}x TF/s" if vp else ""
+    if rec.get("vs_contiguous"):
+        extra = f"vs contiguous cache: {rec['vs_contiguous']['time_ratio']:.3f}x time"
     return (f"{r['label']:>12} {r['dtype']:>8} {shape:>18} {_fmt(o.get('ms_median'), '.3f'):>8} "
             f"{_fmt(o.get('tflops'), '.1f'):>7} {_fmt(o.get('tb_per_s'), '.2f'):>6} "
             f"{'ok' if rec.get('valid') else 'INVALID':>7}  {peers}{extra}")

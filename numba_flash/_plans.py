@@ -140,27 +140,45 @@ class _Launch:
 
 class Plan:
     """A call's launches with its data pointers as slots: roots are the call's inputs
-    (by position), its outputs (allocated per call) and one scratch block (allocated
-    per call and freed, stream-ordered, after the last launch)."""
+    (by position), its uploads (host arrays copied to the device per call: the sequence
+    tables of packed calls), its outputs (allocated per call) and one scratch block
+    (allocated per call and freed, stream-ordered, after the last launch)."""
 
-    def __init__(self, launches, outputs, scratch_bytes, finish, ctx, pool):
+    def __init__(self, launches, outputs, scratch_bytes, finish, ctx, pool, n_uploads=0):
         self.launches, self.outputs, self.scratch_bytes = launches, outputs, scratch_bytes
-        self.finish, self.ctx, self.pool = finish, ctx, pool
+        self.finish, self.ctx, self.pool, self.n_uploads = finish, ctx, pool, n_uploads
         self.lock = threading.Lock()
 
-    def run(self, sig, poison=None):
+    def run(self, sig, poison=None, uploads=()):
+        """Launch for the call of ``sig``; ``uploads``: the call's host arrays (C-contiguous)
+        in the order of the capture's uploads. None where the pool cannot serve it."""
         from cuda.bindings import driver as cu
+        assert len(uploads) == self.n_uploads, (len(uploads), self.n_uploads)
         stream = sig.stream
         outs = [_arrays.pool_empty(self.ctx, self.pool, shape, alloc, stream, dtype, poison)
                 for shape, alloc, dtype in self.outputs]
         if any(o is None for o in outs):
             return None
-        roots = list(sig.pointers) + [_arrays.device_pointer(o) for o in outs]
-        scratch = None
+        roots = list(sig.pointers)
+        blocks = []                     # pool memory freed after the launches
+        if uploads:
+            offsets = np.cumsum([0] + [-(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN for a in uploads])
+            err, block = cu.cuMemAllocFromPoolAsync(max(int(offsets[-1]), 1), self.pool, stream)
+            if err != cu.CUresult.CUDA_SUCCESS:
+                return None
+            blocks.append(block)
+            for a, offset in zip(uploads, offsets):
+                # pageable memory: the call returns once the bytes are staged
+                cu.cuMemcpyHtoDAsync(int(block) + int(offset), a.ctypes.data, a.nbytes, stream)
+                roots.append(int(block) + int(offset))
+        roots += [_arrays.device_pointer(o) for o in outs]
         if self.scratch_bytes:
             err, scratch = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
             if err != cu.CUresult.CUDA_SUCCESS:
+                for b in blocks:
+                    cu.cuMemFreeAsync(b, stream)
                 return None
+            blocks.append(scratch)
             roots.append(int(scratch))
         try:
             with self.lock:
@@ -172,8 +190,8 @@ class Plan:
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
         finally:
-            if scratch is not None:
-                cu.cuMemFreeAsync(scratch, stream)
+            for b in blocks:
+                cu.cuMemFreeAsync(b, stream)
         return self.finish(outs)
 
 
@@ -185,11 +203,12 @@ def _map_pointer(ptr, tmap):
 SCRATCH_ALIGN = 256
 
 
-def capture(inputs, outputs, scratch, launches, finish, stream):
+def capture(inputs, outputs, scratch, launches, finish, stream, uploads=()):
     """The :class:`Plan` of a call the full path just ran, or None.
 
     ``inputs``: the device arrays the call's input pointers point to, in the
-    signature's order; ``outputs``: (array, logical dtype) of what it returns (before
+    signature's order; ``uploads``: device arrays the full path copied from the host
+    (a later call gives :meth:`Plan.run` its host arrays in this order); ``outputs``: (array, logical dtype) of what it returns (before
     ``finish``), which a plan allocates anew each call; ``scratch``: arrays only its
     launches use;
     ``launches``: :func:`numba_flash.launch.launch` argument tuples, whose array
@@ -198,6 +217,7 @@ def capture(inputs, outputs, scratch, launches, finish, stream):
     from numba.cuda.cudadrv import devices
 
     from . import families
+    inputs = list(inputs) + list(uploads)
     n_inputs = len(inputs)
     ctx = devices.get_context()
     pool = _arrays.pool_for(ctx.device.id)
@@ -241,4 +261,4 @@ def capture(inputs, outputs, scratch, launches, finish, stream):
             values += _launch.array_params(a, 0)
         plans.append(_Launch(entry[0], grid, block, smem, values, entry[1], slots))
     outs = [(tuple(a.shape), a.dtype, np.dtype(dt)) for a, dt in outputs]
-    return Plan(plans, outs, total, finish, ctx, pool)
+    return Plan(plans, outs, total, finish, ctx, pool, len(uploads))

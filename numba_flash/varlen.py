@@ -16,10 +16,11 @@ any launch, so device metadata is first copied to the host (a few bytes, and a w
 the work queued before it); pass NumPy metadata to avoid that wait.
 """
 import dataclasses
+import functools
 
 import numpy as np
 
-from . import _arrays, api, families, registry
+from . import _arrays, _plans, api, families, registry
 
 MAX_SEQUENCES = families.MAX_GRID_Y      # one grid row (axis z) per sequence
 
@@ -81,19 +82,13 @@ def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
     return cu_q, cu_k, lens_q, lens_k
 
 
-def _packed(inp, starts_q, lens_q, starts_k, lens_k, pages=None, page_size=0):
-    """The call's :class:`Packed` table (on the device, on the call's stream); ``pages``:
-    a paged cache's page table, on the device."""
-    from numba import cuda
-    table = np.stack([starts_q, lens_q, starts_k, lens_k], axis=1).astype(np.int32)
-    count = table.shape[0]
-    if count > MAX_SEQUENCES:
-        raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {count}: call once per part "
+def _table(starts_q, lens_q, starts_k, lens_k):
+    """The sequence table ``(S, 4)`` int32 on the host: q_start, q_len, k_start, k_len."""
+    table = np.ascontiguousarray(np.stack([starts_q, lens_q, starts_k, lens_k], axis=1).astype(np.int32))
+    if table.shape[0] > MAX_SEQUENCES:
+        raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {table.shape[0]}: call once per part "
                          "of the batch.")
-    max_q = int(lens_q.max()) if count else 0
-    max_k = int(lens_k.max()) if count else 0
-    return Packed(cuda.to_device(np.ascontiguousarray(table), stream=inp.stream), count, max_q, max_k, pages,
-                  page_size)
+    return table
 
 
 # --------------------------------------------------------------------------- layouts
@@ -110,17 +105,20 @@ def _swap01(x):
     return x.transpose(1, 0, 2)
 
 
-def _merge01(x, name):
-    """``(B, N, H, d)`` as ``(B·N, H, d)``: a view where the strides allow (a copy in
-    PyTorch, CuPy and NumPy otherwise; Numba arrays must then be contiguous)."""
+def _merge01(x, name, view_only=False):
+    """``(B, N, H, d)`` as ``(B·N, H, d)``: a view where the strides allow, else a copy in
+    PyTorch, CuPy and NumPy, or (Numba arrays, and ``view_only``: KV caches, which a copy
+    would leave stale once appended to, and which are too large to copy per call) a
+    ValueError."""
     shape = tuple(x.shape)
     new = (shape[0] * shape[1],) + shape[2:]
+    strides = tuple(x.stride()) if _arrays._is_torch(x) else tuple(x.strides)
+    mergeable = shape[0] <= 1 or shape[1] <= 1 or strides[0] == shape[1] * strides[1]
+    if not mergeable and (view_only or getattr(x, "__cuda_ndarray__", False)):
+        raise ValueError(f"{name} must have its first two axes contiguous ((B, N) mergeable into B·N rows), "
+                         f"got strides {strides} for shape {shape}. Pass a contiguous array.")
     if getattr(x, "__cuda_ndarray__", False):
-        strides = tuple(x.strides)
-        if shape[0] > 1 and strides[0] != shape[1] * strides[1]:
-            raise ValueError(f"{name} must have its first two axes contiguous ((B, N) mergeable into B·N rows), "
-                             f"got strides {strides} for shape {shape}. Pass a contiguous array.")
-        return _arrays.strided_view(x, new, (strides[1],) + strides[2:])
+        return _arrays.strided_view(x, new, (strides[0] if shape[1] == 1 else strides[1],) + strides[2:])
     return x.reshape(new)
 
 
@@ -131,18 +129,41 @@ def _check_rank(x, name, rank, layout):
     return shape
 
 
-def _run(inp, packed, out_shape, q_kind, group_rows=0):
-    """Launch the packed forward of ``inp`` (q, k, v given as ``(H, T, d)``) and return
-    ``(out, lse)`` in ``q_kind``'s kind: ``out`` shaped ``out_shape + (Hq, d)`` and lse
-    ``out_shape + (Hq,)``, both C-contiguous. ``group_rows``: q is
-    :func:`_grouped_rows`' view, ``(Hkv, R, d)`` with groups of that many query heads as
-    rows (one query per sequence); out and lse are viewed alike."""
-    inp.packed = packed
-    inp.scores = dataclasses.replace(inp.scores, packed=True)
+def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_rows=0, page_size=0, append=None):
+    """The packed forward of ``inp`` (q, k, v given as ``(H, T, d)``), through a launch
+    plan when one fits (:mod:`numba_flash._plans`; device inputs, no ALiBi), else the
+    full path, which leaves a plan behind; returns ``(out, lse)`` in ``q_kind``'s kind,
+    ``out`` shaped ``out_shape + (Hq, d)`` and lse ``out_shape + (Hq,)``, C-contiguous.
+
+    ``sig_arrays``: the user's arrays the call reads and writes, in the order of the
+    launches' inputs (q, k, v, then for appends k_new, k_cache, v_new, v_cache);
+    ``uploads``: host int32 arrays copied to the device per call: the sequence table
+    (:func:`_table`), then a paged cache's page table, then the append positions;
+    ``max_q``, ``max_k``: the grid's query rows and the key count that sizes the key
+    splits (a KV cache's capacity, so that the launches do not change as it fills);
+    ``group_rows``: q is :func:`_grouped_rows`' view, ``(Hkv, R, d)``, groups of that many
+    query heads as rows (one query per sequence), and out and lse are viewed alike;
+    ``append``: ``(k_cache, v_cache, k_new, v_new)`` of device caches to append to first.
+    """
+    from numba import cuda
+    inp.scores = dataclasses.replace(inp.scores, packed=True, paged=bool(page_size))
+    sig = None
+    if inp.on_device and inp.slopes is None:
+        sig = _plans.signature("packed", sig_arrays, (inp.rules, inp.scale, max_q, max_k, page_size, group_rows,
+                                                      out_shape, tuple(u.shape for u in uploads)))
+    plan = _plans.lookup(sig)
+    if plan is not None:
+        found = plan.run(sig, api._POISON, uploads)
+        if found is not None:
+            return _arrays.like(q_kind, found)
+    devs = [cuda.to_device(u, stream=inp.stream) for u in uploads]
+    inp.packed = Packed(devs[0], uploads[0].shape[0], max_q, max_k, devs[1] if page_size else None, page_size)
+    launches, inputs, scratch = [], [], []
     hq, d = inp.lead[0] * max(group_rows, 1), inp.d
     out = inp.empty_like(out_shape + (hq, d))
     lse = inp.empty_like(out_shape + (hq,), inp.acc_dtype)
-    if inp.nq and packed.count and packed.max_q:
+    copied = False
+    if inp.nq and inp.packed.count and max_q:
         if group_rows:
             o_item, l_item = out.dtype.itemsize, lse.dtype.itemsize
             out_t = _arrays.strided_view(out, (inp.lead[0], inp.nq, d), (group_rows * d * o_item, d * o_item, o_item))
@@ -151,12 +172,22 @@ def _run(inp, packed, out_shape, q_kind, group_rows=0):
             out_t = _swap01(_arrays.strided_view(out, (inp.nq, hq, d), _c_strides(out, 3)))
             lse2 = _arrays.strided_view(lse, (inp.nq, hq), _c_strides(lse, 2))
             lse_t = _arrays.strided_view(lse2, (hq, inp.nq), tuple(reversed(lse2.strides)))
-        (qd, kd, vd), aligned, _ = api._cp_async_ready(inp, [inp.device(n) for n in "qkv"])
+        (qd, kd, vd), aligned, copied = api._cp_async_ready(inp, [inp.device(n) for n in "qkv"])
         sm_count, smem_limit, cc = api._device_facts()
-        scratch = []
-        for args in families.forward(inp, qd, kd, vd, out_t, lse_t, inp.low or aligned, sm_count, smem_limit,
-                                     None, scratch, cc):
-            api.launch(*args)
+        launches += families.forward(inp, qd, kd, vd, out_t, lse_t, inp.low or aligned, sm_count, smem_limit,
+                                     None, scratch, cc)
+        inputs += [qd, kd, vd]
+    if append is not None:
+        pos = devs[-1]
+        appends, written = _append_launches(inp, *append, pos, devs[1] if page_size else None)
+        launches = appends + launches
+        inputs += written
+    for args in launches:
+        api.launch(*args)
+    if sig is not None and not copied and len(inputs) == len(sig_arrays):
+        finish = functools.partial(api._finish, inp.dtype if inp.low else None)
+        _plans.remember(sig, _plans.capture(inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches,
+                                            finish, sig.stream, devs))
     return _arrays.like(q_kind, inp.result(out, lse))
 
 
@@ -231,7 +262,9 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     total_q, total_k = tuple(q.shape)[0], tuple(k.shape)[0]
     cu_q, cu_k, lens_q, lens_k = _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k)
     inp = api._Inputs({"q": _swap01(q), "k": _swap01(k), "v": _swap01(v)}, options, scale, slopes, "forward")
-    return _run(inp, _packed(inp, cu_q[:-1], lens_q, cu_k[:-1], lens_k), (total_q,), q)
+    count = lens_q.shape[0]
+    max_q, max_k = (int(lens_q.max()), int(lens_k.max())) if count else (0, 0)
+    return _forward(inp, [q, k, v], [_table(cu_q[:-1], lens_q, cu_k[:-1], lens_k)], max_q, max_k, (total_q,), q)
 
 
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
@@ -380,7 +413,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
                              f"{n_new}, but the cache holds Nmax={nmax}. Allocate a longer cache.")
     if pages is not None:
         _check_pages(pages, lens + n_new, ks[1], ks[0])
-    k2, v2 = _swap01(_merge01(k_cache, "k_cache")), _swap01(_merge01(v_cache, "v_cache"))
+    k2, v2 = (_swap01(_merge01(c, n, view_only=True)) for c, n in ((k_cache, "k_cache"), (v_cache, "v_cache")))
     group = qs[2] // ks[2] if ks[2] and qs[2] % ks[2] == 0 else 1
     grouped = None
     if nq == 1 and 1 < group <= registry.SPLIT_ROWS and window is None and alibi_slopes is None:
@@ -398,18 +431,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     if pages is not None and not inp.low:
         raise TypeError(f"paged KV caches take float16 or bfloat16 (the tensor-core kernels), got {inp.dtype}. "
                         "Use a contiguous cache (block_table=None) for float32 and float64.")
+    append = None
     if n_new:
-        _append(inp, k_cache, v_cache, k_new, v_new, lens, pages)
+        _check_new(inp, k_new, v_new)
+        if inp.on_device:
+            append = (k_cache, v_cache, k_new, v_new)
+        else:
+            _append_on_host(k_cache, v_cache, k_new, v_new, lens, pages)
     starts = np.arange(b, dtype=np.int64)
     q_starts, q_lens = (starts * row_step, np.full(b, group)) if grouped else (starts * nq, np.full(b, nq))
-    if pages is None:
-        packed = _packed(inp, q_starts, q_lens, starts * nmax, lens + n_new)
-    else:
-        from numba import cuda
-        inp.scores = dataclasses.replace(inp.scores, paged=True)
-        packed = _packed(inp, q_starts, q_lens, np.zeros(b, np.int64), lens + n_new,
-                         cuda.to_device(_int32(pages), stream=inp.stream), ks[1])
-    out, lse = _run(inp, packed, (b, nq), q, group if grouped else 0)
+    k_starts = starts * nmax if pages is None else np.zeros(b, np.int64)
+    uploads = [_table(q_starts, q_lens, k_starts, lens + n_new)]
+    if pages is not None:
+        uploads.append(_int32(pages))
+    if append is not None:
+        uploads.append(np.ascontiguousarray(lens, np.int32))
+    sig_arrays = [q, k_cache, v_cache] + ([k_new, k_cache, v_new, v_cache] if append is not None else [])
+    out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q,
+                        group if grouped else 0, ks[1] if pages is not None else 0, append)
     return (out, lse) if return_lse else out
 
 
@@ -468,34 +507,43 @@ def _check_pages(pages, used, page_size, num_pages):
                              "entries).")
 
 
-def _append(inp, k_cache, v_cache, k_new, v_new, lens, pages=None):
-    """Write ``k_new``, ``v_new`` into the caches at rows ``lens[b]`` on (in place; through
-    the page table ``pages`` of a paged cache)."""
+def _check_new(inp, k_new, v_new):
+    """``k_new`` and ``v_new``: the cache's dtype, on the cache's side."""
     for name, new in (("k_new", k_new), ("v_new", v_new)):
         if _arrays.logical_dtype(new) != inp.dtype:
             raise TypeError(f"{name} must have the cache's dtype {inp.dtype}, got {_arrays.logical_dtype(new)}.")
         if api._kind(new, name) != ("device" if inp.on_device else "NumPy"):
             raise TypeError(f"{name} must be on the same side as the cache (all NumPy or all device arrays).")
+
+
+def _append_on_host(k_cache, v_cache, k_new, v_new, lens, pages=None):
+    """Write ``k_new``, ``v_new`` into NumPy caches at rows ``lens[b]`` on (in place;
+    through the page table ``pages`` of a paged cache)."""
     n_new = k_new.shape[1]
-    if not inp.on_device:
-        for b, n in enumerate(lens):
-            for new, cache in ((k_new, k_cache), (v_new, v_cache)):
-                if pages is None:
-                    cache[b, n:n + n_new] = new[b]
-                    continue
-                ps = cache.shape[1]
-                for i in range(n_new):
-                    j = n + i
-                    cache[pages[b, j // ps], j % ps] = new[b, i]
-        return
-    from numba import cuda
+    for b, n in enumerate(lens):
+        for new, cache in ((k_new, k_cache), (v_new, v_cache)):
+            if pages is None:
+                cache[b, n:n + n_new] = new[b]
+                continue
+            ps = cache.shape[1]
+            for i in range(n_new):
+                j = n + i
+                cache[pages[b, j // ps], j % ps] = new[b, i]
+
+
+def _append_launches(inp, k_cache, v_cache, k_new, v_new, pos, pages=None):
+    """``(launches, arrays)``: the launches that write device ``k_new``, ``v_new`` into the
+    caches at rows ``pos[b]`` on (device int32; through the device page table ``pages``
+    of a paged cache), and the arrays they read and write (k_new, k_cache, v_new, v_cache)."""
     kern = registry.specialisation("cache_append" if pages is None else "cache_append_paged", "uint16", 0).kernel()
-    pos = cuda.to_device(lens.astype(np.int32), stream=inp.stream)
-    extra = () if pages is None else (cuda.to_device(_int32(pages), stream=inp.stream), int(tuple(k_cache.shape)[1]))
+    extra = () if pages is None else (pages, int(tuple(k_cache.shape)[1]))
     store = inp.storage if inp.low else None
+    launches, arrays = [], []
     for new, cache in ((k_new, k_cache), (v_new, v_cache)):
         src, dst = _arrays.as_numba_device(new, store), _arrays.as_numba_device(cache, store)
+        arrays += [src, dst]
         bb, n, h, d = tuple(src.shape)
         if bb * n * h * d:
-            api.launch(kern, -(-n * h * d // kern.threads) * bb, kern.threads, 0, (src, dst, pos, *extra),
-                       inp.stream)
+            launches.append((kern, -(-n * h * d // kern.threads) * bb, kern.threads, 0, (src, dst, pos, *extra),
+                             inp.stream))
+    return launches, arrays

@@ -230,7 +230,7 @@ def test_tiny_variants_run(tmp_path):
 
 # --------------------------------------------------------------------------- serving mode
 def test_tiny_serving_run(tmp_path):
-    """``bench.py serving --tiny`` (bfloat16 rows): KV-cache and 4-D decoding, a packed
+    """``bench.py serving --tiny`` (bfloat16 rows): KV-cache (contiguous, paged) and 4-D decoding, a packed
     varlen prefill and its padded batch, each validated against the oracle; the varlen
     row compared with the padded one; FLOPs of the visible pairs."""
     js = tmp_path / "s.json"
@@ -246,3 +246,5 @@ def test_tiny_serving_run(tmp_path):
         assert rec["flops"] == bench.serving_flops(r) > 0 and rec["ours"]["ms_median"] > 0
     varlen, padded = (next(rec for rec in rows if rec["row"]["kind"] == k) for k in ("varlen", "padded"))
     assert varlen["flops"] < padded["flops"] and "vs_padded" in varlen
+    paged = next(rec for rec in rows if rec["row"]["kind"] == "paged")
+    assert "vs_contiguous" in paged

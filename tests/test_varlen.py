@@ -245,6 +245,9 @@ def test_kvcache_bad_input():
     with pytest.raises(TypeError, match="cache's dtype"):
         numba_flash.attention_with_kvcache(q, kc, kc.copy(), np.array([0, 0], np.int32), k_new=kn.astype(np.float64),
                                            v_new=kn.astype(np.float64))
+    wide = np.zeros((2, 9, 2, 8), np.float32)[:, :6]     # a view whose (B, Nmax) rows do not merge
+    with pytest.raises(ValueError, match="k_cache must have its first two axes contiguous"):
+        numba_flash.attention_with_kvcache(q, wide, kc, np.array([3, 5], np.int32))
 
 
 def test_merge_attention_bad_input():
@@ -406,3 +409,52 @@ def test_decoding_groups_query_heads(dtype, device, paged, monkeypatch):
         ks, vs = (_heads_first(flat(c, i)[:lens[i]]) for c in (kc, vc))
         _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]), ks, vs,
                dict(softcap=5.0))
+
+
+@pytest.mark.skipif(not ON_GPU, reason="launch plans exist only on a GPU")
+@pytest.mark.parametrize("paged,group", [(False, 1), (False, 4), (True, 2)])
+def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
+    """Decoding steps as a server makes them (PyTorch tensors, one new token appended per
+    step, cache_seqlens advanced by the caller): the first step leaves a launch plan and the
+    next steps run through it (new sequence tables each step), every step matching the oracle
+    and every cache row where it belongs."""
+    torch = pytest.importorskip("torch")
+    from numba_flash import _plans
+    monkeypatch.setattr(_plans, "_PLANS", {})
+    runs = []
+    original = _plans.Plan.run
+    monkeypatch.setattr(_plans.Plan, "run", lambda self, sig, *a: runs.append(1) or original(self, sig, *a))
+    rng = np.random.default_rng(8)
+    b, nmax, hkv, d, page = 3, 96, 2, 64, 16
+    hq = hkv * group
+    lens = np.array([10, 0, 77], np.int32)
+    t = lambda x: torch.tensor(x, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    if paged:
+        n_pages = b * nmax // page
+        kc, vc = (t(rng.standard_normal((n_pages, page, hkv, d))) for _ in range(2))
+        table = rng.permutation(n_pages).astype(np.int32).reshape(b, nmax // page)
+        extra = dict(block_table=torch.tensor(table, device="cuda"))
+    else:
+        kc, vc = (t(rng.standard_normal((b, nmax, hkv, d))) for _ in range(2))
+        extra = {}
+    for step in range(3):
+        q = t(rng.standard_normal((b, 1, hq, d)))
+        kn, vn = (t(rng.standard_normal((b, 1, hkv, d))) for _ in range(2))
+        out, lse = numba_flash.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn, return_lse=True, **extra)
+        assert len(runs) == step, "steps after the first must run through the plan"
+        f = lambda x: x.float().cpu().numpy()  # noqa: E731
+        kh, vh = f(kc), f(vc)
+        for i in range(b):
+            n = lens[i] + 1
+            rows = np.arange(n)
+            if paged:
+                k_rows, v_rows = (x[table[i, rows // page], rows % page] for x in (kh, vh))
+            else:
+                k_rows, v_rows = kh[i, :n], vh[i, :n]
+            np.testing.assert_array_equal(k_rows[-1], f(kn)[i, 0])
+            np.testing.assert_array_equal(v_rows[-1], f(vn)[i, 0])
+            qh = f(q)[i]
+            _check("bfloat16", _heads_first(f(out)[i]), np.ascontiguousarray(lse.cpu().numpy()[i].T),
+                   _heads_first(qh).astype(np_dtype("bfloat16")), _heads_first(k_rows).astype(np_dtype("bfloat16")),
+                   _heads_first(v_rows).astype(np_dtype("bfloat16")), dict(causal=False))
+        lens += 1
