@@ -1665,7 +1665,8 @@ def run_serving(args):
     bench = make_bench(args)
     env = environment(bench.torch)
     print(_header(env), flush=True)
-    rows_cfg = [r for r in (TINY_SERVING_ROWS if args.tiny else SERVING_ROWS) if r.dtype in args.serving_dtypes]
+    rows_cfg = [r for r in (TINY_SERVING_ROWS if args.tiny else SERVING_ROWS)
+                if r.dtype in args.serving_dtypes and r.kind in args.serving_kinds]
     rows, status, varlen, contiguous = [], 0, {}, {}
     for r in rows_cfg:
         rec = {"mode": "serving", "row": dataclasses.asdict(r), "flops": serving_flops(r), "ours": {}, "peers": {}}
@@ -1731,6 +1732,9 @@ def serving_line(rec):
 def serving_options(p):
     p.add_argument("--serving-dtypes", type=_csv_choice(("float32", "bfloat16")), default=["bfloat16", "float32"],
                    help="dtypes of the serving rows (default: bfloat16,float32)")
+    kinds = ("kvcache", "paged", "decode", "varlen", "padded")
+    p.add_argument("--serving-kinds", type=_csv_choice(kinds), default=list(kinds),
+                   help=f"kinds of serving rows (default: {','.join(kinds)})")
 
 
 # --------------------------------------------------------------------------- command line
