@@ -235,7 +235,9 @@ def attention_varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=No
         ``lse.T`` gives it), both C-contiguous, of q's kind.
 
     The Hopper family does not take packed rows yet: on compute capability 9.0 these calls
-    use the ``mma.sync`` tensor-core family. Launch plans are not kept for these calls.
+    use the ``mma.sync`` tensor-core family. Device calls without ALiBi keep a launch plan
+    per signature (shapes, options and the longest sequences): a repeat call with the same
+    sequence lengths checks the metadata, uploads the sequence table and launches.
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
                    (causal, window, softcap), scale)
@@ -377,7 +379,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     All arrays (but the metadata) must be of one kind: NumPy (the cache is then updated on
     the host) or CUDA device arrays (updated on the device, on the call's stream). At most
     ``registry.SPLIT_ROWS`` (16) queries per sequence run on the one-warp tensor-core
-    kernel with key splits (decoding); more run on the prefill kernels.
+    kernel with key splits (decoding); more run on the prefill kernels. The number of key
+    splits is chosen for the cache's capacity ``Nmax`` (as FlashAttention does), not for
+    the rows in use, so that a decoding step launches the same kernels as the step before:
+    device calls then run through a launch plan (:mod:`numba_flash._plans`; not with ALiBi)
+    whose per-call host work is the metadata checks and the upload of the sequence table.
+    A cache far larger than the rows in use pays for its empty splits (blocks that exit at
+    once).
     """
     q, k_cache, v_cache = (_arrays.host_view(a) for a in (q, k_cache, v_cache))
     qs = _check_rank(q, "q", 4, "(batch, Nq, heads, d)")

@@ -442,7 +442,7 @@ def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
         kn, vn = (t(rng.standard_normal((b, 1, hkv, d))) for _ in range(2))
         out, lse = numba_flash.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn, return_lse=True, **extra)
         assert len(runs) == step, "steps after the first must run through the plan"
-        f = lambda x: x.float().cpu().numpy()  # noqa: E731
+        f = lambda x: x.float().cpu().numpy().astype(np_dtype("bfloat16"))  # noqa: E731  (exact)
         kh, vh = f(kc), f(vc)
         for i in range(b):
             n = lens[i] + 1
@@ -453,8 +453,6 @@ def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
                 k_rows, v_rows = kh[i, :n], vh[i, :n]
             np.testing.assert_array_equal(k_rows[-1], f(kn)[i, 0])
             np.testing.assert_array_equal(v_rows[-1], f(vn)[i, 0])
-            qh = f(q)[i]
             _check("bfloat16", _heads_first(f(out)[i]), np.ascontiguousarray(lse.cpu().numpy()[i].T),
-                   _heads_first(qh).astype(np_dtype("bfloat16")), _heads_first(k_rows).astype(np_dtype("bfloat16")),
-                   _heads_first(v_rows).astype(np_dtype("bfloat16")), dict(causal=False))
+                   _heads_first(f(q)[i]), _heads_first(k_rows), _heads_first(v_rows), dict(causal=False))
         lens += 1
