@@ -78,3 +78,25 @@ def test_import_numba_first():
     assert got["ok"] and got["simulator"] == got["cuda_simulator"]
     if got["simulator"]:
         assert got["where"] == [["<string>", 5]]
+
+
+def test_shared_scope_copies_compile_the_same_code():
+    """numba_flash._inline_copies (installed at import, outside the simulator) makes the
+    inliner's IR copies cheaper, not different: a kernel built from inlined device functions
+    compiles to the same PTX with and without it (but for the names Numba numbers per
+    compile)."""
+    code = (
+        "import re\n"
+        "from numba_flash import _inline_copies, ptx, registry\n"
+        "assert _inline_copies._installed\n"
+        "spec = registry.specialisation('forward_simt', 'float32', 32, registry.FULL, True, False)\n"
+        "norm = lambda t: re.sub(r'_cudapy_smem_[0-9]+', 'S', re.sub(r'_ZN[0-9A-Za-z_]+', 'Z', t))\n"
+        "with_patch = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
+        "_inline_copies.uninstall()\n"
+        "without = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
+        "print(with_patch == without, len(without), with_patch.count('fma.rn'))\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    same, size, fmas = proc.stdout.split()
+    assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout

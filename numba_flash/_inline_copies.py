@@ -1,0 +1,84 @@
+"""Faster compiles of kernels built from many inlined device functions.
+
+Every device function of the kernels is ``inline="always"`` (Numba inlines its IR at each
+call site: what lets PTX be made without a GPU, and what the simulator-free compile relies
+on). To inline a callee, numba-cuda 0.30.4's ``InlineWorker.inline_ir`` deep-copies the
+callee's IR one block at a time, each block with a fresh ``deepcopy`` memo, so the
+callee's ``Scope`` (every variable of the function) is copied again for every block: the
+cost grows with blocks × variables. Unrolled loops make many blocks, and the profile of
+one CUDA-core forward kernel showed 10 of its 16 compile seconds in ``copy.deepcopy``.
+
+:func:`install` makes the copies of one ``inline_ir`` call share one copy of each scope,
+which is what a single ``deepcopy`` of all the blocks would give (the blocks of a function
+share one scope; the inliner then points them at the caller's). The IR that results is
+the same, and so is the code: ``tests/test_runtime.py`` compiles kernels both ways and
+compares their PTX. It applies to the numba-cuda this package pins (0.30.4) and is left
+out for any other, or when ``NUMBA_FLASH_SHARED_SCOPE_COPIES=0``.
+"""
+import copy
+import os
+import threading
+
+ENV = "NUMBA_FLASH_SHARED_SCOPE_COPIES"
+_local = threading.local()
+_installed = False
+
+
+def _scope_deepcopy(self, memo):
+    """``copy.deepcopy`` of a Scope: within an ``inline_ir`` call, one copy per scope."""
+    shared = getattr(_local, "scopes", None)
+    if shared is not None:
+        found = shared.get(id(self))
+        if found is not None:
+            memo[id(self)] = found
+            return found
+    new = self.__class__.__new__(self.__class__)
+    memo[id(self)] = new
+    if shared is not None:
+        shared[id(self)] = new
+    new.__dict__.update(copy.deepcopy(self.__dict__, memo))
+    return new
+
+
+def install():
+    """Patch numba-cuda's inliner as described above (once; True if it applies)."""
+    global _installed
+    if _installed:
+        return True
+    if os.environ.get(ENV, "1") == "0":
+        return False
+    try:
+        from importlib.metadata import version
+        if version("numba-cuda") != "0.30.4":
+            return False
+        from numba.cuda.core import inline_closurecall, ir
+    except Exception:  # noqa: BLE001 - another layout of numba-cuda: leave it alone
+        return False
+    if "__deepcopy__" in vars(ir.Scope) or not hasattr(inline_closurecall.InlineWorker, "inline_ir"):
+        return False
+    original = inline_closurecall.InlineWorker.inline_ir
+
+    def inline_ir(self, *args, **kwargs):
+        outer = getattr(_local, "scopes", None)
+        _local.scopes = {}
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _local.scopes = outer
+
+    inline_ir.__wrapped__ = original
+    inline_closurecall.InlineWorker.inline_ir = inline_ir
+    ir.Scope.__deepcopy__ = _scope_deepcopy
+    _installed = True
+    return True
+
+
+def uninstall():
+    """Undo :func:`install` (tests compare the two)."""
+    global _installed
+    if not _installed:
+        return
+    from numba.cuda.core import inline_closurecall, ir
+    inline_closurecall.InlineWorker.inline_ir = inline_closurecall.InlineWorker.inline_ir.__wrapped__
+    del ir.Scope.__deepcopy__
+    _installed = False
