@@ -297,15 +297,18 @@ def test_key_splits_of_few_query_rows(dtype, packed, monkeypatch):
                _heads_first(kc[i, :lens[i]]), _heads_first(vc[i, :lens[i]]), dict(causal=False))
 
 
-@pytest.mark.parametrize("dtype,page,nq,n_new,device", [
-    ("bfloat16", 5, 1, 2, False), ("float16", 16, 3, 0, True), ("bfloat16", 3, 20, 4, True)])
-def test_paged_kvcache_matches_oracle(dtype, page, nq, n_new, device):
+@pytest.mark.parametrize("dtype,page,nq,n_new,device,d", [
+    ("bfloat16", 5, 1, 2, False, 16), ("float16", 16, 3, 0, True, 16), ("bfloat16", 3, 20, 4, True, 16),
+    ("bfloat16", 4, 1, 1, False, 64)])
+def test_paged_kvcache_matches_oracle(dtype, page, nq, n_new, device, d):
     """A paged cache, its pages shuffled and some shared by no sequence: the same result as
     the contiguous cache the pages spell out (decoding and prefill kernels: 1, 3 and 20
-    queries), with k_new/v_new appended across page boundaries through the page table."""
+    queries), with k_new/v_new appended across page boundaries through the page table.
+    d = 64 with pages of 4 rows: the decoding kernel's copies step from page to page
+    (``mma_parts.make_copy_rows``' straight-line path) every row step."""
     rng = np.random.default_rng(7 + page)
     dt = np_dtype(dtype)
-    b, hq, hkv, d, max_pages = 3, 2, 1, 16, 6
+    b, hq, hkv, max_pages = 3, 2, 1, 6
     num_pages = b * max_pages + 2
     lens = np.array([4, 0, max_pages * page - n_new])
     table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)

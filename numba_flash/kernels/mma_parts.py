@@ -5,7 +5,6 @@ rounded up to 16, columns past d zero-filled): rows 16 bytes apart in bank space
 eight row addresses of one ``ldmatrix`` matrix, and the 16-byte ``cp.async`` stores,
 hit distinct banks. Fragment layouts: ``numba_flash.ops``.
 """
-import numba
 from numba import cuda
 
 from .. import ops
@@ -45,11 +44,15 @@ def make_copy_rows(D, NT, NROWS, paged=False):
     select and an address (measured in SASS: 26 → 8 instructions a chunk at d = 128).
 
     With ``paged`` the rows are a paged KV cache's: ``copy_rows(..., tid, pages, z, ps)``
-    reads logical row ``j`` from row ``pages[z, j // ps] · ps + j % ps`` of ``src``. One
-    division per thread and copy (its first row); the next rows' page and offset follow
-    by steps (a division per row made the paged decode 2.7× slower than the contiguous
-    one on an H200). Rows past ``n_lim`` read row ``row0``
-    (copying nothing), and never look their page up.
+    reads logical row ``j`` from row ``pages[z, j // ps] · ps + j % ps`` of ``src``.
+    Where a thread copies many rows (``ITER >= 4``: the one-warp decoding kernel) and pages
+    hold at least the ``STEP`` rows between them (``ps >= STEP``: every serving page
+    size), one division per thread and copy (its first row), the next rows' page and
+    offset by a step and one compare each: a straight line of code whose page-table loads
+    are all independent (a division per row made the paged decode 2.7× slower than the
+    contiguous one on an H200). Otherwise a division per row: few rows per thread (the
+    8-warp kernels, whose registers the straight line would spill) or small pages. Rows
+    past ``n_lim`` read row ``row0`` (copying nothing), and never look their page up.
     """
     DP = padded_dim(D)
     RS = DP + ROW_PAD
@@ -59,6 +62,7 @@ def make_copy_rows(D, NT, NROWS, paged=False):
     STEP = NT // CPR2                  # rows between one thread's chunks
     ITER = -(-NROWS // STEP)
     RAGGED = NROWS % STEP != 0         # the last pass covers part of the threads
+    STRAIGHT = ITER >= 4               # paged: rows by steps (see above)
 
     if paged:
         @device
@@ -69,22 +73,32 @@ def make_copy_rows(D, NT, NROWS, paged=False):
                 c_ok = D == DP or c < D
                 c_src = c if c_ok else 0
                 dst = off + r * RS + c
-                ps32 = numba.int32(ps)
-                first = numba.int32(row0) // ps32
+                first = row0 // ps
                 fallback = pages[z, first] * ps + (row0 - first * ps)    # row0's own row
-                j = numba.int32(row0 + r)
-                page = j // ps32
-                within = j - page * ps32
-                for it in range(ITER):
-                    if not RAGGED or r + it * STEP < NROWS:
-                        ok = c_ok and j < n_lim
-                        row = pages[z, page] * ps + within if ok else fallback
-                        ops.cp_async16_rows(smem, dst + it * STEP * RS, src, b1, b2, row, c_src, 0, 16 if ok else 0)
-                    j += STEP
-                    within += STEP
-                    while within >= ps32:
-                        within -= ps32
-                        page += 1
+                j = row0 + r
+                if STRAIGHT and ps >= STEP:
+                    page = j // ps
+                    within = j - page * ps
+                    for it in range(ITER):
+                        if not RAGGED or r + it * STEP < NROWS:
+                            ok = c_ok and j < n_lim
+                            row = pages[z, page] * ps + within if ok else fallback
+                            ops.cp_async16_rows(smem, dst + it * STEP * RS, src, b1, b2, row, c_src, 0,
+                                                16 if ok else 0)
+                        j += STEP
+                        within += STEP
+                        if within >= ps:
+                            within -= ps
+                            page += 1
+                else:
+                    for it in range(ITER):
+                        if not RAGGED or r + it * STEP < NROWS:
+                            ok = c_ok and j < n_lim
+                            page = j // ps
+                            row = pages[z, page] * ps + j - page * ps if ok else fallback
+                            ops.cp_async16_rows(smem, dst + it * STEP * RS, src, b1, b2, row, c_src, 0,
+                                                16 if ok else 0)
+                        j += STEP
         return copy_paged
 
     @device
