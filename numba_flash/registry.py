@@ -301,7 +301,7 @@ def _sig_stats(dt, layout):
 VARIANTS = {v.name: v for v in (
     Variant("forward_simt", "FlashAttention-2 forward on CUDA cores", forward_tiling,
             lambda s: make_forward(s.dtype, s.d, s.tiling, s.scores, s.use_async),
-            smem_words, _sig_forward, compact=forward_tiling_compact, direction="forward", packed=True,
+            smem_words, _sig_forward, compact=forward_tiling_compact, direction="forward", packed=True, paged=True,
             # ptxas: the plain-load kernel of the d > 256 tiling spills 0.5 KiB per thread
             plain_compact=lambda dt, d: dt == "float32" and d > 256),
     Variant("forward_merge", "forward: combine the (O, lse) of key splits", lambda dt, d, sim: None,

@@ -365,7 +365,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
             order, and shared between sequences if the caller wishes: appends then write
             the shared page). ``Nmax = max_pages · page_size``; the entries a sequence uses
             (its first ``ceil((cache_seqlens[b] + Nnew) / page_size)``) must name existing
-            pages. float16 and bfloat16 only (the tensor-core kernels).
+            pages. Every dtype.
         causal, window, softcap, alibi_slopes, scale: as :func:`numba_flash.attention_fwd`,
             per sequence with ``Nk = cache_seqlens[b] + Nnew`` keys: causal lets query ``i``
             see keys ``j <= i + Nk − Nq`` (bottom-right, the queries being the newest
@@ -436,9 +436,6 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
         q2 = _swap01(_merge01(q, "q"))
     inp = api._Inputs({"q": q2, "k": k2, "v": v2}, (causal, window, softcap), scale, alibi_slopes, "forward",
                       stream)
-    if pages is not None and not inp.low:
-        raise TypeError(f"paged KV caches take float16 or bfloat16 (the tensor-core kernels), got {inp.dtype}. "
-                        "Use a contiguous cache (block_table=None) for float32 and float64.")
     append = None
     if n_new:
         _check_new(inp, k_new, v_new)

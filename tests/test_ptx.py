@@ -172,9 +172,12 @@ KNOWN_SPILLS = {
             "forward_simt/float32/d64/causal+softcap+alibi/async": 96,
             "forward_simt/float32/d64/window+softcap+alibi/async": 104,
             "forward_simt/float32/d64/window+softcap+alibi+packed/async": 16,
+            # a paged cache's rows: a 64-bit division per 16-byte chunk on top of 255 registers
+            "forward_simt/float32/d64/causal+packed+paged/async": 160,
             "backward_dkdv_simt/float64/d96/full/plain": 8,
             "backward_dkdv_simt/float64/d96/causal/plain": 60},
     "9.0": {"forward_simt/float32/d64/causal+softcap+alibi/async": 48,
+            "forward_simt/float32/d64/causal+packed+paged/async": 160,
             "forward_simt/float32/d64/window+softcap+alibi/async": 56,
             "backward_dkdv_simt/float64/d96/full/plain": 8},
 }

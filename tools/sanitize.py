@@ -78,8 +78,6 @@ def serving(rng):
                                for g, r in zip(got, rg)))
         bad += _report("varlen forward and backward (4 sequences, GQA, causal)", dt, err, tol)
         for paged in (False, True):
-            if paged and dt not in registry.LOW_DTYPES:
-                continue
             for forced in (None, 3):
                 registry.forward_splits = splits if forced is None else (lambda *a: 3)
                 try:

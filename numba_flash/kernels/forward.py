@@ -127,8 +127,8 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
 
     With ``scores.packed`` three last arguments ``seqs (S, 4)`` int32, ``pages`` (int32
     matrix) and ``page_size`` (int64) give each sequence's rows
-    (``numba_flash.scores.ScoreSpec``; paged caches are not taken: ``pages`` and
-    ``page_size`` are not read): launch with ``grid = (ceil(max q_len / BM) ·
+    (``numba_flash.scores.ScoreSpec``; ``pages`` and ``page_size`` are read with
+    ``scores.paged`` only: a paged KV cache's page table): launch with ``grid = (ceil(max q_len / BM) ·
     B1 · B2 · Z, ceil(D / DO), S)``, ``split_keys`` covering the longest sequence; ``out``
     and ``lse`` may then have any strides when ``Z = 1``.
     """
@@ -159,6 +159,19 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
 
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
+    copy_paged = tiles.make_copy(dtype_name, D, NT, use_async, paged=True)
+    PAGED = scores.paged
+
+    def copy_kv(smem, off, stride, src, b1, b2, row0, nrows, col0, ncols, n_lim, tid, pages, page_size):
+        """``copy_tile`` of K or V rows: through the page table of a paged cache."""
+        if PAGED:
+            copy_paged(smem, off, stride, src, b1, b2, row0, nrows, col0, ncols, n_lim, tid, pages,
+                       cuda.blockIdx.z, page_size)
+        else:
+            copy_tile(smem, off, stride, src, b1, b2, row0, nrows, col0, ncols, n_lim, tid)
+
+    if not SIMULATOR:
+        copy_kv = cuda.jit(device=True, inline="always")(copy_kv)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name)
     sequence = device_sequence(scores)
 
@@ -199,7 +212,8 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     if not SIMULATOR:
         softmax_update = cuda.jit(device=True, inline="always")(softmax_update)
 
-    def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs):
+    def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs,
+                     pages, page_size):
         q_start, Nq, k_start, Nk = sequence(seqs, cuda.blockIdx.z, q.shape[2], k.shape[2])
         tid = cuda.threadIdx.x
         r = tid // CG
@@ -254,10 +268,10 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
             # Prologue: Q (once) and K(kt0) in one group, V(kt0) in the next.
             copy_tile(smem, Q_OFF, QS, q, b1, b2, q_start + q0, BM, 0, DK, q_end, tid)
             if n_kt > kt0:
-                copy_tile(smem, K_OFF, QS, k, b1, b2, k_start + k_lo, BN, 0, DK, k_end, tid)
+                copy_kv(smem, K_OFF, QS, k, b1, b2, k_start + k_lo, BN, 0, DK, k_end, tid, pages, page_size)
             ops.cp_async_commit()
             if n_kt > kt0:
-                copy_tile(smem, V_OFF, DO, v, b1, b2, k_start + k_lo, BN, d0, DO, k_end, tid)
+                copy_kv(smem, V_OFF, DO, v, b1, b2, k_start + k_lo, BN, d0, DO, k_end, tid, pages, page_size)
             ops.cp_async_commit()
 
         for kt in range(kt0, n_kt):
@@ -271,16 +285,17 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                 mm_abt(smem, Q_OFF, K_OFF, QS, s, qv, kv, r, c)
             else:
                 # V(kt) joins chunk 0's group; chunk c+1 is in flight while chunk c is used.
-                copy_tile(smem, V_OFF, DO, v, b1, b2, k_start + k0, BN, d0, DO, k_end, tid)
+                copy_kv(smem, V_OFF, DO, v, b1, b2, k_start + k0, BN, d0, DO, k_end, tid, pages, page_size)
                 copy_tile(smem, Q_OFF, QS, q, b1, b2, q_start + q0, BM, 0, DK, q_end, tid)
-                copy_tile(smem, K_OFF, QS, k, b1, b2, k_start + k0, BN, 0, DK, k_end, tid)
+                copy_kv(smem, K_OFF, QS, k, b1, b2, k_start + k0, BN, 0, DK, k_end, tid, pages, page_size)
                 ops.cp_async_commit()
                 for kc in range(NKC):
                     slot = (kc & 1) * SLOT
                     if kc + 1 < NKC:
                         nxt = SLOT - slot  # the other slot: last read in chunk kc-1, before its barrier
                         copy_tile(smem, nxt + Q_OFF, QS, q, b1, b2, q_start + q0, BM, (kc + 1) * DK, DK, q_end, tid)
-                        copy_tile(smem, nxt + K_OFF, QS, k, b1, b2, k_start + k0, BN, (kc + 1) * DK, DK, k_end, tid)
+                        copy_kv(smem, nxt + K_OFF, QS, k, b1, b2, k_start + k0, BN, (kc + 1) * DK, DK, k_end, tid,
+                                pages, page_size)
                         ops.cp_async_commit()
                         ops.cp_async_wait(1)   # chunk kc (and V) landed; chunk kc+1 in flight
                     else:
@@ -294,12 +309,14 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                 ops.cp_async_wait(0)       # V(kt) has landed
             cuda.syncthreads()             # P and V complete; every thread is done reading K(kt)
             if NKC == 1 and kt + 1 < n_kt:
-                copy_tile(smem, K_OFF, QS, k, b1, b2, k_start + k0 + BN, BN, 0, DK, k_end, tid)  # overlaps P V
+                # K(kt + 1), overlapping P V
+                copy_kv(smem, K_OFF, QS, k, b1, b2, k_start + k0 + BN, BN, 0, DK, k_end, tid, pages, page_size)
                 ops.cp_async_commit()
             mm_pv(smem, P_OFF, PS, V_OFF, DO, o, pv, vv, r, c)
             cuda.syncthreads()             # V and P fully read before they are overwritten
             if NKC == 1 and kt + 1 < n_kt:
-                copy_tile(smem, V_OFF, DO, v, b1, b2, k_start + k0 + BN, BN, d0, DO, k_end, tid)  # overlaps next S
+                # V(kt + 1), overlapping the next S
+                copy_kv(smem, V_OFF, DO, v, b1, b2, k_start + k0 + BN, BN, d0, DO, k_end, tid, pages, page_size)
                 ops.cp_async_commit()
 
         ops.cp_async_wait(0)               # nothing left in flight when the loop had no iteration
@@ -331,12 +348,14 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     if scores.packed:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs, pages,
-                    page_size):     # (no paged caches: pages and page_size are not read)
-            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs)
+                    page_size):
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs,
+                         pages, page_size)
     else:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
-            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, slopes)
+            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, slopes,
+                         slopes, 0)
 
     forward.tiling = t
     forward.smem_bytes = END * np_dt.itemsize

@@ -6,7 +6,8 @@ on tiles of *columns* (``CG·TN``). Thread (r, c) owns rows ``r·TM + i`` and co
 
 * ``copy_tile``: global → shared, zero-filled outside the array; with ``use_async``
   one ``cp.async`` per 16 bytes (complete at ``ops.cp_async_wait``), otherwise plain
-  loads, ``COPY_BYTES`` of them in flight per thread.
+  loads, ``COPY_BYTES`` of them in flight per thread (:func:`make_copy`, which also
+  reads a paged KV cache's rows through its page table).
 * ``mm_abt``: ``s[i, j] += Σ_k A[row_i, k] · B[col_j, k]`` over one head-dim chunk of
   ``DK`` (A and B row-major in shared memory, row stride ``stride``): S = Q Kᵀ.
 * ``mm_pv``: ``o[i, f] += Σ_n P[row_i, n] · V[n, f]`` over the ``CG·TN`` columns of a
@@ -25,21 +26,21 @@ PAD = 4  # words of padding per shared-memory row
 COPY_BYTES = 32  # plain-load copies: bytes of loads in flight per thread before their stores
 
 
-def make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async):
-    """``(copy_tile, mm_abt, mm_pv)`` for one specialisation (sizes are compile-time constants)."""
+def make_copy(dtype_name, D, NT, use_async, paged=False):
+    """``copy(dst, dst_off, dst_stride, src, b1, b2, row0, NROWS, col0, NCOLS, n_lim, tid,
+    pages, z, ps)``: ``dst[r, c] = src[b1, b2, row0 + r, col0 + c]`` for ``r < NROWS``, ``c <
+    NCOLS``; zero outside (``n_lim`` rows, ``D`` columns). Asynchronous with ``use_async``
+    (one ``cp.async`` per 16 bytes, complete at ``ops.cp_async_wait``), otherwise plain
+    loads, ``COPY_BYTES`` of them in flight per thread. With ``paged``, logical row ``j`` is
+    read from row ``pages[z, j // ps] · ps + j % ps`` (a paged KV cache's sequence ``z``);
+    without, ``pages``, ``z`` and ``ps`` are not read."""
     np_dt = np.dtype(dtype_name)
     nb_dt = numba.from_dtype(np_dt)
     ZERO = np_dt.type(0)
     E16 = 16 // np_dt.itemsize         # elements per 16-byte cp.async
     COPY_BATCH = COPY_BYTES // np_dt.itemsize   # 8 floats, 4 doubles (8 doubles spilled in the backward)
-    VO4 = DO // (4 * CG)               # 4-wide output feature groups per thread
-    C = CG * TN
-    # 128-bit shared loads for float32; plain loads for float64 (and in the simulator).
-    LD4 = ops.ld_shared_x4 if np_dt == np.float32 else ops.ld_x4
 
-    def copy_tile(dst, dst_off, dst_stride, src, b1, b2, row0, NROWS, col0, NCOLS, n_lim, tid):
-        """dst[r, c] = src[b1, b2, row0 + r, col0 + c] for r < NROWS, c < NCOLS; zero outside
-        (n_lim rows, D columns). Asynchronous with ``use_async`` (completes at cp_async_wait)."""
+    def copy(dst, dst_off, dst_stride, src, b1, b2, row0, NROWS, col0, NCOLS, n_lim, tid, pages, z, ps):
         if use_async:
             CPR = NCOLS // E16                     # 16-byte chunks per row
             for it in range(-(-NROWS * CPR // NT)):
@@ -50,6 +51,9 @@ def make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async):
                     gr = row0 + r
                     gc = col0 + cc
                     ok = gr < n_lim and gc < D
+                    if paged and ok:
+                        page = gr // ps
+                        gr = pages[z, page] * ps + gr - page * ps
                     # A zero-byte copy still needs a valid address: point it at element 0.
                     ops.cp_async16(dst, dst_off + r * dst_stride + cc, src, b1, b2,
                                    gr if ok else 0, gc if ok else 0, 16 if ok else 0)
@@ -63,6 +67,9 @@ def make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async):
                     gc = col0 + idx - r * NCOLS
                     x = ZERO
                     if idx < NROWS * NCOLS and gr < n_lim and gc < D:
+                        if paged:
+                            page = gr // ps
+                            gr = pages[z, page] * ps + gr - page * ps
                         x = src[b1, b2, gr, gc]
                     buf[u] = x
                 for u in range(COPY_BATCH):
@@ -70,6 +77,24 @@ def make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async):
                     if idx < NROWS * NCOLS:
                         r = idx // NCOLS
                         dst[dst_off + r * dst_stride + idx - r * NCOLS] = buf[u]
+
+    return cuda.jit(device=True, inline="always")(copy)
+
+
+def make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async):
+    """``(copy_tile, mm_abt, mm_pv)`` for one specialisation (sizes are compile-time constants)."""
+    np_dt = np.dtype(dtype_name)
+    VO4 = DO // (4 * CG)               # 4-wide output feature groups per thread
+    C = CG * TN
+    # 128-bit shared loads for float32; plain loads for float64 (and in the simulator).
+    LD4 = ops.ld_shared_x4 if np_dt == np.float32 else ops.ld_x4
+
+    copy_rows = make_copy(dtype_name, D, NT, use_async)
+
+    def copy_tile(dst, dst_off, dst_stride, src, b1, b2, row0, NROWS, col0, NCOLS, n_lim, tid):
+        """dst[r, c] = src[b1, b2, row0 + r, col0 + c] for r < NROWS, c < NCOLS; zero outside
+        (n_lim rows, D columns). Asynchronous with ``use_async`` (completes at cp_async_wait)."""
+        copy_rows(dst, dst_off, dst_stride, src, b1, b2, row0, NROWS, col0, NCOLS, n_lim, tid, dst, 0, 1)
 
     def mm_abt(smem, a_off, b_off, stride, s, av, bv, r, c):
         """s += A Bᵀ over one head-dim chunk (DK wide) held at a_off / b_off."""
