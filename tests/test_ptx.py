@@ -200,10 +200,11 @@ def test_no_register_spills(ptx_runs, cc):
 
 
 def test_forward_ptx_is_covered():
-    """The forward variant is registered with both dtypes, every rule set and both load paths."""
+    """The forward variant is registered with both dtypes, every rule set (packed rows and
+    paged caches included) and both load paths."""
     fwd = [s for s in registry.specialisations() if s.variant == FORWARD]
     assert {s.dtype for s in fwd} == set(registry.VARIANTS[FORWARD].dtypes)
-    assert {s.scores for s in fwd} == set(SCORE_SPECS + RULE_SPECS + PACKED_SPECS)
+    assert {s.scores for s in fwd} == set(SCORE_SPECS + RULE_SPECS + PACKED_SPECS + PAGED_SPECS)
     assert {s.use_async for s in fwd} == {False, True}
 
 
