@@ -100,3 +100,16 @@ def test_shared_scope_copies_compile_the_same_code():
     assert proc.returncode == 0, proc.stderr[-3000:]
     same, size, fmas = proc.stdout.split()
     assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
+
+
+def test_python_m_numba_flash_reports_what_a_bug_report_needs():
+    """``python -m numba_flash`` prints the versions, the device (here the simulator), the
+    environment that changes behaviour and the kernel family of each dtype."""
+    proc = subprocess.run([sys.executable, "-m", "numba_flash"], env=project_env(NUMBA_ENABLE_CUDASIM="1"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    for needle in (f"numba_flash {numba_flash.__version__}", "numba-cuda 0.30.4", "numpy ", "simulator",
+                   "NUMBA_ENABLE_CUDASIM=1", "float32   forward forward_simt", "bfloat16  forward forward_mma",
+                   "decoding (<= 16 query rows) forward_mma_split"):
+        assert needle in out, (needle, out)

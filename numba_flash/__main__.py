@@ -1,0 +1,89 @@
+"""``python -m numba_flash``: what a bug report needs, printed.
+
+The GPU (or the simulator), its compute capability and driver, the versions of
+numba_flash and what it runs on, the environment variables that change its behaviour,
+and which kernel family each kind of call gets on this device. Nothing is compiled.
+"""
+import os
+import platform
+import sys
+from importlib import metadata
+
+PACKAGES = ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "ml_dtypes", "torch", "cupy", "jax")
+ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES", "CUDA_VISIBLE_DEVICES")
+
+
+def _version(name):
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _device():
+    """``(lines, cc, sm_count)`` of the current device (the simulator's: no cc)."""
+    from numba import cuda
+
+    from ._runtime import SIMULATOR
+    if SIMULATOR:
+        return ["device: none: Numba's CUDA simulator runs the kernels (correct, slow: tiny inputs)"], None, 1
+    dev = cuda.get_current_device()
+    cc = tuple(dev.compute_capability)
+    lines = [f"device: {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}, compute capability "
+             f"{cc[0]}.{cc[1]}, {dev.MULTIPROCESSOR_COUNT} SMs, "
+             f"{dev.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN // 1024} KiB shared memory per block"]
+    try:
+        from cuda.bindings import driver as cu
+        err, ver = cu.cuDriverGetVersion()
+        if err == cu.CUresult.CUDA_SUCCESS:
+            lines.append(f"driver: CUDA {ver // 1000}.{ver % 1000 // 10}")
+    except Exception as exc:  # noqa: BLE001 - a report, not a check
+        lines.append(f"driver: unknown ({type(exc).__name__}: {exc})")
+    return lines, cc, dev.MULTIPROCESSOR_COUNT
+
+
+def _families(cc):
+    """Which kernel family each kind of call gets here (``registry``'s choices)."""
+    from . import registry
+    from .scores import FULL
+    rows = []
+    for dt in registry.DTYPES + registry.LOW_DTYPES:
+        fwd = registry.forward_specialisation(dt, 128 if dt in registry.LOW_DTYPES else 64, FULL, True, cc=cc)
+        line = f"  {dt:9s} forward {fwd.variant}"
+        if fwd.variant == "forward_wgmma":
+            line += " (d 64 and 128; other d, grouped heads, packed rows: forward_mma)"
+        if dt in registry.LOW_DTYPES:
+            dec = registry.forward_specialisation(dt, 128, FULL, True, cc=cc, rows=1)
+            line += f", decoding (<= {registry.SPLIT_ROWS} query rows) {dec.variant}"
+        back = "backward_dkdv_mma + backward_dq_mma" if dt in registry.LOW_DTYPES else (
+            "backward_dkdv_simt + backward_dq_simt")
+        rows.append(f"{line}, backward {back}")
+    return rows
+
+
+def report() -> str:
+    """The report, as text."""
+    import numba_flash
+    from . import _inline_copies, registry
+    lines = [f"numba_flash {numba_flash.__version__} ({os.path.dirname(numba_flash.__file__)})",
+             f"python {sys.version.split()[0]} on {platform.platform()}"]
+    lines += [f"{name} {_version(name)}" for name in PACKAGES if _version(name)]
+    device, cc, _ = _device()
+    lines += device
+    lines.append(f"Hopper family choice: {registry.hopper_choice()} (NUMBA_FLASH_HOPPER)")
+    lines.append("faster kernel compiles (numba_flash._inline_copies): "
+                 + ("on" if _inline_copies._installed else "off" + (" (the simulator compiles nothing)"
+                                                                    if numba_flash.SIMULATOR else "")))
+    lines.append("kernel cache: none yet (compiled kernels last for the process)")
+    lines.append("environment: " + (", ".join(f"{n}={os.environ[n]}" for n in ENV if n in os.environ) or "none set"))
+    lines.append("kernels for this device (head dim 128 for 16-bit, 64 otherwise):")
+    lines += _families(cc)
+    return "\n".join(lines)
+
+
+def main():
+    print(report())
+
+
+if __name__ == "__main__":
+    main()
