@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba_flash import reference, registry
+from numba_flash.testing import TANH_APPROX
 import conftest
 from conftest import ON_GPU, Case, bits, host
 
 DTYPES = registry.VARIANTS["backward_dkdv_mma"].dtypes
-TANH_APPROX = 2.0**-11      # tanh.approx.f32's relative error bound (PTX ISA)
 _T = registry.mma_backward_tiling("dkdv")("bfloat16", 16)
 BR, BC = _T.BR, _T.BC
 

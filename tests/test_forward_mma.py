@@ -24,60 +24,13 @@ from hypothesis import example, given, note
 from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
-from numba_flash import reference, registry
+from numba_flash import registry
 from numba_flash.kernels.forward_mma import MmaTiling
-from conftest import (ON_GPU, SLACK_ULPS, U32, Case, _max_abs, bits, expand_heads, host, rounding_sensitivity,
-                      score_options, score_rules, softmax32)
+from numba_flash.testing import check_forward_low
+from conftest import ON_GPU, Case, bits, host
 
 DTYPES = registry.VARIANTS["forward_mma"].dtypes     # the tensor-core forward
-TANH_APPROX = 2.0**-11      # tanh.approx.f32's relative error bound (PTX ISA)
 NP_DTYPES = {"float16": np.dtype(np.float16), "bfloat16": np.dtype(ml_dtypes.bfloat16)}
-
-
-def baseline_fwd_low(q, k, v, causal, scale):
-    """What an ordinary 16-bit tensor-core attention gets: float32 scores and softmax,
-    P rounded to the input dtype, float32 P·V, output rounded to the input dtype.
-    ``causal``: a bool or a dict of score options (:func:`conftest.score_options`); k, v
-    may have fewer heads than q (GQA)."""
-    dt = q.dtype
-    q32, k32, v32 = (x.astype(np.float32) for x in (q, k, v))
-    p, m, l, visible = softmax32(q32, k32, causal, scale)
-    (v32,) = expand_heads(q32, v32)
-    out = np.matmul(p.astype(dt).astype(np.float32), v32).astype(dt)
-    lse = (m + np.log(l, out=np.full_like(l, -np.inf), where=visible))[..., 0]
-    return out, lse
-
-
-def check_forward_low(out, lse, q, k, v, causal, scale):
-    """Assert ``(out, lse)`` from numba_flash against the oracle, by the module's rule.
-    ``causal``: a bool or a dict of score options (:func:`conftest.score_options`), given to
-    the oracle, the baseline and the rounding sensitivity alike."""
-    dt = q.dtype
-    lead, nq, d = q.shape[:-2], q.shape[-2], q.shape[-1]
-    assert isinstance(out, np.ndarray) and out.dtype == dt and out.shape == lead + (nq, d)
-    assert isinstance(lse, np.ndarray) and lse.dtype == np.float32 and lse.shape == lead + (nq,)
-    out64 = out.astype(np.float64)
-    assert not np.isnan(out64).any(), "NaN in out (an element the kernel never wrote?)"
-    assert not np.isnan(lse).any(), "NaN in lse (an element the kernel never wrote?)"
-    assert np.isfinite(out64).all() and not np.isposinf(lse).any()
-
-    q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
-    ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, scale=scale, **score_options(causal))
-    empty = np.isneginf(ref_lse)
-    np.testing.assert_array_equal(np.isneginf(lse), empty, err_msg="lse must be -inf exactly where no key is visible")
-    assert np.all(out64[empty] == 0), "rows with no visible key must be exactly 0"
-    fin = ~empty
-    base_out, base_lse = baseline_fwd_low(q, k, v, causal, scale)
-    sens_out, sens_lse = rounding_sensitivity(q64, k64, v64, causal, scale, ref_out, ref_lse)
-    ulp_v = float(ml_dtypes.finfo(dt).eps) * _max_abs(v64)
-    err_out = _max_abs(out64 - ref_out)
-    err_lse = _max_abs(lse[fin].astype(np.float64) - ref_lse[fin])
-    slack = SLACK_ULPS * U32 + (2 * TANH_APPROX if score_rules(causal)[0].softcap is not None else 0.0)
-    tol_out = 2 * _max_abs(base_out.astype(np.float64) - ref_out) + ulp_v + slack * sens_out
-    tol_lse = (2 * _max_abs(base_lse[fin].astype(np.float64) - ref_lse[fin])
-               + 1e-6 * max(1.0, _max_abs(ref_lse[fin])) + slack * sens_lse)
-    assert err_out <= tol_out, f"out: max error {err_out:.3e} > tolerance {tol_out:.3e}"
-    assert err_lse <= tol_lse, f"lse: max error {err_lse:.3e} > tolerance {tol_lse:.3e}"
 
 
 def _run(case, q, k, v, on_device):

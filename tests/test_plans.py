@@ -7,7 +7,7 @@ import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
 from numba_flash import _plans, api
 from conftest import ON_GPU, check_forward, host, make_qkv
-from test_forward_mma import check_forward_low
+from numba_flash.testing import check_forward_low
 
 GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="launch plans exist only on a GPU")
 

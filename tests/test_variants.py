@@ -27,7 +27,7 @@ from numba_flash import reference, registry
 from conftest import ON_GPU, bits, check_forward, host, np_dtype
 from test_backward import check_backward
 from test_backward_mma import check_backward_low
-from test_forward_mma import check_forward_low
+from numba_flash.testing import check_forward_low
 
 FWD_DTYPES = registry.dtypes("forward")
 BWD_DTYPES = registry.dtypes("backward")

@@ -19,7 +19,7 @@ import numba_flash
 from numba import cuda
 from numba_flash import reference, registry
 from conftest import ON_GPU, check_forward, host, np_dtype
-from test_forward_mma import check_forward_low
+from numba_flash.testing import check_forward_low
 
 DTYPES = registry.dtypes("forward")
 LOW = registry.LOW_DTYPES
