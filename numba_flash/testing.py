@@ -203,6 +203,31 @@ def rounding_sensitivity(q, k, v, causal, scale, ref_out, ref_lse):
     return s_out, s_lse
 
 
+def _check_written(out, lse, shape, out_dtype, lse_dtype):
+    """``out`` (and ``lse``, if not None) NumPy arrays of these dtypes and shapes (``lse``:
+    ``shape`` without d), with no NaN (an element a kernel never wrote) and no infinity but
+    an lse's -inf."""
+    assert isinstance(out, np.ndarray) and out.dtype == out_dtype and out.shape == shape
+    out64 = out.astype(np.float64)
+    assert not np.isnan(out64).any(), "NaN in out (an element the kernel never wrote?)"
+    assert np.isfinite(out64).all()
+    if lse is not None:
+        assert isinstance(lse, np.ndarray) and lse.dtype == lse_dtype and lse.shape == shape[:-1]
+        assert not np.isnan(lse).any(), "NaN in lse (an element the kernel never wrote?)"
+        assert not np.isposinf(lse).any()
+
+
+def _check_empty_rows(out, lse, ref_lse):
+    """Rows that see no key (the oracle's lse is -inf): out exactly 0, lse -inf there and
+    only there. Returns the other rows' mask."""
+    empty = np.isneginf(ref_lse)
+    if lse is not None:
+        np.testing.assert_array_equal(np.isneginf(lse), empty,
+                                      err_msg="lse must be -inf exactly where no key is visible")
+    assert np.all(out[empty] == 0), "rows with no visible key must be exactly 0"
+    return ~empty
+
+
 def check_forward(out, lse, q, k, v, causal, scale, oracle=None):
     """Assert that ``(out, lse)`` (float32 or float64; ``lse`` may be None) matches the
     float64 oracle.
@@ -222,25 +247,11 @@ def check_forward(out, lse, q, k, v, causal, scale, oracle=None):
     """
     q, k, v = (np.asarray(x) for x in (q, k, v))
     dtype = q.dtype
-    lead, nq, d = q.shape[:-2], q.shape[-2], q.shape[-1]
-    assert isinstance(out, np.ndarray) and out.dtype == dtype and out.shape == lead + (nq, d)
-    assert not np.isnan(out).any(), "NaN in out (an element the kernel never wrote?)"
-    assert np.isfinite(out).all()
-    if lse is not None:
-        assert isinstance(lse, np.ndarray) and lse.dtype == dtype and lse.shape == lead + (nq,)
-        assert not np.isnan(lse).any(), "NaN in lse (an element the kernel never wrote?)"
-        assert not np.isposinf(lse).any()
-
+    _check_written(out, lse, q.shape, dtype, dtype)
     if oracle is None:
         oracle = reference.attention_fwd(q, k, v, scale=scale, **score_options(causal))
     ref_out, ref_lse = oracle
-    empty = np.isneginf(ref_lse)
-    if lse is not None:
-        np.testing.assert_array_equal(np.isneginf(lse), empty,
-                                      err_msg="lse must be -inf exactly where no key is visible")
-    assert np.all(out[empty] == 0), "rows with no visible key must be exactly 0"
-
-    fin = ~empty
+    fin = _check_empty_rows(out, lse, ref_lse)
     err_out = _max_abs(out.astype(np.float64) - ref_out)
     sens_out, sens_lse = rounding_sensitivity(q, k, v, causal, scale, ref_out, ref_lse)
     if dtype == np.float64:
@@ -278,24 +289,11 @@ def check_forward_low(out, lse, q, k, v, causal, scale):
     ``causal``: a bool or a dict of score options (:func:`score_options`), given to
     the oracle, the baseline and the rounding sensitivity alike."""
     dt = q.dtype
-    lead, nq, d = q.shape[:-2], q.shape[-2], q.shape[-1]
-    assert isinstance(out, np.ndarray) and out.dtype == dt and out.shape == lead + (nq, d)
+    _check_written(out, lse, q.shape, dt, np.dtype(np.float32))
     out64 = out.astype(np.float64)
-    assert not np.isnan(out64).any(), "NaN in out (an element the kernel never wrote?)"
-    assert np.isfinite(out64).all()
-    if lse is not None:
-        assert isinstance(lse, np.ndarray) and lse.dtype == np.float32 and lse.shape == lead + (nq,)
-        assert not np.isnan(lse).any(), "NaN in lse (an element the kernel never wrote?)"
-        assert not np.isposinf(lse).any()
-
     q64, k64, v64 = (x.astype(np.float64) for x in (q, k, v))
     ref_out, ref_lse = reference.attention_fwd(q64, k64, v64, scale=scale, **score_options(causal))
-    empty = np.isneginf(ref_lse)
-    if lse is not None:
-        np.testing.assert_array_equal(np.isneginf(lse), empty,
-                                      err_msg="lse must be -inf exactly where no key is visible")
-    assert np.all(out64[empty] == 0), "rows with no visible key must be exactly 0"
-    fin = ~empty
+    fin = _check_empty_rows(out64, lse, ref_lse)
     base_out, base_lse = baseline_fwd_low(q, k, v, causal, scale)
     sens_out, sens_lse = rounding_sensitivity(q64, k64, v64, causal, scale, ref_out, ref_lse)
     import ml_dtypes
