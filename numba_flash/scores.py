@@ -402,3 +402,13 @@ def device_sequence(spec: ScoreSpec):
         return 0, nq, 0, nk
 
     return _device((sequence,))[0]
+
+
+def _paged_row(pages, z, j, page_size):
+    """Row ``j`` of sequence ``z`` of a paged KV cache (:class:`ScoreSpec` ``paged``): row
+    ``j % page_size`` of page ``pages[z, j // page_size]``, as a row of the pages' rows."""
+    page = j // page_size
+    return pages[z, page] * page_size + j - page * page_size
+
+
+paged_row = _device((_paged_row,))[0]

@@ -8,6 +8,7 @@ hit distinct banks. Fragment layouts: ``numba_flash.ops``.
 from numba import cuda
 
 from .. import ops
+from ..scores import paged_row
 from .._runtime import SIMULATOR
 
 ROW_PAD = 8          # elements of padding per shared row (16 bytes)
@@ -73,8 +74,7 @@ def make_copy_rows(D, NT, NROWS, paged=False):
                 c_ok = D == DP or c < D
                 c_src = c if c_ok else 0
                 dst = off + r * RS + c
-                first = row0 // ps
-                fallback = pages[z, first] * ps + (row0 - first * ps)    # row0's own row
+                fallback = paged_row(pages, z, row0, ps)    # row0's own row
                 j = row0 + r
                 if STRAIGHT and ps >= STEP:
                     page = j // ps
@@ -94,8 +94,7 @@ def make_copy_rows(D, NT, NROWS, paged=False):
                     for it in range(ITER):
                         if not RAGGED or r + it * STEP < NROWS:
                             ok = c_ok and j < n_lim
-                            page = j // ps
-                            row = pages[z, page] * ps + j - page * ps if ok else fallback
+                            row = paged_row(pages, z, j, ps) if ok else fallback
                             ops.cp_async16_rows(smem, dst + it * STEP * RS, src, b1, b2, row, c_src, 0,
                                                 16 if ok else 0)
                         j += STEP

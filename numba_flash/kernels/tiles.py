@@ -21,6 +21,7 @@ import numpy as np
 from numba import cuda
 
 from .. import ops
+from ..scores import paged_row
 
 PAD = 4  # words of padding per shared-memory row
 COPY_BYTES = 32  # plain-load copies: bytes of loads in flight per thread before their stores
@@ -52,8 +53,7 @@ def make_copy(dtype_name, D, NT, use_async, paged=False):
                     gc = col0 + cc
                     ok = gr < n_lim and gc < D
                     if paged and ok:
-                        page = gr // ps
-                        gr = pages[z, page] * ps + gr - page * ps
+                        gr = paged_row(pages, z, gr, ps)
                     # A zero-byte copy still needs a valid address: point it at element 0.
                     ops.cp_async16(dst, dst_off + r * dst_stride + cc, src, b1, b2,
                                    gr if ok else 0, gc if ok else 0, 16 if ok else 0)
@@ -68,8 +68,7 @@ def make_copy(dtype_name, D, NT, use_async, paged=False):
                     x = ZERO
                     if idx < NROWS * NCOLS and gr < n_lim and gc < D:
                         if paged:
-                            page = gr // ps
-                            gr = pages[z, page] * ps + gr - page * ps
+                            gr = paged_row(pages, z, gr, ps)
                         x = src[b1, b2, gr, gc]
                     buf[u] = x
                 for u in range(COPY_BATCH):
