@@ -18,6 +18,10 @@ lengths), :func:`attention_with_kvcache` (KV caches, appended in place) and
 :func:`merge_attention` (partial results over disjoint key sets).
 
 ``numba_flash.reference`` is the float64 NumPy oracle with the same semantics.
+
+Compiled kernels are kept on disk (``~/.cache/numba_flash``; ``NUMBA_FLASH_CACHE_DIR``
+moves it, ``NUMBA_FLASH_CACHE=0`` turns it off), so a new process loads them instead of
+compiling; :func:`warmup` compiles those a list of calls will need ahead of time.
 """
 from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulator before numba.cuda loads
 from . import _inline_copies, reference
@@ -25,6 +29,7 @@ from ._arrays import release_cached_memory, to_device
 from .api import attention, attention_bwd, attention_fwd
 from .merge import merge_attention
 from .varlen import attention_varlen, attention_varlen_bwd, attention_varlen_fwd, attention_with_kvcache
+from ._warmup import warmup
 
 if not SIMULATOR:
     _inline_copies.install()    # 2x faster kernel compiles, the same code
@@ -33,5 +38,5 @@ __version__ = "0.1.0"
 __all__ = ["attention", "attention_fwd", "attention_bwd", "attention_varlen", "attention_varlen_fwd",
            "attention_varlen_bwd",
            "attention_with_kvcache", "merge_attention", "reference", "to_device",
-           "release_cached_memory", "SIMULATOR",
+           "release_cached_memory", "warmup", "SIMULATOR",
            "SimulatorWarning"]

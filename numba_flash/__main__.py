@@ -2,7 +2,8 @@
 
 The GPU (or the simulator), its compute capability and driver, the versions of
 numba_flash and what it runs on, the environment variables that change its behaviour,
-and which kernel family each kind of call gets on this device. Nothing is compiled.
+the on-disk kernel cache (where, whether it is used, its size) and which kernel family
+each kind of call gets on this device. Nothing is compiled.
 """
 import os
 import platform
@@ -10,7 +11,8 @@ import sys
 from importlib import metadata
 
 PACKAGES = ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "ml_dtypes", "torch", "cupy", "jax")
-ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES", "CUDA_VISIBLE_DEVICES")
+ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES", "NUMBA_FLASH_CACHE",
+       "NUMBA_FLASH_CACHE_DIR", "CUDA_VISIBLE_DEVICES")
 
 
 def _version(name):
@@ -61,6 +63,22 @@ def _families(cc):
     return rows
 
 
+def _kernel_cache_line():
+    """Where the on-disk kernel cache is, whether it is used here, what it holds."""
+    from . import _kernel_cache
+    from ._runtime import SIMULATOR
+    found = _kernel_cache.info()
+    if found["enabled"]:
+        state = "on"
+    elif SIMULATOR:
+        state = "off (the simulator compiles nothing)"
+    else:
+        state = f"off ({_kernel_cache.ENV_SWITCH}=0)"
+    return (f"kernel cache (compiled kernels on disk): {state}; {found['entries']} entries, "
+            f"{found['bytes'] / 2**20:.1f} MiB in {found['directory']} ({_kernel_cache.ENV_DIR} moves it, "
+            f"{_kernel_cache.ENV_SWITCH}=0 turns it off)")
+
+
 def report() -> str:
     """The report, as text."""
     import numba_flash
@@ -74,7 +92,7 @@ def report() -> str:
     lines.append("faster kernel compiles (numba_flash._inline_copies): "
                  + ("on" if _inline_copies._installed else "off" + (" (the simulator compiles nothing)"
                                                                     if numba_flash.SIMULATOR else "")))
-    lines.append("kernel cache: none yet (compiled kernels last for the process)")
+    lines.append(_kernel_cache_line())
     lines.append("environment: " + (", ".join(f"{n}={os.environ[n]}" for n in ENV if n in os.environ) or "none set"))
     lines.append("kernels for this device (head dim 128 for 16-bit, 64 otherwise):")
     lines += _families(cc)

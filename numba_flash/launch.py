@@ -11,6 +11,11 @@ with given argument *types* goes through Numba (which compiles it, or loads it f
 cache), and records the compiled function; later launches with arguments of the same
 types (dtype, ndim and layout, computed here exactly as Numba computes them) pass the
 same flattened parameters Numba would straight to ``cuLaunchKernel``.
+
+Kernels built from registry specialisations are also kept on disk
+(``numba_flash._kernel_cache``): the first launch with given argument types in a new
+process looks for the cubin a previous process compiled, and where it finds one the
+kernel goes straight to the fast path, with no Numba compile.
 """
 import ctypes
 import sys
@@ -19,7 +24,7 @@ import warnings
 import numpy as np
 from numba import cuda
 
-from . import _arrays
+from . import _arrays, _kernel_cache
 from ._runtime import SIMULATOR
 
 if not SIMULATOR:
@@ -32,7 +37,8 @@ DEFAULT_SMEM_LIMIT = 48 * 1024
 SIM_SWITCH_INTERVAL_S = 2e-4
 _opted_in = {}
 # (dispatcher, context, argument types) -> [CUfunction, ctypes type per parameter, the most
-# dynamic shared memory it has been launched with (so opted in to)]
+# dynamic shared memory it has been launched with (so opted in to), whether the function
+# came from the on-disk cache (then launch opts it in itself: Numba never compiled it)]
 _fast = {}
 
 # How Numba passes a scalar argument (numba.cuda.dispatcher._Kernel._prepare_args).
@@ -86,8 +92,20 @@ def context_handle():
     return int(ctx) if err == cu.CUresult.CUDA_SUCCESS else None
 
 
+def _param_ctypes(argkey):
+    """The ctypes of the flattened kernel parameters for an argument-types key."""
+    ptypes = []
+    for k in argkey:
+        if isinstance(k, tuple):     # meminfo, parent, nitems, itemsize, data, shape, strides
+            ptypes += [ctypes.c_int64] * (5 + 2 * k[1])
+        else:
+            ptypes.append(_SCALAR_CTYPES[k])
+    return tuple(ptypes)
+
+
 def _record(kern, key, args, smem_bytes):
-    """After a Numba launch: remember the compiled function for ``key``."""
+    """After a Numba launch: remember the compiled function for ``key`` (and keep its cubin
+    on disk, where the kernel has a cache identity)."""
     from cuda.bindings import driver as cu
     argtypes = tuple(kern.typeof_pyval(a) for a in args)
     compiled = kern.overloads.get(argtypes)
@@ -98,13 +116,27 @@ def _record(kern, key, args, smem_bytes):
         err, handle = cu.cuKernelGetFunction(handle)
         if err != cu.CUresult.CUDA_SUCCESS:
             return
-    ptypes = []
-    for k in key[2]:
-        if isinstance(k, tuple):     # meminfo, parent, nitems, itemsize, data, shape, strides
-            ptypes += [ctypes.c_int64] * (5 + 2 * k[1])
-        else:
-            ptypes.append(_SCALAR_CTYPES[k])
-    _fast[key] = [handle, tuple(ptypes), max(smem_bytes, DEFAULT_SMEM_LIMIT)]
+    ptypes = _param_ctypes(key[2])
+    _fast[key] = [handle, ptypes, max(smem_bytes, DEFAULT_SMEM_LIMIT), False]
+    _kernel_cache.store(kern, key[2], compiled, ptypes)
+
+
+def _from_cache(kern, key, smem_bytes):
+    """The fast-path entry of ``kern`` for ``key`` from the on-disk cache (recorded), opted
+    in to ``smem_bytes`` of dynamic shared memory; None where the cache has none."""
+    if not key[1]:                   # no current context to load into
+        return None
+    ptypes = _param_ctypes(key[2])
+    handle = _kernel_cache.load(kern, key[2], ptypes)
+    if handle is None:
+        return None
+    entry = [handle, ptypes, DEFAULT_SMEM_LIMIT, True]
+    if smem_bytes > DEFAULT_SMEM_LIMIT:
+        if not _opt_in_function(handle, smem_bytes):
+            return None
+        entry[2] = smem_bytes
+    _fast[key] = entry
+    return entry
 
 
 def compiled(kern, args):
@@ -136,7 +168,7 @@ def array_params(a, ptr):
 
 def _launch_fast(entry, grid, block, smem_bytes, args, stream):
     from cuda.bindings import driver as cu
-    handle, ptypes, _ = entry
+    handle, ptypes = entry[0], entry[1]
     values = []
     for a in args:
         if type(a) in _SCALAR_CTYPES:
@@ -149,16 +181,31 @@ def _launch_fast(entry, grid, block, smem_bytes, args, stream):
         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
 
 
-def _allow_dynamic_smem(kern, nbytes):
-    """Opt every compiled overload of ``kern`` in to ``nbytes`` of dynamic shared memory."""
-    from cuda.bindings import driver as cu
-    from numba.cuda.cudadrv.driver import driver
-
+def _check_smem_limit(nbytes):
+    """A ValueError if the GPU cannot give a block ``nbytes`` of shared memory."""
     limit = cuda.get_current_device().MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
     if nbytes > limit:
         raise ValueError(f"this kernel needs {nbytes} bytes of shared memory per block; the GPU allows "
                          f"{limit}. This head dim / tiling is not supported on this GPU: use a smaller head "
                          "dim (for a ladder rung: an earlier rung, which keeps less in shared memory).")
+
+
+def _opt_in_function(handle, nbytes):
+    """Opt a CUfunction (a kernel loaded from the on-disk cache) in to ``nbytes`` of dynamic
+    shared memory; False if the driver refuses."""
+    from cuda.bindings import driver as cu
+    _check_smem_limit(nbytes)
+    err, = cu.cuFuncSetAttribute(handle, cu.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                                 nbytes)
+    return err == cu.CUresult.CUDA_SUCCESS
+
+
+def _allow_dynamic_smem(kern, nbytes):
+    """Opt every compiled overload of ``kern`` in to ``nbytes`` of dynamic shared memory."""
+    from cuda.bindings import driver as cu
+    from numba.cuda.cudadrv.driver import driver
+
+    _check_smem_limit(nbytes)
     for compiled in kern.overloads.values():
         func = compiled._codelibrary.get_cufunc()
         key = (id(compiled), func.device.id)
@@ -196,8 +243,8 @@ def _launch_numba(kern, grid, block, smem_bytes, args, stream):
 def launch(kern, grid, block, smem_bytes, args, stream=0):
     """``kern[grid, block, stream, smem_bytes](*args)``: through Numba the first time a
     kernel meets these argument types (compiling it, and opting in to > 48 KiB of shared
-    memory), then straight to the driver. Arguments other than device arrays and
-    float32 / float64 / int scalars always go through Numba."""
+    memory) unless the on-disk cache has it, then straight to the driver. Arguments other
+    than device arrays and float32 / float64 / int scalars always go through Numba."""
     if SIMULATOR:
         previous = sys.getswitchinterval()
         sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)
@@ -218,11 +265,26 @@ def launch(kern, grid, block, smem_bytes, args, stream=0):
     key = (kern, context_handle(), argkey)
     entry = _fast.get(key)
     if entry is None:
+        entry = _from_cache(kern, key, smem_bytes)
+        if entry is not None:
+            try:
+                _launch_fast(entry, grid, block, smem_bytes, args, stream)
+                return
+            except RuntimeError:       # the driver refuses the loaded kernel: drop the entry
+                del _fast[key]
+                _kernel_cache.forget(kern, argkey)
         _launch_numba(kern, grid, block, smem_bytes, args, stream)
         _record(kern, key, args, smem_bytes)
         return
-    if smem_bytes > entry[2]:          # Numba's path opts in to the larger amount
-        _launch_numba(kern, grid, block, smem_bytes, args, stream)
+    if smem_bytes > entry[2]:
+        if not entry[3]:               # Numba's path opts in to the larger amount
+            _launch_numba(kern, grid, block, smem_bytes, args, stream)
+            entry[2] = smem_bytes
+            return
+        if not _opt_in_function(entry[0], smem_bytes):     # loaded from the cache: opt in here
+            del _fast[key]
+            _launch_numba(kern, grid, block, smem_bytes, args, stream)
+            _record(kern, key, args, smem_bytes)
+            return
         entry[2] = smem_bytes
-        return
     _launch_fast(entry, grid, block, smem_bytes, args, stream)

@@ -9,6 +9,7 @@ import dataclasses
 
 import numpy as np
 
+from . import _kernel_cache
 from ._runtime import SIMULATOR
 from .scores import FULL, PACKED, PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, ScoreSpec
 from .kernels.backward import make_backward, make_delta
@@ -256,7 +257,7 @@ def _sig_forward_mma_split(dt, layout, packed=False):
 
 
 def _sig_forward_wgmma(dt, layout):
-    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint16[:, :, :, ::1], float32[:, :, ::1], int64, int64, "
+    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint32[:, :, :, ::1], float32[:, :, ::1], int64, int64, "
             f"float32, {_sig_scores('float32')})")
 
 
@@ -395,7 +396,9 @@ class Specialisation:
         return VARIANTS[self.variant].smem_words(self.d, self.tiling) * itemsize(self.dtype)
 
     def kernel(self):
-        return VARIANTS[self.variant].build(self)
+        """The variant's kernel for this specialisation, tagged with its identity for the
+        on-disk kernel cache (``numba_flash._kernel_cache``)."""
+        return _kernel_cache.tag(VARIANTS[self.variant].build(self), self.name, self)
 
     def signature(self, layout="C"):
         """Numba signature string, for PTX compilation without a GPU."""
