@@ -163,6 +163,31 @@ def strided_view(ary, shape, strides):
     return DeviceNDArray(tuple(shape), tuple(strides), ary.dtype, gpu_data=ary.gpu_data)
 
 
+class _Interface:
+    """A host array's memory under another shape, strides and type (``np.asarray`` of it),
+    keeping the array alive."""
+
+    def __init__(self, owner, shape, strides, typestr):
+        self.owner = owner
+        self.__array_interface__ = {"shape": shape, "strides": strides, "typestr": typestr, "version": 3,
+                                    "data": (owner.ctypes.data, False)}
+
+
+def pairs_view(ary):
+    """The uint32 view of a uint16 device array whose last axis is contiguous, of even
+    length and whose other strides and start are multiples of 4 bytes: element ``[..., i]``
+    holds elements ``2 i`` (low half) and ``2 i + 1``. None where those do not hold."""
+    shape, strides = tuple(ary.shape), tuple(ary.strides)
+    if (shape[-1] % 2 or strides[-1] != 2 and shape[-1] > 1 or any(s % 4 for s in strides[:-1])
+            or device_pointer(ary) % 4):
+        return None
+    shape, strides = shape[:-1] + (shape[-1] // 2,), strides[:-1] + (4,)
+    if SIMULATOR:
+        from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
+        return FakeCUDAArray(np.asarray(_Interface(ary._ary, shape, strides, "<u4")))
+    return DeviceNDArray(shape, strides, np.dtype(np.uint32), gpu_data=ary.gpu_data)
+
+
 def sub_array(ary, index):
     """``ary[index]`` for a tuple of leading integer indices, as a view with the remaining
     shape and strides. (Numba's device-array indexing collapses a stride-0 axis it does not

@@ -12,6 +12,7 @@ Every attention kernel's arguments end with the score arguments of
 ``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
 """
 from . import _arrays, registry, scores
+from .kernels import forward_wgmma
 from .kernels.backward_mma import stats_rows
 from .scores import LOG2E
 
@@ -48,8 +49,9 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     seqs = () if inp.packed is None else (inp.packed.table, inp.packed.pages, inp.packed.page_size)
     if spec.variant == "forward_wgmma":
         maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in views]
-        if None not in maps:
-            return _hopper_launches(inp, spec, views, maps, score_args)
+        pairs = [_arrays.pairs_view(o4) for _, o4, _, _, _, _ in views]
+        if None not in maps and None not in pairs:
+            return _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count)
         spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
@@ -66,13 +68,16 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     return launches
 
 
-def _hopper_launches(inp, spec, views, maps, score_args):
-    """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps."""
+def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
+    """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps, its
+    output as pairs of 16-bit values (``_arrays.pairs_view``), on a persistent grid
+    (``forward_wgmma.grid_size``)."""
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
-    return [(kern, grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO), t.threads, spec.smem_bytes,
-             (*tmaps, o4, l3, inp.nk, 1, scale_log2, *score_args, s3), inp.stream)
-            for (q4, o4, l3, s3, k4, v4), tmaps in zip(views, maps)]
+    grid(inp, inp.nq, 1, t.BM, t.DO)       # the limits' check
+    return [(kern, forward_wgmma.grid_size(inp.nq, q4.shape[0] * q4.shape[1], sm_count), t.threads, spec.smem_bytes,
+             (*tmaps, o2, l3, inp.nk, 1, scale_log2, *score_args, s3), inp.stream)
+            for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs)]
 
 
 _MAPS = {}          # (context, pointer, shape, strides, box rows) -> tensor map

@@ -1,12 +1,18 @@
 """FlashAttention forward on Hopper (sm_90a): TMA, mbarriers, warpgroup MMA, warp specialisation.
 
-The design of FlashAttention-3, written with ``ops_hopper``'s instructions. One block owns
-``BM = 128`` query rows of one (batch, head) and 384 threads in three warpgroups:
+The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A work item is
+``BM = 128`` query rows of one (batch, head); the grid is persistent (at most one block per
+multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
+order of ``work_item``, so a block's start (barriers, tensor maps, registers) is paid once
+and the next item's Q and first K/V tiles load while the consumers finish the last one.
+A block has 384 threads in three warpgroups:
 
 * warpgroup 0 produces: it gives registers up (``setmaxnreg``), and one thread issues the
   TMA loads of Q (once) and of the K and V tiles (``BN = 128`` keys) into a ``STAGES``-deep
   shared-memory ring. Per stage a ``full`` mbarrier says the tile landed (its transaction
-  count is the tile's bytes) and an ``empty`` one that both consumers are done with it.
+  count is the tile's bytes) and an ``empty`` one that both consumers are done with it;
+  Q has a ``full`` and an ``empty`` mbarrier of its own. The ring's stages and phases run
+  on across items.
 * warpgroups 1 and 2 consume, 64 query rows each, with the registers the producer gave up.
   Per key tile ``j``: S_j = Q K_jᵀ (``wgmma`` m64n128k16 from 128-byte-swizzled shared
   memory, d / 16 products), then O += P_{j−1} V_{j−1} (P from registers, V as a transposed
@@ -22,10 +28,10 @@ V_{j−1}``, all relative to the running maximum ``m_{j−1}``; it is rescaled b
 ``2^(m_{j−1} − m_j)`` once that product has completed.
 
 Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) from
-``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D)``
-uint16 (16-bit bits), ``lse (B1, B2, Nq)`` float32, ``nk``, ``group`` (query heads per K/V
+``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 2)``
+uint32 (the output's 16-bit values in pairs: one 4-byte store per pair), ``lse (B1, B2, Nq)`` float32, ``nk``, ``group`` (query heads per K/V
 head), ``scale_log2`` and the score arguments of ``forward.make_forward``. Launch with
-``grid = ceil(Nq / BM) · B1 · B2``, ``THREADS`` threads and ``kernel.smem_bytes`` of dynamic
+``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``THREADS`` threads and ``kernel.smem_bytes`` of dynamic
 shared memory. Head dims 64 and 128.
 """
 import dataclasses
@@ -60,8 +66,14 @@ class WgmmaTiling:
 TILING = WgmmaTiling()
 
 
+def grid_size(nq, b, sm_count):
+    """The persistent grid: one block per multiprocessor (``sm_count``), or one per work
+    item (``ceil(nq / BM) · b`` of them) when there are fewer."""
+    return max(min(-(-nq // BM) * b, sm_count), 1)
+
+
 def stages(D):
-    """Ring depth: what fits in shared memory beside Q (227 KiB per block)."""
+    """Ring depth: what fits in shared memory beside Q's two buffers (227 KiB per block)."""
     return 2 if D > 64 else 3
 
 
@@ -70,15 +82,16 @@ def _layout(D):
     sub_q, sub_k = BM * SUB, BN * SUB          # bytes of one 64-column sub-tile
     st = stages(D)
     q_off = 0
-    k_off = q_off + nsub * sub_q
+    k_off = q_off + 2 * nsub * sub_q            # two Q buffers: the next item's loads early
     v_off = k_off + st * nsub * sub_k
     bar_off = v_off + st * nsub * sub_k
     return nsub, sub_q, sub_k, st, q_off, k_off, v_off, bar_off
 
 
 def smem_bytes(D):
-    """Q, the K and V rings, the mbarriers, and room to align the base to 1024 bytes."""
-    return _layout(D)[-1] + 8 * (1 + 2 * stages(D)) + 1024
+    """Q's two buffers, the K and V rings, the mbarriers (full and empty per Q buffer and
+    per stage), and room to align the base to 1024 bytes."""
+    return _layout(D)[-1] + 8 * (4 + 2 * stages(D)) + 1024
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,6 +100,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     warpgroups take turns to issue their products (below), else they issue freely."""
     assert D in HEAD_DIMS, D
     PINGPONG = pingpong
+    LONGEST_FIRST = scores.causal or scores.window   # rows see different numbers of keys
     RAW = not (scores.softcap or scores.alibi)   # scores are scale · q·k: the scale joins exp2's FMA
     NSUB, SUB_Q, SUB_K, STAGES, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D)
     NS = BN // 2                          # S accumulator elements per thread
@@ -201,32 +215,56 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             s[i] = e
         return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
 
+    @cuda.jit(device=True, inline=True)
+    def work_item(i, G, n_qt, B):
+        """The work item at place ``i`` of the persistent schedule (block ``i % G``'s
+        ``i // G``-th): ``(query tile, leading index)``. Without a mask that shortens rows
+        the items are alike and go head by head, query tiles fastest, so the blocks
+        running at once share K and V in L2; with one (causal, window), longest tiles
+        first and leading indices fastest, each round of ``G`` items dealt in alternating
+        directions so that every block gets as much work."""
+        if LONGEST_FIRST:
+            r = i // G
+            w = i
+            if (r & 1) == 1 and (r + 1) * G <= n_qt * B:
+                w = r * G + (G - 1 - (i - r * G))
+            qt = n_qt - 1 - w // B
+            return qt, w - (w // B) * B
+        b = i // n_qt
+        return i - b * n_qt, b
+
+    @cuda.jit(device=True, inline=True)
+    def key_tiles(q0, geo):
+        """``(first key tile, tile count)`` that query tile ``q0`` must visit."""
+        kv_begin, kv_end = key_range(q0, BM, geo)
+        kt0 = kv_begin // BN
+        return kt0, max((max(kv_end, 0) + BN - 1) // BN - kt0, 0)
+
     @cuda.jit(launch_bounds=(THREADS, 1))
     def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
         Nq = out.shape[2]
         B2 = out.shape[1]
         B = out.shape[0] * B2
         n_qt = (Nq + BM - 1) // BM
-        qt = n_qt - 1 - cuda.blockIdx.x // B          # the longest (causal) tiles first
-        b = cuda.blockIdx.x - (cuda.blockIdx.x // B) * B
-        b1 = b // B2
-        b2 = b - b1 * B2
-        q0 = qt * BM
+        n_items = n_qt * B
+        G = cuda.gridDim.x
         diag = nk - Nq
         geo = (nk, diag, left, right)
-        kv_begin, kv_end = key_range(q0, BM, geo)
-        kt0 = kv_begin // BN
-        tiles = max((max(kv_end, 0) + BN - 1) // BN - kt0, 0)
 
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         tid = cuda.threadIdx.x
         base = (H.shared_address(sm) + 1023) & ~1023
-        q_full = base + BAR_OFF                         # then full[STAGES], empty[STAGES]
+        q_full = base + BAR_OFF                 # then q_empty[2], full[STAGES], empty[STAGES]
+        q_empty = q_full + 16
+        full0 = q_full + 32
+        empty0 = full0 + 8 * STAGES
         if tid == 0:
-            H.mbarrier_init(q_full, 1)
+            for buf in range(2):
+                H.mbarrier_init(q_full + 8 * buf, 1)
+                H.mbarrier_init(q_empty + 8 * buf, 2)            # one arrival per consumer
             for st in range(STAGES):
-                H.mbarrier_init(q_full + 8 + 8 * st, 1)                # the producer's expect_tx
-                H.mbarrier_init(q_full + 8 + 8 * STAGES + 8 * st, 2)   # one arrival per consumer
+                H.mbarrier_init(full0 + 8 * st, 1)               # the producer's expect_tx
+                H.mbarrier_init(empty0 + 8 * st, 2)              # one arrival per consumer
             H.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -236,26 +274,41 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.tensormap_acquire(H.global_address(tq))
                 H.tensormap_acquire(H.global_address(tk))
                 H.tensormap_acquire(H.global_address(tv))
-                H.mbarrier_arrive_expect_tx(q_full, NSUB * SUB_Q)
-                for sub in range(NSUB):
-                    H.tma_load_4d(base + Q_OFF + sub * SUB_Q, H.global_address(tq), 64 * sub, q0, b2, b1, q_full)
-                b2k = b2 // group
                 st = 0
                 phase = 0
-                for j in range(tiles):
-                    full = q_full + 8 + 8 * st
-                    if j >= STAGES:      # the consumers released the stage's previous tile
-                        wait_phase(full + 8 * STAGES, phase ^ 1)
-                    H.mbarrier_arrive_expect_tx(full, TILE_BYTES)
-                    k0 = (kt0 + j) * BN
-                    for sub in range(NSUB):
-                        at = (st * NSUB + sub) * SUB_K
-                        H.tma_load_4d(base + K_OFF + at, H.global_address(tk), 64 * sub, k0, b2k, b1, full)
-                        H.tma_load_4d(base + V_OFF + at, H.global_address(tv), 64 * sub, k0, b2k, b1, full)
-                    st += 1
-                    if st == STAGES:
-                        st = 0
-                        phase ^= 1
+                loads = 0                # K/V tiles issued so far (all items)
+                n_q = 0                  # Q tiles issued so far
+                for i in range(cuda.blockIdx.x, n_items, G):
+                    qt, b = work_item(i, G, n_qt, B)
+                    b1 = b // B2
+                    b2 = b - b1 * B2
+                    q0 = qt * BM
+                    kt0, tiles = key_tiles(q0, geo)
+                    if tiles > 0:
+                        buf = n_q & 1
+                        if n_q >= 2:     # both consumers are done with the buffer's previous Q
+                            wait_phase(q_empty + 8 * buf, ((n_q >> 1) - 1) & 1)
+                        H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
+                        for sub in range(NSUB):
+                            H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
+                                          64 * sub, q0, b2, b1, q_full + 8 * buf)
+                        n_q += 1
+                        b2k = b2 // group
+                        for j in range(tiles):
+                            full = full0 + 8 * st
+                            if loads >= STAGES:      # the consumers released the stage's previous tile
+                                wait_phase(empty0 + 8 * st, phase ^ 1)
+                            H.mbarrier_arrive_expect_tx(full, TILE_BYTES)
+                            k0 = (kt0 + j) * BN
+                            for sub in range(NSUB):
+                                at = (st * NSUB + sub) * SUB_K
+                                H.tma_load_4d(base + K_OFF + at, H.global_address(tk), 64 * sub, k0, b2k, b1, full)
+                                H.tma_load_4d(base + V_OFF + at, H.global_address(tv), 64 * sub, k0, b2k, b1, full)
+                            loads += 1
+                            st += 1
+                            if st == STAGES:
+                                st = 0
+                                phase ^= 1
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
@@ -265,94 +318,105 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         w = (ct >> 5) & 3
         g = (ct & 31) >> 2
         tq4 = ct & 3
-        r0 = q0 + ROWS * wg                    # this warpgroup's first row
-        row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
-        q_at = base + Q_OFF + ROWS * wg * SUB
-        sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
-        lo0, hi0 = row_keys(row0, geo)
-        lo1, hi1 = row_keys(row0 + 8, geo)
         s = cuda.local.array(NS, numba.float32)
         p = cuda.local.array(NP, numba.uint32)
-        m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
-        o0 = zeros_o()
-        o1 = zeros_o()
-        if tiles > 0:
-            # tile 0 alone, then per tile j: S_j and P_{j-1} V_{j-1} in flight during the
-            # softmax of S_j; the last tile's P V after the loop (no branch around a product,
-            # so the compiler keeps the products asynchronous)
-            wait_phase(q_full, 0)
-            wait_phase(q_full + 8, 0)
-            if wg == 1:
-                their_turn(wg)                     # warpgroup 0 issues first
-            my_turn(wg)
-            H.wgmma_fence()
-            acc = qk(q_at, base + K_OFF)
-            H.wgmma_commit()
-            their_turn(wg)
-            wait0()
-            H.to_array(acc, s)
-            m0, m1, l0, l1, alpha0, alpha1 = softmax(s, kt0 * BN, row0, tq4, r0, m0, m1, l0, l1,
-                                                     lo0, hi0, lo1, hi1, geo, diag, sc)
-            for i in range(NP):
-                p[i] = pack(s[2 * i], s[2 * i + 1])
-            prev = 0                               # the stage of tile j - 1
-            st = 1 % STAGES
-            phase = 1 if STAGES == 1 else 0
-            for j in range(1, tiles):
-                wait_phase(q_full + 8 + 8 * st, phase)
+        st = 0                                   # the ring's stage and phase, across items
+        phase = 0
+        n_q = 0
+        for i in range(cuda.blockIdx.x, n_items, G):
+            qt, b = work_item(i, G, n_qt, B)
+            b1 = b // B2
+            b2 = b - b1 * B2
+            q0 = qt * BM
+            kt0, tiles = key_tiles(q0, geo)
+            r0 = q0 + ROWS * wg                    # this warpgroup's first row
+            row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
+            buf = n_q & 1
+            q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
+            sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+            lo0, hi0 = row_keys(row0, geo)
+            lo1, hi1 = row_keys(row0 + 8, geo)
+            m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
+            o0 = zeros_o()
+            o1 = zeros_o()
+            if tiles > 0:
+                # tile 0 alone, then per tile j: S_j and P_{j-1} V_{j-1} in flight during the
+                # softmax of S_j; the last tile's P V after the loop (no branch around a product,
+                # so the compiler keeps the products asynchronous)
+                wait_phase(q_full + 8 * buf, (n_q >> 1) & 1)
+                n_q += 1
+                wait_phase(full0 + 8 * st, phase)
+                if wg == 1:
+                    their_turn(wg)                     # warpgroup 0 issues first
                 my_turn(wg)
                 H.wgmma_fence()
                 acc = qk(q_at, base + K_OFF + st * NSUB * SUB_K)
                 H.wgmma_commit()
-                o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
-                H.wgmma_commit()
                 their_turn(wg)
-                wait1()
+                wait0()
                 H.to_array(acc, s)
-                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, (kt0 + j) * BN, row0, tq4, r0, m0, m1, l0, l1,
+                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, kt0 * BN, row0, tq4, r0, m0, m1, l0, l1,
                                                          lo0, hi0, lo1, hi1, geo, diag, sc)
-                wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
-                release(ct, q_full + 8 + 8 * STAGES + 8 * prev)
-                o0 = H.scale_rows(o0, alpha0, alpha1)
-                o1 = H.scale_rows(o1, alpha0, alpha1)
-                for i in range(NP):
-                    p[i] = pack(s[2 * i], s[2 * i + 1])
-                prev = st
+                for k in range(NP):
+                    p[k] = pack(s[2 * k], s[2 * k + 1])
+                prev = st                              # the stage of tile j - 1
                 st += 1
                 if st == STAGES:
                     st = 0
                     phase ^= 1
-            H.wgmma_fence()
-            o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
-            H.wgmma_commit()
-            wait0()
-            if wg == 0:
-                my_turn(wg)        # warpgroup 1's last turn: no barrier is left half-arrived
+                for j in range(1, tiles):
+                    wait_phase(full0 + 8 * st, phase)
+                    my_turn(wg)
+                    H.wgmma_fence()
+                    acc = qk(q_at, base + K_OFF + st * NSUB * SUB_K)
+                    H.wgmma_commit()
+                    o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
+                    H.wgmma_commit()
+                    their_turn(wg)
+                    wait1()
+                    H.to_array(acc, s)
+                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, (kt0 + j) * BN, row0, tq4, r0, m0, m1, l0, l1,
+                                                             lo0, hi0, lo1, hi1, geo, diag, sc)
+                    wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
+                    release(ct, empty0 + 8 * prev)
+                    o0 = H.scale_rows(o0, alpha0, alpha1)
+                    o1 = H.scale_rows(o1, alpha0, alpha1)
+                    for k in range(NP):
+                        p[k] = pack(s[2 * k], s[2 * k + 1])
+                    prev = st
+                    st += 1
+                    if st == STAGES:
+                        st = 0
+                        phase ^= 1
+                release(ct, q_empty + 8 * buf)         # every Q K^T of the item has completed
+                H.wgmma_fence()
+                o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
+                H.wgmma_commit()
+                wait0()
+                release(ct, empty0 + 8 * prev)
+                if wg == 0:
+                    my_turn(wg)        # warpgroup 1's last turn: no barrier is left half-arrived
 
-        # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------------
-        for off in (1, 2):
-            l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
-            l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
-        inv0 = ZERO if l0 == ZERO else F32(1) / l0   # no visible key: 0, lse -inf
-        inv1 = ZERO if l1 == ZERO else F32(1) / l1
-        for i in range(0, 32, 2):                   # elements i, i + 1: one row, two columns
-            h = (i >> 1) & 1
-            row = row0 + 8 * h
-            inv = inv1 if h else inv0
-            if row < Nq:
-                col = 8 * (i >> 2) + 2 * tq4
-                bits = pack(o0[i] * inv, o0[i + 1] * inv)
-                out[b1, b2, row, col] = numba.uint16(bits & 0xFFFF)
-                out[b1, b2, row, col + 1] = numba.uint16(bits >> 16)
-                if NSUB == 2:
-                    bits = pack(o1[i] * inv, o1[i + 1] * inv)
-                    out[b1, b2, row, 64 + col] = numba.uint16(bits & 0xFFFF)
-                    out[b1, b2, row, 64 + col + 1] = numba.uint16(bits >> 16)
-        if tq4 == 0:
-            if row0 < Nq:
-                lse[b1, b2, row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
-            if row0 + 8 < Nq:
-                lse[b1, b2, row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+            # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 -----------------------------------
+            for off in (1, 2):
+                l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
+                l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
+            inv0 = ZERO if l0 == ZERO else F32(1) / l0   # no visible key: 0, lse -inf
+            inv1 = ZERO if l1 == ZERO else F32(1) / l1
+            for k in range(0, 32, 2):                   # elements k, k + 1: one row, two columns
+                h = (k >> 1) & 1
+                row = row0 + 8 * h
+                inv = inv1 if h else inv0
+                if row < Nq:
+                    col = 4 * (k >> 2) + tq4            # a pair of columns: 2 col, 2 col + 1
+                    out[b1, b2, row, col] = pack(o0[k] * inv, o0[k + 1] * inv)
+                    if NSUB == 2:
+                        out[b1, b2, row, 32 + col] = pack(o1[k] * inv, o1[k + 1] * inv)
+            if tq4 == 0:
+                if row0 < Nq:
+                    lse[b1, b2, row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
+                if row0 + 8 < Nq:
+                    lse[b1, b2, row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
 
     forward.smem_bytes = smem_bytes(D)
     return forward
