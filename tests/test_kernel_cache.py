@@ -424,7 +424,8 @@ def test_report_names_the_cache(monkeypatch, tmp_path):
     text = report()
     line = next(l for l in text.splitlines() if l.startswith("kernel cache"))
     assert str(tmp_path / "reported") in line and "0 entries" in line
-    assert ("off" in line) is numba_flash.SIMULATOR
+    state = line.split(":", 1)[1].split(";")[0].split()[0]
+    assert state == ("off" if numba_flash.SIMULATOR else "on"), line
 
 
 # --------------------------------------------------------------------------- on a GPU
@@ -455,7 +456,7 @@ print(json.dumps({"stats": _kernel_cache.stats, "digest": digest.hexdigest(),
 
 def _run(code, cache, **env):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=project_env(NUMBA_FLASH_CACHE_DIR=str(cache), NUMBA_FLASH_CACHE=None, **env),
+                          env=project_env(**{"NUMBA_FLASH_CACHE_DIR": str(cache), "NUMBA_FLASH_CACHE": None, **env}),
                           timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.splitlines()[-1])
