@@ -48,10 +48,11 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     views = inp.kernel_views([q, out, lse, slopes], [k, v])
     seqs = () if inp.packed is None else (inp.packed.table, inp.packed.pages, inp.packed.page_size)
     if spec.variant == "forward_wgmma":
-        maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in views]
-        pairs = [_arrays.pairs_view(o4) for _, o4, _, _, _, _ in views]
-        if None not in maps and None not in pairs:
-            return _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count)
+        hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
+        maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in hviews]
+        pairs = [_arrays.pairs_view(o4) for _, o4, _, _, _, _ in hviews]
+        if hviews and all(x is not None for x in maps + pairs):     # (arrays compare elementwise)
+            return _hopper_launches(inp, spec, hviews, maps, pairs, score_args, sm_count)
         spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
@@ -68,6 +69,27 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     return launches
 
 
+def _heads_views(inp, arrays):
+    """Grouped query heads for the Hopper family, which reads K/V head ``h // group`` for
+    query head ``h`` itself: each array ``(*L, H, *tail)`` (q, out, lse, slopes: ``H = Hq``;
+    k, v: ``Hkv``) as ``(X, H, *tail)``, ``L`` folded into one axis; ``[]`` where an
+    array's leading strides do not fold."""
+    h = len(inp.lead) - 1
+    folded = []
+    for a in arrays:
+        shape, strides = tuple(a.shape), tuple(a.strides)
+        x, xs = 1, 0
+        for n, s in zip(reversed(shape[:h]), reversed(strides[:h])):    # innermost first
+            if n == 1:
+                continue
+            if x > 1 and s != xs * x:
+                return []
+            xs = s if x == 1 else xs
+            x *= n
+        folded.append(_arrays.strided_view(a, (x,) + shape[h:], (xs,) + strides[h:]))
+    return [tuple(folded)]
+
+
 def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps, its
     output as pairs of 16-bit values (``_arrays.pairs_view``), on a persistent grid
@@ -76,7 +98,7 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
     grid(inp, inp.nq, 1, t.BM, t.DO)       # the limits' check
     return [(kern, forward_wgmma.grid_size(inp.nq, q4.shape[0] * q4.shape[1], sm_count), t.threads, spec.smem_bytes,
-             (*tmaps, o2, l3, inp.nk, 1, scale_log2, *score_args, s3), inp.stream)
+             (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, s3), inp.stream)
             for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs)]
 
 

@@ -120,8 +120,16 @@ def test_hopper_family_through_the_api(case, monkeypatch):
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
     assert registry.forward_specialisation(case.dtype, case.d, registry.FULL, True, cc=(9, 0)).variant == "forward_wgmma"
     q, k, v = case.inputs()
+    _assert_hopper_launch(q, k, v, causal=case.causal, scale=case.scale)
     out, lse = _run(case, q, k, v, on_device=case.device)
     check_forward_low(out, lse, q, k, v, case.causal, case.scale)
+
+
+def _assert_hopper_launch(q, k, v, **options):
+    """The call's forward launch is the Hopper family's (no silent fallback)."""
+    from numba_flash import api
+    _, launches = api.plan_forward(q, k, v, **options)
+    assert "forward_wgmma" in launches[-1][0].py_func.__module__, launches[-1][0].py_func.__module__
 
 
 @pytest.mark.parametrize("pingpong", [True, False])
@@ -142,8 +150,29 @@ def test_hopper_family_score_rules(pingpong, monkeypatch):
     q = rng.standard_normal((2, 70, 64)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((2, 140, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
     opts = {"window": (40, 7), "softcap": 3.0, "alibi_slopes": np.array([0.25, 0.0625], np.float32)}
+    _assert_hopper_launch(q, k, v, **opts)
     out, lse = numba_flash.attention_fwd(q, k, v, **opts)
     check_forward_low(out, lse, q, k, v, opts, None)
+
+
+@pytest.mark.parametrize("hkv", [2, 1])
+def test_hopper_family_grouped_heads(hkv, monkeypatch):
+    """Grouped-query heads (and MQA) on the Hopper family: the kernel reads K/V head
+    ``h // group`` through K/V's own tensor maps (no repeated view); the launch is checked
+    to be the family's, and the result against the oracle."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    from numba_flash import api
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    rng = np.random.default_rng(20 + hkv)
+    q = rng.standard_normal((2, 4, 70, 64)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((2, hkv, 90, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    _, launches = api.plan_forward(q, k, v, causal=True)
+    assert "forward_wgmma" in launches[-1][0].py_func.__module__ and launches[-1][4][6] == 4 // hkv
+    out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+    check_forward_low(out, lse, q, k, v, True, None)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

@@ -13,7 +13,8 @@ kernels); ``--serving``: the packed-row kernels instead (a varlen batch forward 
 backward, contiguous and paged KV caches with appends, the one-warp decoding kernel with
 key splits forced, grouped query heads, merge_attention), every dtype they take;
 ``--hopper``: the Hopper forward family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU)
-at ragged shapes of the head dims it takes, float16 and bfloat16.
+at ragged shapes of the head dims it takes, float16 and bfloat16, on a grid of three
+persistent blocks (each takes several work items; ``--quick``: the first shape only).
 """
 import os
 import sys
@@ -133,6 +134,18 @@ def _kvcache(rng, npdt, dt, tol, paged, forced):
     return bad
 
 
+def _few_blocks(blocks=3):
+    """Report ``blocks`` multiprocessors to the launches, so the Hopper family's persistent
+    blocks each take several work items at these small shapes."""
+    from numba_flash import api
+    facts = api._device_facts
+
+    def few():
+        _, smem, cc = facts()
+        return blocks, smem, cc
+    api._device_facts = few
+
+
 def main():
     rng = np.random.default_rng(0)
     if "--serving" in sys.argv:
@@ -145,7 +158,8 @@ def main():
         shapes, options, dtypes = SHAPES[1:2], OPTIONS[4:], DTYPES[::3]
     if "--hopper" in sys.argv:
         os.environ["NUMBA_FLASH_HOPPER"] = "1"
-        shapes = HOPPER_SHAPES
+        shapes = HOPPER_SHAPES[:1] if "--quick" in sys.argv else HOPPER_SHAPES
+        _few_blocks()
     if "--low" in sys.argv or "--hopper" in sys.argv:
         dtypes = [(dt, tol) for dt, tol in dtypes if dt in ("float16", "bfloat16")]
     for (hq, hkv, nq, nk, d) in shapes:

@@ -8,11 +8,14 @@ and the next item's Q and first K/V tiles load while the consumers finish the la
 A block has 384 threads in three warpgroups:
 
 * warpgroup 0 produces: it gives registers up (``setmaxnreg``), and one thread issues the
-  TMA loads of Q (once) and of the K and V tiles (``BN = 128`` keys) into a ``STAGES``-deep
-  shared-memory ring. Per stage a ``full`` mbarrier says the tile landed (its transaction
-  count is the tile's bytes) and an ``empty`` one that both consumers are done with it;
-  Q has a ``full`` and an ``empty`` mbarrier of its own. The ring's stages and phases run
-  on across items.
+  TMA loads of each item's Q (into one of ``QBUF`` buffers) and of its K and V tiles
+  (``BN = 128`` keys) into two ``STAGES``-deep shared-memory rings, in the order the
+  consumers use them: K_0, then K_j with V_{j−1}. Per Q buffer and per stage of each ring a
+  ``full`` mbarrier says the tile landed (its transaction count is the tile's bytes) and an
+  ``empty`` one that both consumers are done with it: K_j's stage frees as soon as S_j is
+  computed, a product before V_j's, so the next K tiles load a whole tile earlier than
+  with one barrier per stage (measured: with one, the consumers spent most of their stalls
+  waiting for K/V). The rings' stages and phases run on across items.
 * warpgroups 1 and 2 consume, 64 query rows each, with the registers the producer gave up.
   Per key tile ``j``: S_j = Q K_jᵀ (``wgmma`` m64n128k16 from 128-byte-swizzled shared
   memory, d / 16 products), then O += P_{j−1} V_{j−1} (P from registers, V as a transposed
@@ -72,37 +75,40 @@ def grid_size(nq, b, sm_count):
     return max(min(-(-nq // BM) * b, sm_count), 1)
 
 
-def stages(D):
-    """Ring depth: what fits in shared memory beside Q's two buffers (227 KiB per block)."""
-    return 2 if D > 64 else 3
+def buffers(D):
+    """``(Q buffers, ring stages)`` for head dim ``D``: what fits in 227 KiB per block."""
+    return (1, 3) if D > 64 else (2, 4)
 
 
-def _layout(D):
+def _layout(D, qbuf, stages):
     nsub = D // 64
     sub_q, sub_k = BM * SUB, BN * SUB          # bytes of one 64-column sub-tile
-    st = stages(D)
     q_off = 0
-    k_off = q_off + 2 * nsub * sub_q            # two Q buffers: the next item's loads early
-    v_off = k_off + st * nsub * sub_k
-    bar_off = v_off + st * nsub * sub_k
-    return nsub, sub_q, sub_k, st, q_off, k_off, v_off, bar_off
+    k_off = q_off + qbuf * nsub * sub_q
+    v_off = k_off + stages * nsub * sub_k
+    bar_off = v_off + stages * nsub * sub_k
+    return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
 
 
-def smem_bytes(D):
-    """Q's two buffers, the K and V rings, the mbarriers (full and empty per Q buffer and
-    per stage), and room to align the base to 1024 bytes."""
-    return _layout(D)[-1] + 8 * (4 + 2 * stages(D)) + 1024
+def smem_bytes(D, qbuf=None, stages=None):
+    """Q's buffers, the K and V rings, the mbarriers (full and empty per Q buffer, per K
+    stage and per V stage), and room to align the base to 1024 bytes."""
+    qbuf, stages = buffers(D) if qbuf is None else (qbuf, stages)
+    return _layout(D, qbuf, stages)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
 @functools.lru_cache(maxsize=None)
-def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True):
+def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
+                       stages: int = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
-    warpgroups take turns to issue their products (below), else they issue freely."""
+    warpgroups take turns to issue their products (below), else they issue freely;
+    ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`)."""
     assert D in HEAD_DIMS, D
+    QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
     LONGEST_FIRST = scores.causal or scores.window   # rows see different numbers of keys
     RAW = not (scores.softcap or scores.alibi)   # scores are scale · q·k: the scale joins exp2's FMA
-    NSUB, SUB_Q, SUB_K, STAGES, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D)
+    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES)
     NS = BN // 2                          # S accumulator elements per thread
     NP = NS // 2                          # the same, packed in 16-bit pairs
     s_mma = H.wgmma(BN, dtype_name)
@@ -116,7 +122,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         scores, "float32", SOFTCAP_TANH[dtype_name])
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
-    TILE_BYTES = 2 * NSUB * SUB_K         # K and V of one stage
+    TILE_BYTES = NSUB * SUB_K             # K or V of one stage
 
     @cuda.jit(device=True, inline=True)
     def wait_phase(bar, parity):
@@ -240,6 +246,29 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         kt0 = kv_begin // BN
         return kt0, max((max(kv_end, 0) + BN - 1) // BN - kt0, 0)
 
+    @cuda.jit(device=True, inline=True)
+    def load(ring, tmap, full0, empty0, st, phase, count, k0, b2k, b1):
+        """The producer's load of one K or V tile (``ring``: the ring's first byte) into
+        stage ``st``, once the consumers released the stage's previous tile (``count``:
+        tiles of this ring loaded so far); returns the next ``(st, phase, count)``."""
+        if count >= STAGES:
+            wait_phase(empty0 + 8 * st, phase ^ 1)
+        H.mbarrier_arrive_expect_tx(full0 + 8 * st, TILE_BYTES)
+        for sub in range(NSUB):
+            H.tma_load_4d(ring + (st * NSUB + sub) * SUB_K, tmap, 64 * sub, k0, b2k, b1, full0 + 8 * st)
+        st += 1
+        if st == STAGES:
+            st = 0
+            phase ^= 1
+        return st, phase, count + 1
+
+    @cuda.jit(device=True, inline=True)
+    def advance(st, phase):
+        st += 1
+        if st == STAGES:
+            return 0, phase ^ 1
+        return st, phase
+
     @cuda.jit(launch_bounds=(THREADS, 1))
     def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
         Nq = out.shape[2]
@@ -254,17 +283,21 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         tid = cuda.threadIdx.x
         base = (H.shared_address(sm) + 1023) & ~1023
-        q_full = base + BAR_OFF                 # then q_empty[2], full[STAGES], empty[STAGES]
-        q_empty = q_full + 16
-        full0 = q_full + 32
-        empty0 = full0 + 8 * STAGES
+        q_full = base + BAR_OFF       # then q_empty[QBUF], full_k, empty_k, full_v, empty_v [STAGES]
+        q_empty = q_full + 8 * QBUF
+        full_k = q_empty + 8 * QBUF
+        empty_k = full_k + 8 * STAGES
+        full_v = empty_k + 8 * STAGES
+        empty_v = full_v + 8 * STAGES
         if tid == 0:
-            for buf in range(2):
+            for buf in range(QBUF):
                 H.mbarrier_init(q_full + 8 * buf, 1)
                 H.mbarrier_init(q_empty + 8 * buf, 2)            # one arrival per consumer
             for st in range(STAGES):
-                H.mbarrier_init(full0 + 8 * st, 1)               # the producer's expect_tx
-                H.mbarrier_init(empty0 + 8 * st, 2)              # one arrival per consumer
+                H.mbarrier_init(full_k + 8 * st, 1)              # the producer's expect_tx
+                H.mbarrier_init(empty_k + 8 * st, 2)             # one arrival per consumer
+                H.mbarrier_init(full_v + 8 * st, 1)
+                H.mbarrier_init(empty_v + 8 * st, 2)
             H.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -274,10 +307,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.tensormap_acquire(H.global_address(tq))
                 H.tensormap_acquire(H.global_address(tk))
                 H.tensormap_acquire(H.global_address(tv))
-                st = 0
-                phase = 0
-                loads = 0                # K/V tiles issued so far (all items)
-                n_q = 0                  # Q tiles issued so far
+                ak, bk, ck = 0, 0, 0     # K ring: stage, phase, tiles loaded (all items)
+                av, bv, cv = 0, 0, 0     # V ring
+                n_q = 0                  # Q tiles loaded so far
                 for i in range(cuda.blockIdx.x, n_items, G):
                     qt, b = work_item(i, G, n_qt, B)
                     b1 = b // B2
@@ -285,30 +317,25 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     q0 = qt * BM
                     kt0, tiles = key_tiles(q0, geo)
                     if tiles > 0:
-                        buf = n_q & 1
-                        if n_q >= 2:     # both consumers are done with the buffer's previous Q
-                            wait_phase(q_empty + 8 * buf, ((n_q >> 1) - 1) & 1)
+                        buf = n_q % QBUF
+                        if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
+                            wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
                         H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
                         for sub in range(NSUB):
                             H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
                                           64 * sub, q0, b2, b1, q_full + 8 * buf)
                         n_q += 1
                         b2k = b2 // group
-                        for j in range(tiles):
-                            full = full0 + 8 * st
-                            if loads >= STAGES:      # the consumers released the stage's previous tile
-                                wait_phase(empty0 + 8 * st, phase ^ 1)
-                            H.mbarrier_arrive_expect_tx(full, TILE_BYTES)
-                            k0 = (kt0 + j) * BN
-                            for sub in range(NSUB):
-                                at = (st * NSUB + sub) * SUB_K
-                                H.tma_load_4d(base + K_OFF + at, H.global_address(tk), 64 * sub, k0, b2k, b1, full)
-                                H.tma_load_4d(base + V_OFF + at, H.global_address(tv), 64 * sub, k0, b2k, b1, full)
-                            loads += 1
-                            st += 1
-                            if st == STAGES:
-                                st = 0
-                                phase ^= 1
+                        # K_0, then K_j with V_{j-1}: the order the consumers use them in
+                        ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                                          ak, bk, ck, kt0 * BN, b2k, b1)
+                        for j in range(1, tiles):
+                            ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                                              ak, bk, ck, (kt0 + j) * BN, b2k, b1)
+                            av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                                              av, bv, cv, (kt0 + j - 1) * BN, b2k, b1)
+                        av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                                          av, bv, cv, (kt0 + tiles - 1) * BN, b2k, b1)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
@@ -320,8 +347,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         tq4 = ct & 3
         s = cuda.local.array(NS, numba.float32)
         p = cuda.local.array(NP, numba.uint32)
-        st = 0                                   # the ring's stage and phase, across items
-        phase = 0
+        ak, bk = 0, 0                            # the K ring's stage and phase, across items
+        av, bv = 0, 0                            # the V ring's
         n_q = 0
         for i in range(cuda.blockIdx.x, n_items, G):
             qt, b = work_item(i, G, n_qt, B)
@@ -331,7 +358,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             kt0, tiles = key_tiles(q0, geo)
             r0 = q0 + ROWS * wg                    # this warpgroup's first row
             row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
-            buf = n_q & 1
+            buf = n_q % QBUF
             q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
             sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
             lo0, hi0 = row_keys(row0, geo)
@@ -342,58 +369,57 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             if tiles > 0:
                 # tile 0 alone, then per tile j: S_j and P_{j-1} V_{j-1} in flight during the
                 # softmax of S_j; the last tile's P V after the loop (no branch around a product,
-                # so the compiler keeps the products asynchronous)
-                wait_phase(q_full + 8 * buf, (n_q >> 1) & 1)
+                # so the compiler keeps the products asynchronous). K_j's stage is released once
+                # S_j is done, V_j's once P_j V_j is.
+                wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                 n_q += 1
-                wait_phase(full0 + 8 * st, phase)
+                wait_phase(full_k + 8 * ak, bk)
                 if wg == 1:
                     their_turn(wg)                     # warpgroup 0 issues first
                 my_turn(wg)
                 H.wgmma_fence()
-                acc = qk(q_at, base + K_OFF + st * NSUB * SUB_K)
+                acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
                 H.wgmma_commit()
                 their_turn(wg)
                 wait0()
+                release(ct, empty_k + 8 * ak)
+                ak, bk = advance(ak, bk)
                 H.to_array(acc, s)
                 m0, m1, l0, l1, alpha0, alpha1 = softmax(s, kt0 * BN, row0, tq4, r0, m0, m1, l0, l1,
                                                          lo0, hi0, lo1, hi1, geo, diag, sc)
                 for k in range(NP):
                     p[k] = pack(s[2 * k], s[2 * k + 1])
-                prev = st                              # the stage of tile j - 1
-                st += 1
-                if st == STAGES:
-                    st = 0
-                    phase ^= 1
                 for j in range(1, tiles):
-                    wait_phase(full0 + 8 * st, phase)
+                    wait_phase(full_k + 8 * ak, bk)
                     my_turn(wg)
                     H.wgmma_fence()
-                    acc = qk(q_at, base + K_OFF + st * NSUB * SUB_K)
+                    acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
                     H.wgmma_commit()
-                    o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
+                    wait_phase(full_v + 8 * av, bv)    # V_{j-1}
+                    o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
                     H.wgmma_commit()
                     their_turn(wg)
-                    wait1()
+                    wait1()                            # S_j done: K_j's stage is free
+                    release(ct, empty_k + 8 * ak)
+                    ak, bk = advance(ak, bk)
                     H.to_array(acc, s)
                     m0, m1, l0, l1, alpha0, alpha1 = softmax(s, (kt0 + j) * BN, row0, tq4, r0, m0, m1, l0, l1,
                                                              lo0, hi0, lo1, hi1, geo, diag, sc)
                     wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
-                    release(ct, empty0 + 8 * prev)
+                    release(ct, empty_v + 8 * av)
+                    av, bv = advance(av, bv)
                     o0 = H.scale_rows(o0, alpha0, alpha1)
                     o1 = H.scale_rows(o1, alpha0, alpha1)
                     for k in range(NP):
                         p[k] = pack(s[2 * k], s[2 * k + 1])
-                    prev = st
-                    st += 1
-                    if st == STAGES:
-                        st = 0
-                        phase ^= 1
                 release(ct, q_empty + 8 * buf)         # every Q K^T of the item has completed
+                wait_phase(full_v + 8 * av, bv)
                 H.wgmma_fence()
-                o0, o1 = pv(o0, o1, p, base + V_OFF + prev * NSUB * SUB_K)
+                o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
                 H.wgmma_commit()
                 wait0()
-                release(ct, empty0 + 8 * prev)
+                release(ct, empty_v + 8 * av)
+                av, bv = advance(av, bv)
                 if wg == 0:
                     my_turn(wg)        # warpgroup 1's last turn: no barrier is left half-arrived
 
@@ -418,5 +444,5 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 if row0 + 8 < Nq:
                     lse[b1, b2, row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
 
-    forward.smem_bytes = smem_bytes(D)
+    forward.smem_bytes = smem_bytes(D, QBUF, STAGES)
     return forward
