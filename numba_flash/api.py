@@ -30,8 +30,11 @@ class _Inputs:
     def __init__(self, arrays, options, scale, slopes=None, direction="backward", stream=None):
         names = list(arrays)
         values = list(arrays.values())
-        causal, window, softcap = options
-        self.rules = _scores.parse(causal, window, softcap, slopes is not None)   # with the values
+        causal, window, softcap = options[:3]
+        mods = options[3] if len(options) > 3 else None        # a _ModCall or None
+        self.rules = _scores.parse(causal, window, softcap, slopes is not None,   # with the values
+                                   *(() if mods is None else mods.functions),
+                                   nargs=0 if mods is None else len(mods.args))
         self.scores = self.rules.spec           # the score rules the kernels compile in
         kinds = [_kind(a, n) for n, a in arrays.items()]
         if len(set(kinds)) > 1:
@@ -104,6 +107,7 @@ class _Inputs:
         self.arrays = dict(zip(names, values))
         self.slopes = None if slopes is None else _check_slopes(slopes, self.lead, self.on_device, self.acc_dtype)
         self.packed = None      # packed sequences' table (numba_flash.varlen), set by their entry points
+        self.mod_args = None if mods is None else _device_mod_args(mods.args, self.stream)
 
     def score_args(self, lse):
         """The kernels' score arguments: window sides, softcap factors and the ALiBi slopes
@@ -112,12 +116,38 @@ class _Inputs:
         argument is memory a launch plan knows."""
         left, right = self.rules.band()
         cap_in, cap_out = (self.acc_dtype.type(x) for x in self.rules.cap_args(self.scale))
+        if self.mod_args is not None:
+            return [left, right, cap_in, cap_out], self._mod_ids()
         if self.slopes is not None:
             src = self.device_slopes
             strides = (0,) * (len(self.lead) - len(src.shape)) + tuple(src.strides)
         else:
             src, strides = lse, tuple(lse.strides)[:-1]
         return [left, right, cap_in, cap_out], _arrays.strided_view(src, self.lead + (1,), strides + (0,))
+
+    def _mod_ids(self):
+        """With user functions: per leading index the ALiBi slope (0 without ALiBi), the
+        flattened index ``b`` of the dims before the head axis, the head ``h``, ``Nq`` and
+        ``Nk``, shape ``lead + (5,)`` in the accumulator dtype (exact: lengths < 2**24 are
+        checked), on the device (what ``scores``'s ``score_consts`` reads)."""
+        if max(self.nq, self.nk, self.batch) >= 1 << 24 and self.acc_dtype == np.float32:
+            raise ValueError(f"score_mod/mask_mod take sequences and batches below 2**24 with 16-bit or float32 "
+                             f"inputs, got Nq={self.nq}, Nk={self.nk}, {self.batch} leading indices.")
+        heads = self.lead[-1] if self.lead else 1
+        ids = np.zeros(self.lead + (5,), self.acc_dtype)
+        flat = ids.reshape(-1, 5)
+        n = np.arange(flat.shape[0])
+        flat[:, 1], flat[:, 2], flat[:, 3], flat[:, 4] = n // heads, n % heads, self.nq, self.nk
+        if self.slopes is not None:
+            s = self.device_slopes
+            ids[..., 0] = np.broadcast_to(s.copy_to_host() if hasattr(s, "copy_to_host") else np.asarray(s),
+                                          self.lead)
+        return _arrays.to_device(ids, self.stream)
+
+    def score_tail(self, slopes_view):
+        """The kernels' last score argument: the slopes' view, or with user functions the
+        pair ``(ids view, mod_args)``."""
+        return slopes_view if self.mod_args is None else (slopes_view, self.mod_args)
 
     @functools.cached_property
     def device_slopes(self):
@@ -181,6 +211,51 @@ def _check_heads(q, k, v):
                          f"v {v}. Broadcast or reshape them first; for GQA pass q (..., Hq, Nq, d) and k, v "
                          "(..., Hkv, Nk, d) with Hq % Hkv == 0.")
     return q[-3] // k[-3]
+
+
+class _ModCall:
+    """A call's user functions ``(score_mod, mask_mod, score_mod_grad)`` and its
+    ``mod_args`` as given (calls with them take no launch plan)."""
+
+    def __init__(self, functions, args):
+        self.functions, self.args = functions, args
+
+
+def _mod_call(score_mod, mask_mod, score_mod_grad, mod_args):
+    """The :class:`_ModCall` of the public options, or None without user functions."""
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays and numbers, got {type(mod_args).__name__}. "
+                        "Example: mod_args=(bias_table,) for a score_mod(s, b, h, i, j, table).")
+    if score_mod is None and mask_mod is None and score_mod_grad is None:
+        if len(mod_args):
+            raise ValueError("mod_args were given without a score_mod or mask_mod to read them.")
+        return None
+    return _ModCall((score_mod, mask_mod, score_mod_grad), tuple(mod_args))
+
+
+def _device_mod_args(args, stream):
+    """``mod_args`` as kernel arguments: NumPy arrays copied to the device, CUDA device
+    arrays (Numba, CuPy, PyTorch, JAX) as Numba views, numbers as Python numbers (Numba
+    types ints as int64, floats as float64); anything else a TypeError naming its place."""
+    out = []
+    for i, a in enumerate(args):
+        if isinstance(a, (bool, np.bool_)):
+            out.append(bool(a))
+        elif isinstance(a, numbers.Integral):
+            out.append(int(a))
+        elif isinstance(a, numbers.Real):
+            out.append(float(a))
+        elif isinstance(a, np.ndarray) or _arrays.is_device_array(a):
+            dt = np.dtype(_arrays.logical_dtype(a))
+            if dt.kind not in "biuf" or dt.kind == "f" and dt.itemsize < 4:
+                raise TypeError(f"mod_args[{i}] has dtype {dt}; mod_args arrays must be bool, integer, float32 "
+                                "or float64. Cast it first (e.g. .astype(np.float32)).")
+            out.append(_arrays.to_device(np.ascontiguousarray(a), stream) if isinstance(a, np.ndarray)
+                       else _arrays.as_numba_device(a))
+        else:
+            raise TypeError(f"mod_args[{i}] must be a NumPy or CUDA device array or a number, got "
+                            f"{type(a).__name__}.")
+    return tuple(out)
 
 
 def _check_slopes(slopes, lead, on_device, acc_dtype):
@@ -385,13 +460,13 @@ def plan_forward(q, k, v, causal=False, scale=None, splits=None, *, window=None,
     arguments. ``bench.py`` uses it to time the kernels alone, next to the whole call.
     ``splits`` forces the number of key splits of the CUDA-core kernel (tests, tuning);
     by default :func:`numba_flash.registry.forward_splits` decides."""
-    return _plan_forward(q, k, v, alibi_slopes, causal, scale, window, softcap, splits)[:2]
+    return _plan_forward(q, k, v, alibi_slopes, causal, scale, window, softcap, splits=splits)[:2]
 
 
-def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, splits=None):
+def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, splits=None):
     """:func:`plan_forward`, and a third item: ``capture(stream)``, the call's
     :class:`numba_flash._plans.Plan` (or None) once its launches have run."""
-    inp = _Inputs({"q": q, "k": k, "v": v}, (causal, window, softcap), scale, slopes, "forward")
+    inp = _Inputs({"q": q, "k": k, "v": v}, (causal, window, softcap, mods), scale, slopes, "forward")
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
     lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
     launches, scratch = [], []
@@ -425,6 +500,21 @@ def _run(plan):
     return result()
 
 
+def _run_mods(planned, mods):
+    """:func:`_run` of a call with user functions; Numba's compile errors become a
+    TypeError naming the functions."""
+    try:
+        return _run(planned)
+    except Exception as e:
+        from numba.core.errors import NumbaError
+        if not isinstance(e, NumbaError):
+            raise
+        names = ", ".join(f"{n} {getattr(f, '__qualname__', repr(f))}" for n, f in
+                          zip(("score_mod", "mask_mod", "score_mod_grad"), mods.functions) if f is not None)
+        raise TypeError(f"{names} did not compile into the kernel (mod_args types: "
+                        f"{[type(a).__name__ for a in mods.args]}). Numba says: {str(e).strip()[:1500]}") from e
+
+
 def _call(name, planner, arrays, options):
     """The results in the kind of the call's ``q`` (:func:`_arrays.like`; PyTorch CPU
     tensors go in as NumPy views), computed by :func:`_compute`."""
@@ -436,7 +526,9 @@ def _call(name, planner, arrays, options):
 def _compute(name, planner, arrays, options):
     """A call through its cached launch plan when there is one (:mod:`numba_flash._plans`),
     otherwise through ``planner`` (which then leaves a plan behind)."""
-    options = tuple(tuple(o) if isinstance(o, list) else o for o in options)   # hashable
+    if options[-1] is not None:                # user functions: no launch plan
+        return _run_mods(planner(*arrays, *options), options[-1])
+    options = tuple(tuple(o) if isinstance(o, list) else o for o in options[:-1])   # hashable
     # the family choice, which the environment may change, is part of the plan's signature
     sig = _plans.signature(name, [a for a in arrays if a is not None], options + (registry.hopper_choice(),))
     plan = _plans.lookup(sig)
@@ -444,15 +536,16 @@ def _compute(name, planner, arrays, options):
         found = plan.run(sig, _POISON)
         if found is not None:
             return found
-    planned = planner(*arrays, *options)
+    planned = planner(*arrays, *options, None)
     found = _run(planned)
     if sig is not None and planned[2] is not None:
         _plans.remember(sig, planned[2](sig.stream))
     return found
 
 
-def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
-    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (out, lse)
+def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
+                  score_mod=None, mask_mod=None, mod_args=()):
+    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=()) -> (out, lse)
 
     Exact attention forward: ``out = softmax(scale · q kᵀ [+ score rules]) v`` and the
     log-sum-exp ``lse`` of each row of scores, which :func:`attention_bwd` needs.
@@ -538,11 +631,13 @@ def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=Non
     In the simulator such inputs raise no NumPy ``RuntimeWarning`` from the simulated
     threads; the results are the same as on a GPU.
     """
-    return _call("forward", _plan_forward, (q, k, v, alibi_slopes), (causal, scale, window, softcap))
+    return _call("forward", _plan_forward, (q, k, v, alibi_slopes),
+                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, None, mod_args)))
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
-    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> out
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
+              score_mod=None, mask_mod=None, mod_args=()):
+    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=()) -> out
 
     Exact attention ``out = softmax(scale · q kᵀ [+ score rules]) v``, fused (no
     ``Nq × Nk`` matrix is stored): :func:`attention_fwd` without the ``lse``.
@@ -569,13 +664,14 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
     Raises ``TypeError`` / ``ValueError``, naming the argument and the fix, before any
     kernel runs. Streams, memory and non-finite inputs: see :func:`attention_fwd`.
     """
-    return _call("forward", _plan_forward, (q, k, v, alibi_slopes), (causal, scale, window, softcap))[0]
+    return _call("forward", _plan_forward, (q, k, v, alibi_slopes),
+                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, None, mod_args)))[0]
 
 
 # --------------------------------------------------------------------------- backward
 def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None,
-                  alibi_slopes=None):
-    """attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (dq, dk, dv)
+                  alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+    """attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()) -> (dq, dk, dv)
 
     Gradients of attention: with ``out = softmax(scale · q kᵀ [+ mask]) v`` and a loss
     ``L``, returns ``dL/dq, dL/dk, dL/dv`` given ``dout = dL/d out``. Equivalent to
@@ -607,7 +703,7 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=N
     so equal inputs give bitwise-equal gradients.
     """
     return _call("backward", _plan_backward, (dout, q, k, v, out, lse, alibi_slopes),
-                 (causal, scale, window, softcap))
+                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, score_mod_grad, mod_args)))
 
 
 def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None, *, window=None, softcap=None,
@@ -616,10 +712,14 @@ def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None, *, window=N
     return _plan_backward(dout, q, k, v, out, lse, alibi_slopes, causal, scale, window, softcap)[:2]
 
 
-def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softcap):
+def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softcap, mods=None):
     """:func:`plan_backward`, and a third item: ``capture(stream)`` (see :func:`_plan_forward`)."""
-    inp = _Inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse}, (causal, window, softcap),
-                  scale, slopes)
+    if mods is not None and mods.functions[0] is not None and mods.functions[2] is None:
+        raise ValueError("the backward of a score_mod needs score_mod_grad(score, b, h, i, j, *mod_args), its "
+                         "derivative d score_mod / d score (1.0 for an additive bias): Numba cannot "
+                         "differentiate a function.")
+    inp = _Inputs({"q": q, "k": k, "v": v, "dout": dout, "out": out, "lse": lse},
+                  (causal, window, softcap, mods), scale, slopes)
     dq = inp.empty_like(inp.lead + (inp.nq, inp.d))
     dk = inp.empty_like(inp.lead_k + (inp.nk, inp.d))
     dv = inp.empty_like(inp.lead_k + (inp.nk, inp.d))

@@ -59,7 +59,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     launches = []
     for q4, o4, l3, s3, k4, v4 in views:
         g = grid(inp, inp.nq, q4.shape[0] * q4.shape[1], t.BM, t.DO)
-        tail = (*score_args, s3, *seqs)
+        tail = (*score_args, inp.score_tail(s3), *seqs)
         if spec.variant == "forward_mma":
             launches.append((kern, g, t.threads, spec.smem_bytes, (q4, k4, v4, o4, l3, scale_log2, *tail),
                              inp.stream))
@@ -98,7 +98,7 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
     grid(inp, inp.nq, 1, t.BM, t.DO)       # the limits' check
     return [(kern, forward_wgmma.grid_size(inp.nq, q4.shape[0] * q4.shape[1], sm_count), t.threads, spec.smem_bytes,
-             (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, s3), inp.stream)
+             (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3)), inp.stream)
             for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs)]
 
 
@@ -228,7 +228,7 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
         b = q4.shape[0] * q4.shape[1]
         group = inp.group          # the innermost leading axis of the views, when > 1
         assert group == 1 or q4.shape[1] == group, (q4.shape, group)
-        tail = (*score_args, s3)
+        tail = (*score_args, inp.score_tail(s3))
         stats = (dl3,) if low else (l3, dl3)
         if inp.nq:
             launches.append((k_delta, (-(-n_stats // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,

@@ -10,6 +10,8 @@ For one head, with Q in R^{Nq x d}, K in R^{Nk x d}, V in R^{Nk x dv}::
     S   = scale * Q K^T                      (Nq, Nk), scale = 1/sqrt(d) by default
     S   = c tanh(S / c)                      softcap c (optional)
     S_ij -= slope * |i + Nk - Nq - j|        ALiBi (optional)
+    S_ij = score_mod(S_ij, b, h, i, j, *mod_args)        (optional, a Python function)
+    S_ij = -inf where not mask_mod(b, h, i, j, *mod_args) (optional)
     S_ij = -inf where a mask (causal, window) hides key j from query i
     m_i = max_j S_ij                         (Nq,)
     l_i = sum_j exp(S_ij - m_i)              (Nq,)
@@ -23,7 +25,8 @@ Backward, given dO = dLoss/dO::
     dP    = dO V^T                           (Nq, Nk)
     D_i   = rowsum(dO * O)_i  ("delta")      (Nq,)
     dS    = P * (dP - D)                     (Nq, Nk)
-            (times 1 - tanh^2(scale Q K^T / c) with a softcap)
+            (times 1 - tanh^2(scale Q K^T / c) with a softcap,
+             times score_mod_grad(...) with a score_mod)
     dQ    = scale * dS K                     (Nq, d)
     dK    = scale * dS^T Q                   (Nk, d)
 
@@ -31,8 +34,10 @@ All functions accept any number of leading (batch, head, ...) dims, which
 must be identical for q, k, v, except grouped-query attention: k and v may
 have fewer heads (axis -3) than q, a divisor of q's; query head h reads
 K/V head h // (Hq // Hkv), and dk, dv sum over each group.  The score
-options (causal, window, softcap, alibi_slopes) are those of
-:func:`numba_flash.attention_fwd`.  A query row that
+options (causal, window, softcap, alibi_slopes, score_mod, mask_mod,
+score_mod_grad, mod_args) are those of :func:`numba_flash.attention_fwd`.
+The user functions are called element by element in float64 (slow: for
+test-sized problems).  A query row that
 sees no key at all (causal with Nq > Nk, or Nk == 0) gets O_i = 0,
 L_i = -inf and zero gradients; no NaN and no floating-point warning is ever
 produced for such rows.
@@ -42,7 +47,7 @@ import math
 
 import numpy as np
 
-from .scores import CAUSAL, parse, transform, visible_mask
+from .scores import CAUSAL, apply_mods, parse, transform, visible_mask
 
 __all__ = ["causal_mask", "attention_fwd", "attention", "attention_bwd"]
 
@@ -104,15 +109,18 @@ def _group(q, k):
     return hq // hk
 
 
-def _probs(q, k, scale, options, slopes):
+def _probs(q, k, scale, options, slopes, mods=(None, None, None), mod_args=()):
     """Return (P, lse, grad): softmax probabilities (..., Nq, Nk), lse (..., Nq) and the
     softcap's derivative (1 without one).
 
     Rows with no visible key give P_i = 0 and lse_i = -inf.
     """
-    rules = parse(*options, slopes is not None)
+    rules = parse(*options, slopes is not None, *mods)
     s = scale * np.matmul(q, np.swapaxes(k, -1, -2))  # (..., Nq, Nk)
     s, grad = transform(rules, s, None if slopes is None else np.asarray(slopes, np.float64))
+    s, grad, seen = apply_mods(rules, s, grad, tuple(_host(a) for a in mod_args))
+    if seen is not None:
+        s, grad = np.where(seen, s, -np.inf), np.where(seen, grad, 0.0)
     if rules.spec.masks_keys:
         s = np.where(visible_mask(rules, s.shape[-2], s.shape[-1]), s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True, initial=-np.inf)  # (..., Nq, 1)
@@ -126,6 +134,17 @@ def _probs(q, k, scale, options, slopes):
     return p, lse, grad
 
 
+def _host(a):
+    """A mod argument as the oracle reads it: device arrays (anything with
+    ``copy_to_host``, ``get`` or ``cpu``) copied to NumPy, scalars as they are."""
+    for name in ("copy_to_host", "get"):
+        if hasattr(a, name) and not isinstance(a, np.ndarray):
+            return getattr(a, name)()
+    if hasattr(a, "cpu") and hasattr(a, "numpy"):
+        return a.cpu().numpy()
+    return a
+
+
 def _expand(q, k, v):
     """k, v with their heads repeated to q's (grouped-query attention), and the group size."""
     g = _group(q, k)
@@ -134,8 +153,9 @@ def _expand(q, k, v):
     return k, v, g
 
 
-def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
-    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (out, lse)
+def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
+                  score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None):
+    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None) -> (out, lse)
 
     Attention forward pass in float64.
 
@@ -144,24 +164,27 @@ def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=Non
     lse: (..., Nq) natural-log logsumexp of the scaled visible scores
     (-inf for a row that sees no key).  ``scale`` defaults to 1/sqrt(d);
     ``causal`` uses :func:`causal_mask` (bottom-right aligned).
+    ``score_mod_grad`` is accepted (the backward's option) and not used.
     """
     q, k, v, scale = _prepare(q, k, v, scale)
     k, v, _ = _expand(q, k, v)
-    p, lse, _ = _probs(q, k, scale, (causal, window, softcap), alibi_slopes)
+    p, lse, _ = _probs(q, k, scale, (causal, window, softcap), alibi_slopes, (score_mod, mask_mod, None), mod_args)
     return np.matmul(p, v), lse
 
 
-def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
-    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> out
+def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
+              score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None):
+    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=(), score_mod_grad=None) -> out
 
     ``softmax(scale * q k^T [masked]) v`` in float64, shape (..., Nq, dv): the ``out`` of
     :func:`attention_fwd` (same arguments)."""
     return attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
-                         alibi_slopes=alibi_slopes)[0]
+                         alibi_slopes=alibi_slopes, score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)[0]
 
 
-def attention_bwd(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None):
-    """attention_bwd(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None) -> (dq, dk, dv)
+def attention_bwd(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
+                  score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
+    """attention_bwd(dout, q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()) -> (dq, dk, dv)
 
     Gradients ``(dq, dk, dv)`` of ``sum(out * dout)``, recomputing the forward (so,
     unlike :func:`numba_flash.attention_bwd`, it takes no ``out`` or ``lse``).
@@ -176,7 +199,10 @@ def attention_bwd(dout, q, k, v, *, causal=False, scale=None, window=None, softc
     dout = np.asarray(dout, dtype=np.float64)
     kh, vh = k, v
     k, v, g = _expand(q, k, v)
-    p, _, grad = _probs(q, k, scale, (causal, window, softcap), alibi_slopes)
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("the backward of a score_mod needs score_mod_grad (d score_mod / d score).")
+    p, _, grad = _probs(q, k, scale, (causal, window, softcap), alibi_slopes, (score_mod, mask_mod, score_mod_grad),
+                        mod_args)
     out = np.matmul(p, v)
     pt = np.swapaxes(p, -1, -2)
     dv = np.matmul(pt, dout)

@@ -43,6 +43,29 @@ UNBOUNDED = 1 << 40
 
 
 @dataclasses.dataclass(frozen=True)
+class Mods:
+    """User functions compiled into the kernels (``score_mod``, ``mask_mod`` and, for the
+    backward of a ``score_mod``, ``score_mod_grad``; each None or a plain Python function).
+    Hashable by the functions' identity: kernels are compiled once per set of functions
+    (and per the types of ``mod_args``, as Numba specialises on argument types).
+
+    With ``s`` the score in natural units after softcap and ALiBi, and ``(b, h, i, j)`` the
+    flattened leading index, the query head, the query and the key positions::
+
+        s ← score_mod(s, b, h, i, j, *mod_args)
+        s ← −inf where not mask_mod(b, h, i, j, *mod_args)   (and where causal/window hide j)
+    """
+    score_mod: object = None
+    mask_mod: object = None
+    score_mod_grad: object = None
+    nargs: int = 0          # how many mod_args the kernels pass on (their types are the kernel's argument types)
+
+    def names(self):
+        return "+".join(f"{n}={getattr(f, '__qualname__', repr(f))}" for n, f in
+                        (("score_mod", self.score_mod), ("mask_mod", self.mask_mod)) if f is not None)
+
+
+@dataclasses.dataclass(frozen=True)
 class ScoreSpec:
     """The rules a kernel is compiled for (hashable: kernel factories are cached on it).
 
@@ -65,6 +88,12 @@ class ScoreSpec:
     alibi: bool = False
     packed: bool = False
     paged: bool = False
+    mods: Mods = None   # user functions (score_mod, mask_mod): see Mods
+
+    @property
+    def transforms(self) -> bool:
+        """True if a score is more than ``scale · q·k`` (softcap, ALiBi, a score_mod or mask_mod)."""
+        return self.softcap or self.alibi or self.mods is not None
 
     @property
     def masks_keys(self) -> bool:
@@ -75,7 +104,8 @@ class ScoreSpec:
     def tag(self) -> str:
         """Short name, as used in kernel names (``full``, ``causal``, ``window+softcap``...)."""
         base = "window" if self.window else "causal" if self.causal else "full"
-        return base + "".join(f"+{n}" for n in ("softcap", "alibi", "packed", "paged") if getattr(self, n))
+        return (base + "".join(f"+{n}" for n in ("softcap", "alibi", "packed", "paged") if getattr(self, n))
+                + ("+mods" if self.mods is not None else ""))
 
 
 FULL = ScoreSpec()
@@ -107,12 +137,14 @@ class Scores:
     right: int = None
     softcap: float = None
     alibi: bool = False
+    mods: Mods = None
 
     @property
     def spec(self) -> ScoreSpec:
         causal = self.left is None and self.right == 0
         window = not causal and (self.left is not None or self.right is not None)
-        return ScoreSpec(causal=causal, window=window, softcap=self.softcap is not None, alibi=self.alibi)
+        return ScoreSpec(causal=causal, window=window, softcap=self.softcap is not None, alibi=self.alibi,
+                         mods=self.mods)
 
     def band(self):
         """``(left, right)`` as the kernels take them (unbounded: :data:`UNBOUNDED`)."""
@@ -126,9 +158,19 @@ class Scores:
         return scale / self.softcap, self.softcap * LOG2E
 
 
-def parse(causal=False, window=None, softcap=None, alibi=False) -> Scores:
+def parse(causal=False, window=None, softcap=None, alibi=False, score_mod=None, mask_mod=None,
+          score_mod_grad=None, nargs=0) -> Scores:
     """The :class:`Scores` of the public options, or a ``TypeError``/``ValueError`` that
     names the option and the fix."""
+    mods = None
+    for name, f in (("score_mod", score_mod), ("mask_mod", mask_mod), ("score_mod_grad", score_mod_grad)):
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be a Python function or None, got {f!r}. Example: "
+                            "score_mod=lambda s, b, h, i, j: s - 0.1 * abs(i - j).")
+    if score_mod_grad is not None and score_mod is None:
+        raise ValueError("score_mod_grad was given without a score_mod: pass the score_mod it differentiates.")
+    if score_mod is not None or mask_mod is not None:
+        mods = Mods(score_mod, mask_mod, score_mod_grad, nargs)
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}). "
                         "Pass causal=bool(...) if it is a flag of another type.")
@@ -146,7 +188,7 @@ def parse(causal=False, window=None, softcap=None, alibi=False) -> Scores:
         softcap = float(softcap)
         if not (math.isfinite(softcap) and softcap > 0):
             raise ValueError(f"softcap must be finite and > 0, got {softcap}. Pass None for no softcapping.")
-    return Scores(left, right, softcap, bool(alibi))
+    return Scores(left, right, softcap, bool(alibi), mods)
 
 
 def _window_side(x, name):
@@ -236,6 +278,41 @@ def query_range(scores, k0: int, cols: int, nq: int, nk: int):
     if scores.left is not None:
         end = min(nq, k0 + cols - diag + scores.left)
     return begin, max(end, 0)
+
+
+def apply_mods(scores: Scores, s, grad, mod_args=()):
+    """``(s', grad', visible)``: the user's functions (``scores.mods``) applied to the scores
+    ``s (..., H, Nq, Nk)`` after softcap and ALiBi, element by element in float64 (the
+    oracle's twin of the device rules): ``s' = score_mod(s, b, h, i, j, *mod_args)``,
+    ``grad' = grad · score_mod_grad(...)`` (unchanged without one), ``visible`` the
+    ``mask_mod`` (None without one). ``b`` is the flattened index of the dims before the
+    head axis (``H``; 0 when there are none), ``h`` the head."""
+    mods = scores.mods
+    if mods is None:
+        return s, grad, None
+    nq, nk = s.shape[-2:]
+    heads = s.shape[-3] if s.ndim >= 3 else 1
+    flat_s, flat_g = s.reshape(-1, nq, nk), grad.reshape(-1, nq, nk)
+    out_s, out_g = flat_s.copy(), flat_g.copy()
+    visible = np.ones(flat_s.shape, bool) if mods.mask_mod is not None else None
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    for f in range(flat_s.shape[0]):
+        b, h = divmod(f, heads)
+        if mods.score_mod is not None:
+            # (np.vectorize hands over Python floats, which NumPy 2 lets a float32 operand
+            # round: the user's function gets the score as a NumPy scalar of its dtype)
+            dt = flat_s.dtype.type
+            out_s[f] = np.vectorize(lambda x, i_, j_: float(mods.score_mod(dt(x), b, h, int(i_), int(j_), *mod_args)),
+                                    otypes=[np.float64])(flat_s[f], i, j)
+            if mods.score_mod_grad is not None:
+                out_g[f] = flat_g[f] * np.vectorize(
+                    lambda x, i_, j_: float(mods.score_mod_grad(dt(x), b, h, int(i_), int(j_), *mod_args)),
+                    otypes=[np.float64])(flat_s[f], i, j)
+        if visible is not None:
+            visible[f] = np.vectorize(lambda i_, j_: bool(mods.mask_mod(b, h, int(i_), int(j_), *mod_args)),
+                                      otypes=[bool])(i, j)
+    shape = s.shape
+    return out_s.reshape(shape), out_g.reshape(shape), None if visible is None else visible.reshape(shape)
 
 
 def visible_pairs(scores, nq: int, nk: int) -> int:
@@ -353,6 +430,9 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None)
 
     def score(x, i, j, diag, sc):
         scale_log2, cap_in, cap_out, slope_log2 = sc
+        return builtin_score(x, i, j, diag, scale_log2, cap_in, cap_out, slope_log2)
+
+    def builtin_score(x, i, j, diag, scale_log2, cap_in, cap_out, slope_log2):
         grad = ONE
         if softcap:
             # tanh(u) = 1 − 2 / (e^{2u} + 1): one exp2 and one division, a few times
@@ -378,8 +458,67 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None)
         slope_log2 = slopes[b1, b2, 0] * LOG2E_T if alibi else ZERO
         return scale_log2, cap_in, cap_out, slope_log2
 
-    fns = (row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts)
-    return _device(fns)
+    (builtin_score,) = _device((builtin_score,))     # score's closure sees the device function
+    if spec.mods is None:
+        return _device((row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts))
+    score, score_consts = _mod_rules(spec, builtin_score, DT)
+    return _device((row_keys, in_row, key_range, query_range, tile_needs_mask)) + (score, score_consts)
+
+
+def _mod_rules(spec, builtin_score, DT):
+    """``score`` and ``score_consts`` with the user's functions (:class:`Mods`): ``slopes``
+    is then the pair ``(ids, mod_args)``, ``ids (B1, B2, 5)`` holding per leading index the
+    ALiBi slope, the flattened leading index ``b``, the head ``h``, ``Nq`` and ``Nk``
+    (``api``), and ``mod_args`` the user's tuple; ``sc`` carries them on. The user's
+    functions are called for existing (query, key) pairs only: kernels compute scores of
+    padding rows and columns too (and mask or drop them), and a user function may index
+    a table by position."""
+    alibi = spec.alibi
+    mods = spec.mods
+    HAS_S, HAS_M, HAS_G = (f is not None for f in (mods.score_mod, mods.mask_mod, mods.score_mod_grad))
+    smod, gmod = (_call_with_args(f, True, mods.nargs) for f in (mods.score_mod, mods.score_mod_grad))
+    mmod = _call_with_args(mods.mask_mod, False, mods.nargs)
+    ZERO, LN2_T, LOG2E_T, NEG_INF = DT(0), DT(math.log(2)), DT(LOG2E), DT(-math.inf)
+
+    def score(x, i, j, diag, sc):
+        scale_log2, cap_in, cap_out, slope_log2, b, h, nq, nk, margs = sc
+        y, grad = builtin_score(x, i, j, diag, scale_log2, cap_in, cap_out, slope_log2)
+        if i >= nq or j >= nk:
+            return y, grad
+        if HAS_S:
+            s = y * LN2_T
+            y = DT(smod(s, b, h, i, j, margs)) * LOG2E_T
+            if HAS_G:
+                grad = grad * DT(gmod(s, b, h, i, j, margs))
+        if HAS_M:
+            if not mmod(ZERO, b, h, i, j, margs):
+                y = NEG_INF
+                grad = ZERO
+        return y, grad
+
+    def score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2):
+        ids, margs = slopes
+        slope_log2 = ids[b1, b2, 0] * LOG2E_T if alibi else ZERO
+        return (scale_log2, cap_in, cap_out, slope_log2, int(ids[b1, b2, 1]), int(ids[b1, b2, 2]),
+                int(ids[b1, b2, 3]), int(ids[b1, b2, 4]), margs)
+
+    return _device((score, score_consts))
+
+
+def _call_with_args(f, with_score, nargs):
+    """``call(s, b, h, i, j, margs)``: the user's function ``f`` called with the score
+    (``with_score``: score_mod and its gradient; not mask_mod), the indices and the
+    ``nargs`` items of the tuple ``margs`` spread out, as an inlined device function (Numba
+    cannot inline a call with ``*args``, so the spread is written out, per ``nargs``).
+    ``f`` None: a stand-in never called."""
+    spread = "".join(f", m[{n}]" for n in range(nargs))
+    body = "0" if f is None else f"f({'s, ' if with_score else ''}b, h, i, j{spread})"
+    ns = {}
+    if f is not None:
+        f = getattr(f, "py_func", f)           # a Numba function: inline its Python source
+        ns["f"] = f if SIMULATOR else _device((f,))[0]
+    exec(f"def call(s, b, h, i, j, m):\n    return {body}\n", ns)
+    return _device((ns["call"],))[0]
 
 
 def _device(fns):

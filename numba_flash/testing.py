@@ -41,7 +41,7 @@ TANH_APPROX = 2.0**-11      # tanh.approx.f32's relative error bound (PTX ISA)
 LOW_DTYPES = ("float16", "bfloat16")
 
 
-SCORE_OPTIONS = ("causal", "window", "softcap", "alibi_slopes")
+SCORE_OPTIONS = ("causal", "window", "softcap", "alibi_slopes", "score_mod", "mask_mod", "score_mod_grad", "mod_args")
 
 
 def score_options(options):
@@ -49,10 +49,12 @@ def score_options(options):
     :data:`SCORE_OPTIONS` (keyword arguments of the API and of the oracle).
 
     ``options`` is a bool (the causal mask alone) or a dict with any of ``causal``,
-    ``window``, ``softcap`` and ``alibi_slopes`` (device slopes are copied to the host).
+    ``window``, ``softcap``, ``alibi_slopes``, ``score_mod``, ``mask_mod``,
+    ``score_mod_grad`` and ``mod_args`` (device slopes and device mod_args are copied to the host).
     """
     found = dict.fromkeys(SCORE_OPTIONS)
     found["causal"] = False
+    found["mod_args"] = ()
     if isinstance(options, dict):
         unknown = set(options) - set(SCORE_OPTIONS)
         assert not unknown, f"unknown score options {sorted(unknown)}"
@@ -62,6 +64,7 @@ def score_options(options):
     slopes = found["alibi_slopes"]
     if slopes is not None and not isinstance(slopes, np.ndarray):
         found["alibi_slopes"] = slopes.copy_to_host()
+    found["mod_args"] = tuple(to_numpy(a) if hasattr(a, "shape") else a for a in found["mod_args"])
     return found
 
 
@@ -70,7 +73,8 @@ def score_rules(options):
     dict, see :func:`score_options`) and the ALiBi slopes as a NumPy array (or None)."""
     o = score_options(options)
     slopes = o["alibi_slopes"]
-    return scores.parse(o["causal"], o["window"], o["softcap"], slopes is not None), slopes
+    return scores.parse(o["causal"], o["window"], o["softcap"], slopes is not None, o["score_mod"],
+                        o["mask_mod"], o["score_mod_grad"], nargs=len(o["mod_args"])), slopes
 
 
 def expand_heads(q, *arrays):
@@ -106,9 +110,22 @@ def scores32(q32, k32, causal, scale):
     sc = np.float32(1.0 / math.sqrt(d) if scale is None else scale)
     s = np.matmul(q32, np.swapaxes(k32, -1, -2)) * sc
     s, grad = scores.transform(rules, s, slopes)
+    s, grad, seen = _mods32(rules, s, grad, causal)
     s = np.where(visible_mask(rules, s.shape[-2], s.shape[-1]), s, np.float32(-np.inf))
     assert s.dtype == np.float32 and grad.dtype == np.float32
     return s, grad
+
+
+def _mods32(rules, s, grad, options):
+    """The user functions of ``options`` applied to float32 scores, rounded back to float32
+    (a float32 program calls them on float32 scores); masked scores -inf."""
+    if rules.mods is None:
+        return s, grad, None
+    s64, g64, seen = scores.apply_mods(rules, s, grad, score_options(options)["mod_args"])
+    s, grad = s64.astype(np.float32), g64.astype(np.float32)
+    if seen is not None:
+        s = np.where(seen, s, np.float32(-np.inf))
+    return s, grad, seen
 
 
 def softmax32(q32, k32, causal, scale):
@@ -178,6 +195,12 @@ def rounding_sensitivity(q, k, v, causal, scale, ref_out, ref_lse):
     o3, l3 = np.asarray(ref_out).reshape(-1, nq, d), np.asarray(ref_lse).reshape(-1, nq)
     slopes3 = np.broadcast_to(np.asarray(slopes, np.float64), q.shape[:-2]).reshape(-1) if rules.alibi else None
     mask = visible_mask(rules, nq, nk)
+    modded = None
+    if rules.mods is not None:          # the user's scores, computed whole (test-sized problems)
+        s_all, _ = scores.transform(rules, sc * np.matmul(q, np.swapaxes(k, -1, -2)),
+                                    None if slopes is None else np.asarray(slopes, np.float64))
+        s_all, _, seen = scores.apply_mods(rules, s_all, np.ones_like(s_all), score_options(causal)["mod_args"])
+        modded = (s_all.reshape(-1, nq, nk), None if seen is None else seen.reshape(-1, nq, nk))
     rows = max(1, (1 << 22) // (nk * d))
     s_out = s_lse = 0.0
     for b in range(q3.shape[0]):
@@ -195,6 +218,11 @@ def rounding_sensitivity(q, k, v, causal, scale, ref_out, ref_lse):
                 s = s - bias
                 a = a + np.abs(bias)
             vis = mask[r0:r1] & np.isfinite(lse)
+            if modded is not None:      # a score_mod's output is rounded too: its size joins A
+                s = modded[0][b, r0:r1]
+                a = a + np.abs(np.where(np.isfinite(s), s, 0.0))
+                if modded[1] is not None:
+                    vis = vis & modded[1][b, r0:r1]
             p = np.exp(np.where(vis, s - np.where(np.isfinite(lse), lse, 0.0), -np.inf))
             w = p * a
             s_lse = max(s_lse, _max_abs(w.sum(-1)))
@@ -312,7 +340,7 @@ def check_forward_low(out, lse, q, k, v, causal, scale):
 
 
 def assert_attention_close(out, q, k, v, lse=None, *, causal=False, window=None, softcap=None, alibi_slopes=None,
-                           scale=None):
+                           scale=None, score_mod=None, mask_mod=None, mod_args=()):
     """Assert that ``out`` (and ``lse``, if given: float32 for 16-bit inputs, else the input
     dtype) is softmax attention of ``q, k, v`` with these options, as
     :func:`numba_flash.attention_fwd` defines them, within the tolerance rule above.
@@ -323,7 +351,8 @@ def assert_attention_close(out, q, k, v, lse=None, *, causal=False, window=None,
     q, k, v, out = (to_numpy(x) for x in (q, k, v, out))
     lse = None if lse is None else to_numpy(lse)
     options = {"causal": causal, "window": window, "softcap": softcap,
-               "alibi_slopes": None if alibi_slopes is None else to_numpy(alibi_slopes)}
+               "alibi_slopes": None if alibi_slopes is None else to_numpy(alibi_slopes),
+               "score_mod": score_mod, "mask_mod": mask_mod, "mod_args": mod_args}
     if q.dtype.name in LOW_DTYPES:
         check_forward_low(out, lse, q, k, v, options, scale)
     else:

@@ -107,7 +107,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
     LONGEST_FIRST = scores.causal or scores.window   # rows see different numbers of keys
-    RAW = not (scores.softcap or scores.alibi)   # scores are scale · q·k: the scale joins exp2's FMA
+    RAW = not scores.transforms          # scores are scale · q·k: the scale joins exp2's FMA
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES)
     NS = BN // 2                          # S accumulator elements per thread
     NP = NS // 2                          # the same, packed in 16-bit pairs

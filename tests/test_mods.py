@@ -1,0 +1,229 @@
+"""Programmable attention: ``score_mod`` / ``mask_mod`` / ``mod_args`` (plain Python functions
+compiled into every kernel family) against the float64 oracle given the same functions.
+
+Each function below is ordinary Python: the simulator calls it as it is, a GPU compiles it
+into the kernels. Problems are tiny (the simulator runs them), drawn fresh per test.
+"""
+import subprocess
+import sys
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import numba_flash  # before numba: it decides whether the simulator is needed
+from numba_flash import registry, scores
+from numba_flash.testing import assert_attention_close
+from conftest import ON_GPU, ROOT, project_env
+from test_backward import check_backward
+from test_backward_mma import check_backward_low
+
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
+
+def causal_mask(b, h, i, j):
+    return j <= i
+
+
+def relative_bias(s, b, h, i, j, table, shift):
+    return s + table[h, i - j + shift]
+
+
+def bias_grad(s, b, h, i, j, table, shift):
+    return 1.0
+
+
+def same_document(b, h, i, j, docs):
+    return docs[b, i] == docs[b, j]
+
+
+def scaled(s, b, h, i, j, w):
+    return s * w
+
+
+def scaled_grad(s, b, h, i, j, w):
+    return w
+
+
+def bottom_right(b, h, i, j, table, shift):
+    return j <= i + shift - 69          # 70 queries, 90 keys: causal, bottom-right aligned
+
+
+def nothing_for_odd_rows(b, h, i, j):
+    return i % 2 == 0
+
+
+def _inputs(dtype, lead, nq, nk, d, seed, lead_k=None):
+    rng = np.random.default_rng(seed)
+    npdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q = rng.standard_normal(lead + (nq, d)).astype(npdt)
+    k, v = (rng.standard_normal((lead_k or lead) + (nk, d)).astype(npdt) for _ in range(2))
+    dout = rng.standard_normal(q.shape).astype(npdt)
+    return rng, q, k, v, dout
+
+
+def _check_grads(grads, dout, q, k, v, options):
+    if q.dtype.name in ("float16", "bfloat16"):
+        check_backward_low(grads, dout, q, k, v, options, None)
+    else:
+        check_backward(grads, dout, q, k, v, options, None)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mask_mod_expresses_causal(dtype):
+    """A mask_mod of j <= i gives what causal=True gives (Nq == Nk), forward and backward."""
+    rng, q, k, v, dout = _inputs(dtype, (2,), 17, 17, 16, 1)
+    out, lse = numba_flash.attention_fwd(q, k, v, mask_mod=causal_mask)
+    assert_attention_close(out, q, k, v, lse, causal=True)
+    assert_attention_close(out, q, k, v, lse, mask_mod=causal_mask)
+    grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, mask_mod=causal_mask)
+    _check_grads(grads, dout, q, k, v, {"causal": True})
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_relative_bias_from_a_table(dtype):
+    """A score_mod reading a per-head table of relative-position biases (a NumPy array and
+    an int in mod_args), forward and backward (its gradient 1: an additive bias), Nq != Nk."""
+    rng, q, k, v, dout = _inputs(dtype, (3,), 13, 21, 16, 2)
+    table = rng.standard_normal((3, 13 + 21)).astype(np.float32)
+    options = {"score_mod": relative_bias, "mod_args": (table, 20)}
+    out, lse = numba_flash.attention_fwd(q, k, v, **options)
+    assert_attention_close(out, q, k, v, lse, **options)
+    grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, score_mod_grad=bias_grad, **options)
+    _check_grads(grads, dout, q, k, v, {**options, "score_mod_grad": bias_grad})
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_document_mask_with_every_built_in_rule(dtype):
+    """Document masking (ids in mod_args) with causal, softcap, ALiBi and grouped heads
+    (Hq = 4, Hkv = 2), ragged lengths; rows of the first document see keys of it only."""
+    rng, q, k, v, dout = _inputs(dtype, (1, 4), 23, 23, 16, 3, lead_k=(1, 2))
+    docs = np.sort(rng.integers(0, 3, (1, 23)), axis=1).astype(np.int32)
+    slopes = (2.0 ** -rng.uniform(1, 4, 4)).astype(np.float32)
+    options = {"mask_mod": same_document, "mod_args": (docs,), "causal": True, "softcap": 4.0,
+               "alibi_slopes": slopes}
+    out, lse = numba_flash.attention_fwd(q, k, v, **options)
+    assert_attention_close(out, q, k, v, lse, **options)
+    grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **options)
+    _check_grads(grads, dout, q, k, v, options)
+
+
+def test_score_mod_gradient_is_applied():
+    """A multiplicative score_mod: the backward multiplies dS by score_mod_grad (float64,
+    against the oracle's float64 gradients), with the weight a Python float."""
+    rng, q, k, v, dout = _inputs("float64", (2,), 11, 17, 8, 4)
+    options = {"score_mod": scaled, "score_mod_grad": scaled_grad, "mod_args": (0.37,)}
+    out, lse = numba_flash.attention_fwd(q, k, v, score_mod=scaled, mod_args=(0.37,))
+    assert_attention_close(out, q, k, v, lse, score_mod=scaled, mod_args=(0.37,))
+    grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **options)
+    _check_grads(grads, dout, q, k, v, options)
+    plain = numba_flash.attention_bwd(dout, q, k, v, out, lse, score_mod=scaled, score_mod_grad=bias_grad_1,
+                                      mod_args=(0.37,))
+    assert not np.allclose(plain[0], grads[0]), "the gradient of the score_mod made no difference"
+
+
+def bias_grad_1(s, b, h, i, j, w):
+    return 1.0
+
+
+def test_rows_that_see_nothing_and_device_mod_args():
+    """A mask_mod that hides every key from odd rows: out 0, lse -inf, zero gradient there;
+    mod_args given as device arrays (float32 input)."""
+    from numba import cuda
+    rng, q, k, v, dout = _inputs("float32", (2,), 10, 9, 8, 5)
+    table = rng.standard_normal((2, 19)).astype(np.float32)
+    options = {"mask_mod": nothing_for_odd_rows}
+    out, lse = numba_flash.attention_fwd(q, k, v, **options)
+    assert (out[:, 1::2] == 0).all() and np.isneginf(lse[:, 1::2]).all()
+    assert_attention_close(out, q, k, v, lse, **options)
+    grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **options)
+    assert (grads[0][:, 1::2] == 0).all()
+    dq, dk, dv = (cuda.to_device(x) for x in (q, k, v))
+    o2, l2 = numba_flash.attention_fwd(dq, dk, dv, score_mod=relative_bias, mod_args=(cuda.to_device(table), 9))
+    assert_attention_close(o2, q, k, v, l2, score_mod=relative_bias, mod_args=(table, 9))
+
+
+def test_hopper_family_takes_mods(monkeypatch):
+    """The Hopper family (forced) with a score_mod and a mask_mod: its launch, and the result."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    rng, q, k, v, _ = _inputs("bfloat16", (2,), 70, 90, 64, 6)
+    table = rng.standard_normal((2, 160)).astype(np.float32)
+    options = {"score_mod": relative_bias, "mask_mod": bottom_right, "mod_args": (table, 89)}
+    from numba_flash import families
+    seen = []
+    real = families._hopper_launches
+    monkeypatch.setattr(families, "_hopper_launches", lambda *a: seen.append(1) or real(*a))
+    out, lse = numba_flash.attention_fwd(q, k, v, **options)
+    assert seen, "the Hopper family did not take the call"
+    assert_attention_close(out, q, k, v, lse, **options)
+
+
+def test_kernels_are_cached_per_function_not_per_data():
+    """The compiled rules are keyed by the functions and the number of mod_args only."""
+    a = scores.parse(score_mod=relative_bias, nargs=2).spec
+    assert a == scores.parse(score_mod=relative_bias, nargs=2).spec and hash(a) == hash(scores.parse(
+        score_mod=relative_bias, nargs=2).spec)
+    assert a != scores.parse(score_mod=scaled, nargs=1).spec
+    assert "+mods" in a.tag
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q: numba_flash.attention(q, q, q, score_mod=3), "score_mod must be a Python function"),
+    (lambda q: numba_flash.attention(q, q, q, mask_mod=causal_mask, mod_args=np.zeros(3)), "mod_args must be a tuple"),
+    (lambda q: numba_flash.attention(q, q, q, mod_args=(1,)), "without a score_mod or mask_mod"),
+    (lambda q: numba_flash.attention(q, q, q, mask_mod=causal_mask, mod_args=("x",)), r"mod_args\[0\] must be"),
+    (lambda q: numba_flash.attention(q, q, q, mask_mod=causal_mask, mod_args=(np.zeros(2, np.float16),)),
+     "mod_args arrays must be"),
+    (lambda q: numba_flash.attention_bwd(q, q, q, q, q, q[..., 0], score_mod=scaled, mod_args=(1.0,)),
+     "needs score_mod_grad"),
+    (lambda q: numba_flash.attention_bwd(q, q, q, q, q, q[..., 0], score_mod_grad=scaled_grad, mod_args=(1.0,)),
+     "without a score_mod"),
+])
+def test_bad_mods_get_clear_errors(call, match):
+    q = np.random.default_rng(7).standard_normal((2, 4, 8)).astype(np.float32)
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(q)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="Numba compiles user functions on a GPU (the simulator calls them)")
+def test_a_function_that_does_not_compile_is_named():
+    def uses_a_dict(s, b, h, i, j):
+        return s + {"a": 1.0}["a"]
+    q = np.random.default_rng(8).standard_normal((2, 16, 16)).astype(np.float32)
+    with pytest.raises(TypeError, match="uses_a_dict"):
+        numba_flash.attention(q, q, q, score_mod=uses_a_dict)
+
+
+_PTX = """
+from numba_flash import ptx, registry
+from numba_flash.scores import Mods, ScoreSpec
+import test_mods as m
+spec = ScoreSpec(causal=True, mods=Mods(m.relative_bias, m.same_document3, m.bias_grad, 2))
+for v, cc, want in (("forward_mma", (8, 0), "mma.sync"), ("forward_wgmma", (9, 0, "a"), "wgmma.mma_async"),
+                    ("backward_dq_mma", (8, 0), "mma.sync")):
+    s = registry.specialisation(v, "bfloat16", 64, spec, True)
+    sig = s.signature()
+    at = sig.rindex("float32[:, :, :]")
+    sig = sig[:at] + "Tuple((float32[:, :, :], Tuple((float32[:, ::1], int64))))" + sig[at + len("float32[:, :, :]"):]
+    text = list(ptx.compile_ptx(s.kernel().py_func, sig, [cc], (s.tiling.threads, 1)).values())[0]
+    assert text.count(want) > 0, (v, want)
+    print(v, text.count(want))
+"""
+
+
+def same_document3(b, h, i, j, table, shift):
+    return (i - j) % 3 != 1
+
+
+def test_kernels_with_mods_compile_to_tensor_core_ptx():
+    """Without a GPU: the tensor-core forward (sm_80), the Hopper forward (sm_90a) and the
+    tensor-core dQ kernel compile with a score_mod, a mask_mod and mod_args (a table and an
+    int), and keep their tensor-core instructions."""
+    proc = subprocess.run([sys.executable, "-c", _PTX], cwd=ROOT + "/tests", capture_output=True, text=True,
+                          env=project_env(NUMBA_ENABLE_CUDASIM="0"), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("\n") == 3, proc.stdout
