@@ -398,7 +398,10 @@ class Specialisation:
     def kernel(self):
         """The variant's kernel for this specialisation, tagged with its identity for the
         on-disk kernel cache (``numba_flash._kernel_cache``)."""
-        return _kernel_cache.tag(VARIANTS[self.variant].build(self), self.name, self)
+        kern = VARIANTS[self.variant].build(self)
+        if self.scores.mods is not None:      # a user's functions: no key can see inside them
+            return kern
+        return _kernel_cache.tag(kern, self.name, self)
 
     def signature(self, layout="C"):
         """Numba signature string, for PTX compilation without a GPU."""
