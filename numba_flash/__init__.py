@@ -17,6 +17,9 @@ Serving layouts: :func:`attention_varlen` (packed batches of sequences of differ
 lengths), :func:`attention_with_kvcache` (KV caches, appended in place) and
 :func:`merge_attention` (partial results over disjoint key sets).
 
+Programmable attention: ``score_mod`` / ``mask_mod`` / ``mod_args`` (plain Python
+functions compiled into the kernels) and :func:`block_mask` (docs/programmable.md).
+
 ``numba_flash.reference`` is the float64 NumPy oracle with the same semantics.
 
 Compiled kernels are kept on disk (``~/.cache/numba_flash``; ``NUMBA_FLASH_CACHE_DIR``
@@ -27,6 +30,7 @@ from ._runtime import SIMULATOR, SimulatorWarning  # first: decides the simulato
 from . import _inline_copies, reference
 from ._arrays import release_cached_memory, to_device
 from .api import attention, attention_bwd, attention_fwd
+from .blockmask import BlockMask, block_mask
 from .merge import merge_attention
 from .varlen import attention_varlen, attention_varlen_bwd, attention_varlen_fwd, attention_with_kvcache
 from ._warmup import warmup
@@ -38,5 +42,5 @@ __version__ = "0.1.0"
 __all__ = ["attention", "attention_fwd", "attention_bwd", "attention_varlen", "attention_varlen_fwd",
            "attention_varlen_bwd",
            "attention_with_kvcache", "merge_attention", "reference", "to_device",
-           "release_cached_memory", "warmup", "SIMULATOR",
+           "release_cached_memory", "warmup", "block_mask", "BlockMask", "SIMULATOR",
            "SimulatorWarning"]

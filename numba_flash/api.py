@@ -34,7 +34,9 @@ class _Inputs:
         mods = options[3] if len(options) > 3 else None        # a _ModCall or None
         self.rules = _scores.parse(causal, window, softcap, slopes is not None,   # with the values
                                    *(() if mods is None else mods.functions),
-                                   nargs=0 if mods is None else len(mods.args))
+                                   nargs=0 if mods is None else len(mods.args),
+                                   blocks=mods is not None and mods.block_mask is not None)
+        self.block_mask = None if mods is None else mods.block_mask
         self.scores = self.rules.spec           # the score rules the kernels compile in
         kinds = [_kind(a, n) for n, a in arrays.items()]
         if len(set(kinds)) > 1:
@@ -108,8 +110,10 @@ class _Inputs:
         self.slopes = None if slopes is None else _check_slopes(slopes, self.lead, self.on_device, self.acc_dtype)
         self.packed = None      # packed sequences' table (numba_flash.varlen), set by their entry points
         self.mod_args = None if mods is None else _device_mod_args(mods.args, self.stream)
+        if self.block_mask is not None:
+            _check_block_mask(self.block_mask, self.lead, self.nq, self.nk)
 
-    def score_args(self, lse):
+    def score_args(self, lse, rows=None):
         """The kernels' score arguments: window sides, softcap factors and the ALiBi slopes
         as a ``lead + (1,)`` view (stride 0 on the last axis, as the kernels type it);
         without ALiBi a view of ``lse`` (the right type, never read), so that every
@@ -117,7 +121,7 @@ class _Inputs:
         left, right = self.rules.band()
         cap_in, cap_out = (self.acc_dtype.type(x) for x in self.rules.cap_args(self.scale))
         if self.mod_args is not None:
-            return [left, right, cap_in, cap_out], self._mod_ids()
+            return [left, right, cap_in, cap_out], self._mod_ids(rows)
         if self.slopes is not None:
             src = self.device_slopes
             strides = (0,) * (len(self.lead) - len(src.shape)) + tuple(src.strides)
@@ -125,7 +129,7 @@ class _Inputs:
             src, strides = lse, tuple(lse.strides)[:-1]
         return [left, right, cap_in, cap_out], _arrays.strided_view(src, self.lead + (1,), strides + (0,))
 
-    def _mod_ids(self):
+    def _mod_ids(self, rows=None):
         """With user functions: per leading index the ALiBi slope (0 without ALiBi), the
         flattened index ``b`` of the dims before the head axis, the head ``h``, ``Nq`` and
         ``Nk``, shape ``lead + (5,)`` in the accumulator dtype (exact: lengths < 2**24 are
@@ -134,10 +138,18 @@ class _Inputs:
             raise ValueError(f"score_mod/mask_mod take sequences and batches below 2**24 with 16-bit or float32 "
                              f"inputs, got Nq={self.nq}, Nk={self.nk}, {self.batch} leading indices.")
         heads = self.lead[-1] if self.lead else 1
-        ids = np.zeros(self.lead + (5,), self.acc_dtype)
-        flat = ids.reshape(-1, 5)
+        ranges = None
+        if self.block_mask is not None and rows is not None:   # the forward kernel's query tiles
+            ranges = self.block_mask.tile_ranges(rows)          # (Bm, Hm, tiles, 2)
+        width = 5 + (0 if ranges is None else 2 * ranges.shape[2])
+        ids = np.zeros(self.lead + (width,), self.acc_dtype)
+        flat = ids.reshape(-1, width)
         n = np.arange(flat.shape[0])
-        flat[:, 1], flat[:, 2], flat[:, 3], flat[:, 4] = n // heads, n % heads, self.nq, self.nk
+        b, h = n // heads, n % heads
+        flat[:, 1], flat[:, 2], flat[:, 3], flat[:, 4] = b, h, self.nq, self.nk
+        if ranges is not None:          # ids[..., 5 + 2 qt], ids[..., 6 + 2 qt]: scores.block_rules
+            bm, hm = ranges.shape[:2]
+            flat[:, 5:] = ranges[b % bm, h % hm].reshape(len(n), -1)
         if self.slopes is not None:
             s = self.device_slopes
             ids[..., 0] = np.broadcast_to(s.copy_to_host() if hasattr(s, "copy_to_host") else np.asarray(s),
@@ -217,20 +229,43 @@ class _ModCall:
     """A call's user functions ``(score_mod, mask_mod, score_mod_grad)`` and its
     ``mod_args`` as given (calls with them take no launch plan)."""
 
-    def __init__(self, functions, args):
-        self.functions, self.args = functions, args
+    def __init__(self, functions, args, block_mask=None):
+        self.functions, self.args, self.block_mask = functions, args, block_mask
 
 
-def _mod_call(score_mod, mask_mod, score_mod_grad, mod_args):
-    """The :class:`_ModCall` of the public options, or None without user functions."""
+def _mod_call(score_mod, mask_mod, score_mod_grad, mod_args, block_mask=None):
+    """The :class:`_ModCall` of the public options, or None without user functions. A
+    block mask brings its ``mask_mod`` and ``mod_args`` where the call gives none."""
     if not isinstance(mod_args, (tuple, list)):
         raise TypeError(f"mod_args must be a tuple of arrays and numbers, got {type(mod_args).__name__}. "
                         "Example: mod_args=(bias_table,) for a score_mod(s, b, h, i, j, table).")
+    if block_mask is not None:
+        from .blockmask import BlockMask
+        if not isinstance(block_mask, BlockMask):
+            raise TypeError(f"block_mask must be a numba_flash.BlockMask (from numba_flash.block_mask), got "
+                            f"{type(block_mask).__name__}.")
+        if mask_mod is not None and mask_mod is not block_mask.mask_mod:
+            raise ValueError(f"mask_mod {getattr(mask_mod, '__qualname__', mask_mod)} is not the block mask's "
+                             f"({block_mask!r}): pass the same function, or leave mask_mod out.")
+        mask_mod = block_mask.mask_mod
+        if not len(mod_args):
+            mod_args = block_mask.mod_args
     if score_mod is None and mask_mod is None and score_mod_grad is None:
         if len(mod_args):
             raise ValueError("mod_args were given without a score_mod or mask_mod to read them.")
         return None
-    return _ModCall((score_mod, mask_mod, score_mod_grad), tuple(mod_args))
+    return _ModCall((score_mod, mask_mod, score_mod_grad), tuple(mod_args), block_mask)
+
+
+def _check_block_mask(bm, lead, nq, nk):
+    """A block mask built for this call's shape (its B and H, or 1 for either), else a
+    ValueError."""
+    B, H = math.prod(lead[:-1]), (lead[-1] if lead else 1)
+    b, h, mq, mk = bm.shape
+    if (mq, mk) != (nq, nk) or b not in (1, B) or h not in (1, H):
+        raise ValueError(f"block_mask was built for (B, H, Nq, Nk) = {bm.shape}; this call has "
+                         f"({B}, {H}, {nq}, {nk}) (B: q's leading dims before the head axis, flattened; "
+                         "B or H may be 1 in the mask). Build one with numba_flash.block_mask for these shapes.")
 
 
 def _device_mod_args(args, stream):
@@ -544,8 +579,8 @@ def _compute(name, planner, arrays, options):
 
 
 def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
-                  score_mod=None, mask_mod=None, mod_args=()):
-    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=()) -> (out, lse)
+                  score_mod=None, mask_mod=None, mod_args=(), block_mask=None):
+    """attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=(), block_mask=None) -> (out, lse)
 
     Exact attention forward: ``out = softmax(scale · q kᵀ [+ score rules]) v`` and the
     log-sum-exp ``lse`` of each row of scores, which :func:`attention_bwd` needs.
@@ -632,12 +667,12 @@ def attention_fwd(q, k, v, *, causal=False, scale=None, window=None, softcap=Non
     threads; the results are the same as on a GPU.
     """
     return _call("forward", _plan_forward, (q, k, v, alibi_slopes),
-                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, None, mod_args)))
+                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, None, mod_args, block_mask)))
 
 
 def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None,
-              score_mod=None, mask_mod=None, mod_args=()):
-    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=()) -> out
+              score_mod=None, mask_mod=None, mod_args=(), block_mask=None):
+    """attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, mask_mod=None, mod_args=(), block_mask=None) -> out
 
     Exact attention ``out = softmax(scale · q kᵀ [+ score rules]) v``, fused (no
     ``Nq × Nk`` matrix is stored): :func:`attention_fwd` without the ``lse``.
@@ -665,13 +700,13 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
     kernel runs. Streams, memory and non-finite inputs: see :func:`attention_fwd`.
     """
     return _call("forward", _plan_forward, (q, k, v, alibi_slopes),
-                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, None, mod_args)))[0]
+                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, None, mod_args, block_mask)))[0]
 
 
 # --------------------------------------------------------------------------- backward
 def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None,
-                  alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()):
-    """attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=()) -> (dq, dk, dv)
+                  alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None):
+    """attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None) -> (dq, dk, dv)
 
     Gradients of attention: with ``out = softmax(scale · q kᵀ [+ mask]) v`` and a loss
     ``L``, returns ``dL/dq, dL/dk, dL/dv`` given ``dout = dL/d out``. Equivalent to
@@ -703,7 +738,7 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=N
     so equal inputs give bitwise-equal gradients.
     """
     return _call("backward", _plan_backward, (dout, q, k, v, out, lse, alibi_slopes),
-                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, score_mod_grad, mod_args)))
+                 (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, score_mod_grad, mod_args, block_mask)))
 
 
 def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None, *, window=None, softcap=None,

@@ -59,6 +59,7 @@ class Mods:
     mask_mod: object = None
     score_mod_grad: object = None
     nargs: int = 0          # how many mod_args the kernels pass on (their types are the kernel's argument types)
+    blocks: bool = False    # a block mask narrows each query tile's keys (numba_flash.blockmask)
 
     def names(self):
         return "+".join(f"{n}={getattr(f, '__qualname__', repr(f))}" for n, f in
@@ -159,7 +160,7 @@ class Scores:
 
 
 def parse(causal=False, window=None, softcap=None, alibi=False, score_mod=None, mask_mod=None,
-          score_mod_grad=None, nargs=0) -> Scores:
+          score_mod_grad=None, nargs=0, blocks=False) -> Scores:
     """The :class:`Scores` of the public options, or a ``TypeError``/``ValueError`` that
     names the option and the fix."""
     mods = None
@@ -170,7 +171,7 @@ def parse(causal=False, window=None, softcap=None, alibi=False, score_mod=None, 
     if score_mod_grad is not None and score_mod is None:
         raise ValueError("score_mod_grad was given without a score_mod: pass the score_mod it differentiates.")
     if score_mod is not None or mask_mod is not None:
-        mods = Mods(score_mod, mask_mod, score_mod_grad, nargs)
+        mods = Mods(score_mod, mask_mod, score_mod_grad, nargs, bool(blocks))
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}). "
                         "Pass causal=bool(...) if it is a flag of another type.")
@@ -463,6 +464,23 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None)
         return _device((row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts))
     score, score_consts = _mod_rules(spec, builtin_score, DT)
     return _device((row_keys, in_row, key_range, query_range, tile_needs_mask)) + (score, score_consts)
+
+
+def block_rules(spec: ScoreSpec):
+    """``block_keys(slopes, b1, b2, qt, begin, end)``: the key range ``[begin, end)`` of
+    query tile ``qt`` narrowed to where a block mask (``spec.mods.blocks``) says its rows
+    can see anything: ``slopes`` is then the pair ``(ids, mod_args)`` of :func:`_mod_rules`
+    and ``ids[b1, b2, 5 + 2 qt]``, ``ids[b1, b2, 6 + 2 qt]`` the tile's first visible key
+    and one past its last, for the kernel's own query tile height (``api`` builds them).
+    Without a block mask the range is returned as it is."""
+    if spec.mods is not None and spec.mods.blocks:
+        def block_keys(slopes, b1, b2, qt, begin, end):
+            ids = slopes[0]
+            return max(begin, int(ids[b1, b2, 5 + 2 * qt])), min(end, int(ids[b1, b2, 6 + 2 * qt]))
+    else:
+        def block_keys(slopes, b1, b2, qt, begin, end):
+            return begin, end
+    return _device((block_keys,))[0]
 
 
 def _mod_rules(spec, builtin_score, DT):

@@ -202,7 +202,7 @@ _PTX = """
 from numba_flash import ptx, registry
 from numba_flash.scores import Mods, ScoreSpec
 import test_mods as m
-spec = ScoreSpec(causal=True, mods=Mods(m.relative_bias, m.same_document3, m.bias_grad, 2))
+spec = ScoreSpec(causal=True, mods=Mods(m.relative_bias, m.same_document3, m.bias_grad, 2, blocks=True))
 for v, cc, want in (("forward_mma", (8, 0), "mma.sync"), ("forward_wgmma", (9, 0, "a"), "wgmma.mma_async"),
                     ("backward_dq_mma", (8, 0), "mma.sync")):
     s = registry.specialisation(v, "bfloat16", 64, spec, True)
@@ -213,6 +213,93 @@ for v, cc, want in (("forward_mma", (8, 0), "mma.sync"), ("forward_wgmma", (9, 0
     assert text.count(want) > 0, (v, want)
     print(v, text.count(want))
 """
+
+
+# --------------------------------------------------------------------------- block masks
+def doc_causal(b, h, i, j, docs):
+    return docs[b, i] == docs[b, j] and j <= i
+
+
+def _docs(rng, B, N, n_docs=3):
+    return np.sort(rng.integers(0, n_docs, (B, N)), axis=1).astype(np.int32)
+
+
+def test_block_mask_ranges_against_brute_force():
+    """Per query row the first and one-past-last visible key, per tile the union, and the
+    density, against a brute-force evaluation of the function; B = H = 1 broadcasts."""
+    rng = np.random.default_rng(9)
+    docs = _docs(rng, 2, 21)
+    bm = numba_flash.block_mask(doc_causal, 2, 3, 21, 21, mod_args=(docs,))
+    vis = np.array([[[[doc_causal(b, h, i, j, docs) for j in range(21)] for i in range(21)] for h in range(3)]
+                    for b in range(2)])
+    first = np.where(vis.any(-1), vis.argmax(-1), 21)
+    last = np.where(vis.any(-1), 21 - vis[..., ::-1].argmax(-1), 0)
+    assert (bm.row_ranges() == np.stack([first, last], -1)).all()
+    assert abs(bm.density - vis.mean()) < 1e-12
+    tiles = bm.tile_ranges(8)
+    for t in range(3):
+        rows = slice(8 * t, min(21, 8 * t + 8))
+        assert (tiles[:, :, t, 0] == first[:, :, rows].min(-1)).all()
+        assert (tiles[:, :, t, 1] == last[:, :, rows].max(-1)).all()
+    assert "density" in repr(bm)
+
+
+@pytest.mark.parametrize("dtype, hopper", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_block_mask_gives_the_mask_mods_result(dtype, hopper, monkeypatch):
+    """A call with block_mask= gives bitwise what the same mask_mod gives without it (the
+    tiles it skips are all hidden), in each forward family, and the backward too."""
+    if hopper:
+        if ON_GPU:
+            from numba import cuda
+            if cuda.get_current_device().compute_capability != (9, 0):
+                pytest.skip("the Hopper family runs on compute capability 9.0 only")
+        monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    d = 64 if hopper else 16
+    rng, q, k, v, dout = _inputs(dtype, (2, 2), 37, 37, d, 10)
+    docs = _docs(rng, 2, 37)
+    bm = numba_flash.block_mask(doc_causal, 2, 1, 37, 37, mod_args=(docs,))       # H = 1: every head
+    out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)
+    o2, l2 = numba_flash.attention_fwd(q, k, v, mask_mod=doc_causal, mod_args=(docs,))
+    assert out.tobytes() == o2.tobytes() and lse.tobytes() == l2.tobytes()
+    assert_attention_close(out, q, k, v, lse, mask_mod=doc_causal, mod_args=(docs,))
+    if not hopper:
+        grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, block_mask=bm)
+        _check_grads(grads, dout, q, k, v, {"mask_mod": doc_causal, "mod_args": (docs,)})
+
+
+def test_block_mask_skips_what_no_row_of_a_tile_sees():
+    """In the simulator the function is Python: count its calls. With the block mask the
+    forward evaluates it only inside each query tile's range (far fewer calls for three
+    documents), and gives the same result."""
+    if ON_GPU:
+        pytest.skip("counts calls of the Python function, which only the simulator makes")
+    calls = []
+
+    def counted(b, h, i, j, docs):
+        calls.append(1)
+        return docs[b, i] == docs[b, j]
+    rng, q, k, v, _ = _inputs("float32", (1, 1), 64, 64, 8, 11)
+    docs = np.repeat(np.arange(4, dtype=np.int32), 16)[None]
+    plain = numba_flash.attention(q, k, v, mask_mod=counted, mod_args=(docs,))
+    n_plain = len(calls)
+    bm = numba_flash.block_mask(counted, 1, 1, 64, 64, mod_args=(docs,))
+    calls.clear()
+    blocked = numba_flash.attention(q, k, v, block_mask=bm)
+    assert blocked.tobytes() == plain.tobytes()
+    assert len(calls) <= n_plain // 2, (len(calls), n_plain)
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda q, bm: numba_flash.attention(q, q, q, block_mask="x"), "block_mask must be a numba_flash.BlockMask"),
+    (lambda q, bm: numba_flash.attention(q, q, q, block_mask=bm, mask_mod=nothing_for_odd_rows), "is not the block mask's"),
+    (lambda q, bm: numba_flash.attention(q[:, :5], q[:, :5], q[:, :5], block_mask=bm), "block_mask was built for"),
+    (lambda q, bm: numba_flash.block_mask(causal_mask, 0, 1, 4, 4), "B must be an int >= 1"),
+])
+def test_bad_block_masks_get_clear_errors(call, match):
+    q = np.random.default_rng(12).standard_normal((2, 8, 8)).astype(np.float32)
+    bm = numba_flash.block_mask(causal_mask, 1, 2, 8, 8)
+    with pytest.raises((TypeError, ValueError), match=match):
+        call(q, bm)
 
 
 def same_document3(b, h, i, j, table, shift):

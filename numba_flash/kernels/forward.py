@@ -71,7 +71,7 @@ from .. import ops, warp
 from . import tiles
 from .tiles import PAD
 from .._runtime import SIMULATOR
-from ..scores import ScoreSpec, device_rules, device_sequence
+from ..scores import ScoreSpec, block_rules, device_rules, device_sequence
 
 LN2 = 0.6931471805599453
 
@@ -173,6 +173,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     if not SIMULATOR:
         copy_kv = cuda.jit(device=True, inline="always")(copy_kv)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name)
+    block_keys = block_rules(scores)
     sequence = device_sequence(scores)
 
     def softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo):
@@ -259,6 +260,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         # Keys outside [kv_begin, kv_end) are invisible to the whole tile; split z takes
         # split_keys of them, counted from the first visible key tile.
         kv_begin, kv_end = key_range(q0, BM, geo)
+        kv_begin, kv_end = block_keys(slopes, b1, b2, qt, kv_begin, kv_end)
         k_lo = (kv_begin // BN) * BN + z * split_keys
         kv_end = min(kv_end, k_lo + split_keys)
         kt0 = k_lo // BN

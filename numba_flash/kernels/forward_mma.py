@@ -36,7 +36,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules, device_sequence
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_rules, device_rules, device_sequence
 from .forward import LN2
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
@@ -117,6 +117,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
+    block_keys = block_rules(scores)
     sequence = device_sequence(scores)
 
     copy_q = make_copy_rows(D, NT, BM)
@@ -178,6 +179,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
             l[h] = ZERO
 
         kv_begin, kv_end = key_range(q0, BM, geo)   # other keys: invisible to the whole tile
+        kv_begin, kv_end = block_keys(slopes, b1, b2, qt, kv_begin, kv_end)       # (and to a block mask)
         kt0 = kv_begin // BN
         if SPLIT:                      # split zs: split_keys keys from the first visible tile on
             kt0 += zs * (split_keys // BN)

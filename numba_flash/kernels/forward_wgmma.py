@@ -46,7 +46,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .. import ops_hopper as H
-from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_rules, device_rules
 from .forward import LN2
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
@@ -120,6 +120,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
+    block_keys = block_rules(scores)
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
     TILE_BYTES = NSUB * SUB_K             # K or V of one stage
@@ -240,9 +241,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return i - b * n_qt, b
 
     @cuda.jit(device=True, inline=True)
-    def key_tiles(q0, geo):
-        """``(first key tile, tile count)`` that query tile ``q0`` must visit."""
+    def key_tiles(q0, geo, slopes, b1, b2):
+        """``(first key tile, tile count)`` that query tile ``q0`` of ``(b1, b2)`` must visit."""
         kv_begin, kv_end = key_range(q0, BM, geo)
+        kv_begin, kv_end = block_keys(slopes, b1, b2, q0 // BM, kv_begin, kv_end)
         kt0 = kv_begin // BN
         return kt0, max((max(kv_end, 0) + BN - 1) // BN - kt0, 0)
 
@@ -315,7 +317,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     b1 = b // B2
                     b2 = b - b1 * B2
                     q0 = qt * BM
-                    kt0, tiles = key_tiles(q0, geo)
+                    kt0, tiles = key_tiles(q0, geo, slopes, b1, b2)
                     if tiles > 0:
                         buf = n_q % QBUF
                         if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
@@ -355,7 +357,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             b1 = b // B2
             b2 = b - b1 * B2
             q0 = qt * BM
-            kt0, tiles = key_tiles(q0, geo)
+            kt0, tiles = key_tiles(q0, geo, slopes, b1, b2)
             r0 = q0 + ROWS * wg                    # this warpgroup's first row
             row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
             buf = n_q % QBUF

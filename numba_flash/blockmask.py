@@ -1,0 +1,134 @@
+"""Block masks: where a ``mask_mod`` lets each query look, computed once and reused.
+
+``block_mask(mask_mod, B, H, Nq, Nk, mod_args=...)`` evaluates the mask on the device (a
+kernel with one thread per query row, scanning every key; in the simulator the same kernel
+on the CPU) and keeps, per ``(b, h, query row)``, the first visible key, one past the last,
+and how many keys are visible. A call given ``block_mask=`` (forward kernels of every
+family) narrows each query tile's keys to the union of its rows' ranges: key tiles outside
+it are never loaded or multiplied. Keys inside it that the mask hides are still computed,
+then masked (a tile-by-tile table of empty and full tiles is not built): masks whose
+visible keys per query tile form one run (causal, windows, document masking, prefix-LM)
+get the whole saving; a mask with holes only its outer bounds.
+
+One block mask serves every call with the same mask, shapes and mod_args values, in
+every layer; the per-tile ranges of each kernel family's query tile height are derived
+on the host once and cached in the object.
+"""
+import functools
+import numbers
+
+import numpy as np
+from numba import cuda      # (numba_flash has chosen the simulator or the GPU before this import)
+
+THREADS = 128
+
+
+@functools.lru_cache(maxsize=64)
+def _rows_kernel(mask_mod, nargs):
+    """The kernel that scans each query row's keys with ``mask_mod`` (``nargs`` mod_args)."""
+    from .scores import _call_with_args
+    call = _call_with_args(mask_mod, False, nargs)
+
+    def rows(out, B, H, Nq, Nk, margs):
+        t = cuda.grid(1)
+        if t >= B * H * Nq:
+            return
+        b = t // (H * Nq)
+        rest = t - b * (H * Nq)
+        h = rest // Nq
+        i = rest - h * Nq
+        lo = Nk
+        hi = 0
+        n = 0
+        for j in range(Nk):
+            if call(0.0, b, h, i, j, margs):
+                lo = min(lo, j)
+                hi = j + 1
+                n += 1
+        out[t, 0] = lo
+        out[t, 1] = hi
+        out[t, 2] = n
+    return cuda.jit(rows)
+
+
+class BlockMask:
+    """Where ``mask_mod`` lets each query row of a ``(B, H, Nq, Nk)`` problem look (see the
+    module docstring). ``B`` is the flattened index of the leading dims before the head
+    axis, ``H`` the heads; either may be 1, for a mask that does not depend on it (it is
+    then evaluated at 0 and applied to every index). Pass it to :func:`numba_flash.attention`
+    (and ``attention_fwd`` / ``attention_bwd``) as ``block_mask=``; its ``mask_mod`` and
+    ``mod_args`` are the call's unless the call gives them (the same function)."""
+
+    def __init__(self, mask_mod, shape, mod_args, rows):
+        self.mask_mod, self.shape, self.mod_args = mask_mod, shape, tuple(mod_args)
+        self._rows = rows               # (B, H, Nq, 3) int64: first key, one past the last, count
+        self._tiles = {}
+
+    @property
+    def density(self) -> float:
+        """The fraction of (query, key) pairs the mask leaves visible."""
+        B, H, Nq, Nk = self.shape
+        return float(self._rows[..., 2].sum()) / max(1, B * H * Nq * Nk)
+
+    def row_ranges(self):
+        """``(B, H, Nq, 2)``: per query row the first visible key and one past the last
+        (``Nk, 0`` for a row that sees none)."""
+        return self._rows[..., :2].copy()
+
+    def tile_ranges(self, rows: int):
+        """``(B, H, ceil(Nq / rows), 2)`` int64: per tile of ``rows`` query rows the first key
+        any of its rows sees and one past the last any sees (cached per ``rows``)."""
+        found = self._tiles.get(rows)
+        if found is None:
+            B, H, Nq, Nk = self.shape
+            n = -(-Nq // rows)
+            pad = np.empty((B, H, n * rows, 2), np.int64)
+            pad[..., 0], pad[..., 1] = Nk, 0            # padding rows see nothing
+            pad[:, :, :Nq] = self._rows[..., :2]
+            pad = pad.reshape(B, H, n, rows, 2)
+            found = self._tiles[rows] = np.stack([pad[..., 0].min(-1), pad[..., 1].max(-1)], axis=-1)
+        return found
+
+    def __repr__(self):
+        B, H, Nq, Nk = self.shape
+        name = getattr(self.mask_mod, "__qualname__", repr(self.mask_mod))
+        return f"BlockMask({name}, B={B}, H={H}, Nq={Nq}, Nk={Nk}, density={self.density:.3f})"
+
+
+def block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=()):
+    """block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=()) -> BlockMask
+
+    Evaluate ``mask_mod(b, h, q_idx, kv_idx, *mod_args)`` over a ``(B, H, Nq, Nk)`` problem
+    once, on the device, and keep where each query row can look (:class:`BlockMask`), so
+    that calls with ``block_mask=`` skip the key tiles no row of a query tile sees.
+
+    Args:
+        mask_mod: a plain Python function returning a bool (False: hidden), as for
+            :func:`numba_flash.attention`'s ``mask_mod``.
+        B, H: the flattened leading index (dims before the head axis) and the heads the
+            mask is built for; 1 for a mask independent of that index (then built at 0).
+        Nq, Nk: the query and key lengths of the calls it will serve.
+        mod_args: arrays and numbers the function reads (as in the calls).
+
+    Cost: ``B · H · Nq · Nk`` calls of ``mask_mod``, one thread per query row (on an H200
+    about the time of one attention forward of that size; in the simulator slow: keep
+    shapes tiny there).
+    """
+    from . import api, launch
+    if not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a Python function, got {mask_mod!r}.")
+    for name, x, low in (("B", B, 1), ("H", H, 1), ("Nq", Nq, 0), ("Nk", Nk, 0)):
+        if isinstance(x, (bool, np.bool_)) or not isinstance(x, numbers.Integral) or x < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {x!r}.")
+    if not isinstance(mod_args, (tuple, list)):
+        raise TypeError(f"mod_args must be a tuple of arrays and numbers, got {type(mod_args).__name__}.")
+    B, H, Nq, Nk = int(B), int(H), int(Nq), int(Nk)
+    n = B * H * Nq
+    rows = np.empty((B, H, Nq, 3), np.int64)
+    if n:
+        out = cuda.device_array((n, 3), np.int64)
+        kern = _rows_kernel(mask_mod, len(mod_args))
+        margs = api._device_mod_args(tuple(mod_args), 0)
+        launch.launch(kern, -(-n // THREADS), THREADS, 0, (out, B, H, Nq, Nk, margs))
+        rows[...] = out.copy_to_host().reshape(B, H, Nq, 3)
+    return BlockMask(mask_mod, (B, H, Nq, Nk), mod_args, rows)
