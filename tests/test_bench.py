@@ -25,11 +25,18 @@ def _load_bench():
 bench = _load_bench()
 
 
+HAVE_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
+    """One --tiny forward run writing every output it can: JSON, Markdown, CSV (and the plot
+    where matplotlib is installed)."""
     out = tmp_path_factory.mktemp("bench")
     js, md = out / "b.json", out / "b.md"
-    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--json", str(js), "--markdown", str(md)],
+    plot = ["--plot", str(out / "b.png")] if HAVE_MATPLOTLIB else []
+    proc = subprocess.run([sys.executable, str(BENCH), "--tiny", "--json", str(js), "--markdown", str(md),
+                           "--csv", str(out / "b.csv")] + plot,
                           cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
     return proc, js, md
 
@@ -72,6 +79,64 @@ def test_tiny_table_printed_last(tiny_run):
     assert all(row.rstrip().endswith("ok") for row in rows)
     assert "dispatch overhead is INCLUDED" in proc.stdout
     assert md.read_text().count("\n|") >= 2 + len(rows)
+
+
+def test_tiny_csv_has_a_header_and_the_json_rows(tiny_run):
+    """--csv: a header, then one line per JSON row with the same fields (nested ones dotted)."""
+    import csv
+    proc, js, _ = tiny_run
+    rows = json.loads(js.read_text())["rows"]
+    with (js.parent / "b.csv").open(newline="") as fh:
+        lines = list(csv.DictReader(fh))
+    assert len(lines) == len(rows)
+    for line, r in zip(lines, rows):
+        assert {"mode", "shape.Nq", "causal", "dtype", "valid", "ours.ms_median", "ours.tflops",
+                "validation.max_abs_err", "peers.sdpa_flash.error"} <= set(line)
+        assert line["dtype"] == r["dtype"] and int(line["shape.Nq"]) == r["shape"]["Nq"]
+        assert float(line["ours.ms_median"]) == r["ours"]["ms_median"]
+        assert json.loads(line["ours.grid"]) == r["ours"]["grid"]          # lists stay JSON
+        assert line["causal"] == str(r["causal"])
+
+
+@pytest.mark.skipif(not HAVE_MATPLOTLIB, reason="matplotlib is not installed")
+def test_tiny_plot_is_a_png(tiny_run):
+    proc, js, _ = tiny_run
+    png = js.parent / "b.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert f"{png}" in proc.stdout
+
+
+@pytest.mark.skipif(HAVE_MATPLOTLIB, reason="matplotlib is installed")
+def test_plot_without_matplotlib_fails_at_once(capsys):
+    with pytest.raises(SystemExit) as done:
+        bench.parse_args(["--tiny", "--plot", "x.png"])
+    assert done.value.code == 2 and "--plot needs matplotlib" in capsys.readouterr().err
+
+
+def test_progress_line():
+    """Plain lines when stderr is not a terminal; on one, a line rewritten in place and taken away."""
+    import io
+    from benchmarks.report import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self):
+            return True
+    plain, term = io.StringIO(), Terminal()
+    for stream in (plain, term):
+        p = Progress("forward", 2, stream=stream, delay_s=0)
+        p.step("validate float32 (1,2,19,16) full")
+        p.clear()
+        p.step("time float32 (1,2,19,16) full")
+        p.close()
+    assert plain.getvalue() == ("[1/2] forward validate float32 (1,2,19,16) full\n"
+                                "[2/2] forward time float32 (1,2,19,16) full\n")
+    assert "\n" not in term.getvalue() and term.getvalue().endswith("\r\x1b[K")
+    assert "\r\x1b[K[2/2] forward time" in term.getvalue()
+    quiet = io.StringIO()
+    p = Progress("forward", 1, stream=quiet, delay_s=60)       # a short run says nothing
+    p.step("x")
+    p.close()
+    assert quiet.getvalue() == ""
 
 
 @pytest.mark.parametrize("nq, nk", [(37, 37), (20, 45), (45, 20), (9, 3)])

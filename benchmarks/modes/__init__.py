@@ -1,0 +1,1 @@
+"""One module per ``bench.py`` mode: forward, backward, ladder, variants, serving."""
