@@ -140,6 +140,14 @@ def run_mode(args, mode, validate_one, time_one, columns, notes, settings):
     return print_summary(rows, columns, notes(doc))
 
 
+def finish_rows(args, bench, env, mode, rows, progress, point):
+    """The end of a mode whose rows are not (shape, causal, dtype) (variants, serving): the
+    progress line closed, the document, its JSON, CSV and plot (``point``: ``tflops_chart``'s)."""
+    progress.close()
+    doc = {"mode": mode, **env, "settings": _settings(args, bench), "rows": rows}
+    return doc, write_outputs(args, doc, lambda d, path: tflops_chart(d, path, point))
+
+
 def _settings(args, bench):
     return {"repeats_min": bench.repeats, "min_time_s": bench.min_time_s, "warmup": bench.warmup,
             "max_repeats": MAX_REPEATS, "l2_flush_bytes": 0 if bench.flush is None else L2_FLUSH_BYTES,

@@ -14,10 +14,9 @@ from numba import cuda  # noqa: E402  (after numba_flash)
 from ..environment import environment
 from ..harness import NP_DTYPES, SEED, max_abs_err, random_arrays, time_numba, time_torch, to_host
 from ..peers import PEER_DTYPES, PEERS, ratio, run_peer
-from ..report import (Progress, _fmt, _header, labelled_series, simulator_notes, tflops_chart, write_markdown,
-                      write_outputs, wrote)
+from ..report import Progress, _fmt, _header, labelled_series, simulator_notes, write_markdown, wrote
 from ..options import _csv_choice
-from ..runner import _settings, make_bench
+from ..runner import finish_rows, make_bench
 
 
 # --------------------------------------------------------------------------- serving mode
@@ -192,9 +191,7 @@ def run_serving(args):
         rows.append(rec)
         progress.clear()
         print(f"  {serving_line(rec)}", flush=True)
-    progress.close()
-    doc = {"mode": "serving", **env, "settings": _settings(args, bench), "rows": rows}
-    written = write_outputs(args, doc, lambda d, path: tflops_chart(d, path, serving_point))
+    doc, written = finish_rows(args, bench, env, "serving", rows, progress, serving_point)
     if args.markdown:
         write_markdown(args.markdown, doc, SERVING_COLUMNS, serving_notes(doc))
         written.append(args.markdown)

@@ -15,9 +15,9 @@ from numba import cuda  # noqa: E402  (after numba_flash)
 from ..environment import environment
 from ..harness import SEED, TOLERANCE, max_abs_err, random_arrays, time_numba, time_torch, to_host
 from ..peers import _flex, ratio, variant_peers
-from ..report import Progress, _fmt, _header, labelled_series, tflops_chart, write_outputs, wrote
+from ..report import Progress, _fmt, _header, labelled_series, wrote
 from ..options import _csv_choice
-from ..runner import _settings, make_bench
+from ..runner import finish_rows, make_bench
 from .backward import BWD_FLOP_FACTOR, BWD_TOLERANCE
 
 
@@ -177,9 +177,7 @@ def run_variants(args):
         rows.append(rec)
         progress.clear()
         print(f"  {variant_line(rec)}", flush=True)
-    progress.close()
-    doc = {"mode": "variants", **env, "settings": _settings(args, bench), "rows": rows}
-    written = write_outputs(args, doc, lambda d, path: tflops_chart(d, path, variant_point))
+    doc, written = finish_rows(args, bench, env, "variants", rows, progress, variant_point)
     table = "\n".join([VARIANT_HEADER, "-" * len(VARIANT_HEADER)] + [variant_line(r) for r in rows])
     if args.markdown:
         Path(args.markdown).write_text(render_variants_markdown(doc))
