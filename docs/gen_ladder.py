@@ -292,15 +292,21 @@ def main(argv=None):
     if a.results and not a.check:
         write_measured(a.results, a.commit)
     text = DOC.read_text()
-    new = render(text, a.results)
-    if a.check:
+    return write_or_check(DOC, text, render(text, a.results), a.check, "python docs/gen_ladder.py")
+
+
+def write_or_check(path, text, new, check, command):
+    """Write ``new`` over ``path`` (now ``text``), or with ``check`` only say whether it would
+    change it (exit status 1: stale). docs/gen_performance.py does the same."""
+    name = path.relative_to(ROOT).as_posix()
+    if check:
         if new != text:
-            print("docs/ladder.md is stale: run python docs/gen_ladder.py")
+            print(f"{name} is stale: run {command}")
             return 1
-        print("docs/ladder.md is up to date")
+        print(f"{name} is up to date")
         return 0
-    DOC.write_text(new)
-    print(f"wrote {DOC}")
+    path.write_text(new)
+    print(f"wrote {path}")
     return 0
 
 

@@ -62,13 +62,18 @@ def test_text_examples_run_and_are_simulator_sized(source, monkeypatch):
 
 
 # --------------------------------------------------------------------------- docs/ladder.md
-@pytest.fixture(scope="module")
-def gen_ladder():
+def _docs_script(name):
+    """docs/<name>.py, loaded as a module."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location("gen_ladder", ROOT / "docs" / "gen_ladder.py")
+    spec = importlib.util.spec_from_file_location(name, ROOT / "docs" / f"{name}.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     return gen
+
+
+@pytest.fixture(scope="module")
+def gen_ladder():
+    return _docs_script("gen_ladder")
 
 
 def _parses(excerpt):
@@ -130,6 +135,41 @@ def test_ladder_figures_have_one_source(gen_ladder):
             assert float(cells[3]) == f["vs_previous"], r.name
             assert f"{f['vs_previous']:.2f}× over rung {r.number - 1}" in predicted[r.number], r.name
             assert f"({f['ms']:.3f} ms;" in predicted[r.number], r.name
+
+
+# --------------------------------------------------------------------------- docs/performance.md
+@pytest.fixture(scope="module")
+def gen_performance():
+    return _docs_script("gen_performance")
+
+
+def test_performance_generated_section_matches_the_json(gen_performance):
+    """The tables at the end of docs/performance.md are those docs/gen_performance.py renders from
+    the committed results/*.json (as docs/ladder.md's are from its sources): run it after
+    committing a result."""
+    text = (ROOT / "docs" / "performance.md").read_text()
+    files = gen_performance.result_files()
+    assert files, "results/ holds at least the committed smoke run"
+    assert gen_performance.render(text, files) == text, "stale: run python docs/gen_performance.py"
+    assert text.rstrip().endswith(gen_performance.END) and text.count(gen_performance.BEGIN) == 1
+
+
+def test_performance_generator_appends_once_and_names_each_run(gen_performance):
+    """The section goes after the hand-written text, which it leaves as it is; a second run
+    replaces it; each table says its mode, date, GPU or "simulator", and commit."""
+    import json
+    files = gen_performance.result_files()
+    hand = "# Performance\n\nWritten by hand.\n"
+    once = gen_performance.render(hand, files)
+    assert once.startswith(hand) and once.endswith(gen_performance.END + "\n")
+    assert gen_performance.render(once, files) == once
+    for path in files:
+        doc = json.loads(path.read_text())
+        where = "simulator" if doc["simulator"] else doc["gpu"]["name"]
+        assert f"### {doc['mode']} · {where} · {doc['date'][:10]} · commit {doc['git_sha'][:7]}" in once
+        assert once.count("\n| ") >= len(doc["rows"])
+    emptied = gen_performance.render(once, [])
+    assert emptied.startswith(hand) and "No results committed yet." in emptied and "### " not in emptied
 
 
 # --------------------------------------------------------------------------- docs/debugging.md
