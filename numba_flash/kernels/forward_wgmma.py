@@ -271,6 +271,17 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             return 0, phase ^ 1
         return st, phase
 
+    @cuda.jit(device=True, inline=True)
+    def place(i, G, n_qt, B, B2, geo, slopes):
+        """Work item ``i`` (:func:`work_item`) as both roles need it: ``(b1, b2, first
+        query row, first key tile, key tiles)``."""
+        qt, b = work_item(i, G, n_qt, B)
+        b1 = b // B2
+        b2 = b - b1 * B2
+        q0 = qt * BM
+        kt0, tiles = key_tiles(q0, geo, slopes, b1, b2)
+        return b1, b2, q0, kt0, tiles
+
     @cuda.jit(launch_bounds=(THREADS, 1))
     def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
         Nq = out.shape[2]
@@ -313,11 +324,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 av, bv, cv = 0, 0, 0     # V ring
                 n_q = 0                  # Q tiles loaded so far
                 for i in range(cuda.blockIdx.x, n_items, G):
-                    qt, b = work_item(i, G, n_qt, B)
-                    b1 = b // B2
-                    b2 = b - b1 * B2
-                    q0 = qt * BM
-                    kt0, tiles = key_tiles(q0, geo, slopes, b1, b2)
+                    b1, b2, q0, kt0, tiles = place(i, G, n_qt, B, B2, geo, slopes)
                     if tiles > 0:
                         buf = n_q % QBUF
                         if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
@@ -353,11 +360,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         av, bv = 0, 0                            # the V ring's
         n_q = 0
         for i in range(cuda.blockIdx.x, n_items, G):
-            qt, b = work_item(i, G, n_qt, B)
-            b1 = b // B2
-            b2 = b - b1 * B2
-            q0 = qt * BM
-            kt0, tiles = key_tiles(q0, geo, slopes, b1, b2)
+            b1, b2, q0, kt0, tiles = place(i, G, n_qt, B, B2, geo, slopes)
             r0 = q0 + ROWS * wg                    # this warpgroup's first row
             row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
             buf = n_q % QBUF
