@@ -278,15 +278,22 @@ def test_block_mask_skips_what_no_row_of_a_tile_sees():
     def counted(b, h, i, j, docs):
         calls.append(1)
         return docs[b, i] == docs[b, j]
-    rng, q, k, v, _ = _inputs("float32", (1, 1), 64, 64, 8, 11)
+    rng, q, k, v, dout = _inputs("float32", (1, 1), 64, 64, 8, 11)
     docs = np.repeat(np.arange(4, dtype=np.int32), 16)[None]
-    plain = numba_flash.attention(q, k, v, mask_mod=counted, mod_args=(docs,))
+    plain, lse = numba_flash.attention_fwd(q, k, v, mask_mod=counted, mod_args=(docs,))
     n_plain = len(calls)
     bm = numba_flash.block_mask(counted, 1, 1, 64, 64, mod_args=(docs,))
     calls.clear()
     blocked = numba_flash.attention(q, k, v, block_mask=bm)
     assert blocked.tobytes() == plain.tobytes()
     assert len(calls) <= n_plain // 2, (len(calls), n_plain)
+    calls.clear()                       # the backward: dQ blocks narrowed, dK/dV blocks not
+    g_plain = numba_flash.attention_bwd(dout, q, k, v, plain, lse, mask_mod=counted, mod_args=(docs,))
+    n_plain = len(calls)
+    calls.clear()
+    g_blocked = numba_flash.attention_bwd(dout, q, k, v, plain, lse, block_mask=bm)
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(g_plain, g_blocked))
+    assert len(calls) < n_plain, (len(calls), n_plain)
 
 
 @pytest.mark.parametrize("call, match", [

@@ -39,7 +39,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import LOG2E, ScoreSpec, device_rules
+from ..scores import LOG2E, ScoreSpec, block_rules, device_rules
 from . import tiles
 from .forward import Tiling
 from .tiles import PAD
@@ -51,14 +51,15 @@ def _same(x):
     return x
 
 
-def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range):
-    """``place(block, B1, B2, Nq, group, geo)`` for a backward kernel: ``(b1, b2_first, r0,
+def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, block_keys):
+    """``place(block, B1, B2, Nq, group, geo, slopes)`` for a backward kernel: ``(b1, b2_first, r0,
     c_start, n_ct)``, the leading index and first query head of block ``block``, its
     first row ``r0`` (``R`` rows: keys for dK/dV, queries for dQ) and its column tiles
     ``c_start .. c_start + n_ct − 1`` of ``C`` columns (the others see none of its rows).
     dK/dV blocks of grouped K/V heads take ``group`` query heads each; the heaviest row
-    tiles come first (early key tiles, late query tiles)."""
-    def place(block, B1, B2, Nq, group, geo):
+    tiles come first (early key tiles, late query tiles). A dQ block's keys are narrowed by
+    a block mask (``block_keys``: ``scores.block_rules``; dK/dV blocks are not)."""
+    def place(block, B1, B2, Nq, group, geo, slopes):
         BG = B2 // group                # blocks per b1 along B2: each takes `group` of them
         B = B1 * BG
         bt = block // B
@@ -70,6 +71,7 @@ def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range):
         else:
             r0 = ((Nq + R - 1) // R - 1 - bt) * R
             c_begin, c_stop = key_range(r0, R, geo)
+            c_begin, c_stop = block_keys(slopes, b1, b - b1 * BG, r0 // R, c_begin, c_stop)
         c_start = c_begin // C
         return b1, (b - b1 * BG) * group, r0, c_start, max((max(c_stop, 0) + C - 1) // C - c_start, 0)
     return place if SIMULATOR else cuda.jit(device=True, inline="always")(place)
@@ -143,7 +145,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
     row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name)
-    place = make_block_place(DKDV, R, C, key_range, query_range)
+    place = make_block_place(DKDV, R, C, key_range, query_range, block_rules(scores))
 
     @cuda.jit(**JIT)
     def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
@@ -155,7 +157,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         tid = cuda.threadIdx.x
         r = tid // CG
         c = tid - r * CG
-        b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo)
+        b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo, slopes)
         b2 = b2_first
         d0 = cuda.blockIdx.y * DO
         # Operand roles (a compile-time choice): rows own the accumulators.

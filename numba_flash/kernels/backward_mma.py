@@ -33,7 +33,7 @@ from numba import cuda
 
 from .. import ops
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_rules, device_rules
 from .backward import make_block_place
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
@@ -125,7 +125,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name])
-    place = make_block_place(DKDV, BR, BC, key_range, query_range)
+    place = make_block_place(DKDV, BR, BC, key_range, query_range, block_rules(scores))
     copy_r = make_copy_rows(D, NT, BR)
     copy_c = make_copy_rows(D, NT, BC)
 
@@ -151,7 +151,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
         wr = 16 * (tid >> 5)            # this warp's first row in the block
         g = lane >> 2
         tq = lane & 3
-        b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo)
+        b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo, slopes)
         d0 = cuda.blockIdx.y * DO
         # Operand roles (a compile-time choice): rows own the accumulators.
         if DKDV:
