@@ -68,6 +68,8 @@ def variant_peers(r, q, k, v, slopes, torch, flex):
     n = r.N
     i = torch.arange(n, device="cuda")[:, None]
     j = torch.arange(n, device="cuda")[None, :]
+    if getattr(r, "mask", None):         # a mask_mod row: causal, or equal documents
+        return _mask_peers(r, q, k, v, torch, flex, sdpa, i, j)
     if r.softcap is None:
         if r.window is not None:
             left, right = r.window
@@ -96,6 +98,26 @@ def variant_peers(r, q, k, v, slopes, torch, flex):
             return score
         mod = score_mod if (cap is not None or r.alibi) else None
         peers["flex"] = lambda: fa(q, k, v, score_mod=mod, block_mask=block_mask, enable_gqa=r.Hq != r.Hkv)
+    return peers
+
+
+def _mask_peers(r, q, k, v, torch, flex, sdpa, i, j):
+    """Peers of a mask_mod row: SDPA (``is_causal``, or a boolean ``attn_mask`` of the
+    documents) and FlexAttention with the same mask as its block mask."""
+    n = r.N
+    peers = {}
+    if r.mask == "causal":
+        peers["sdpa"] = lambda: sdpa(q, k, v, is_causal=True)
+        mask_fn = lambda b, h, qi, kj: qi >= kj  # noqa: E731
+    else:
+        docs = (torch.arange(n, device="cuda") * r.docs) // n
+        dense = docs[:, None] == docs[None, :]
+        peers["sdpa mask"] = lambda: sdpa(q, k, v, attn_mask=dense)
+        mask_fn = lambda b, h, qi, kj: docs[qi] == docs[kj]  # noqa: E731
+    if flex is not None:
+        fa, create_block_mask = flex
+        block_mask = create_block_mask(mask_fn, None, None, n, n)
+        peers["flex"] = lambda: fa(q, k, v, block_mask=block_mask)
     return peers
 
 

@@ -488,14 +488,16 @@ def _device_facts():
     return facts
 
 
-def plan_forward(q, k, v, causal=False, scale=None, splits=None, *, window=None, softcap=None, alibi_slopes=None):
+def plan_forward(q, k, v, causal=False, scale=None, splits=None, *, window=None, softcap=None, alibi_slopes=None,
+                 score_mod=None, mask_mod=None, mod_args=(), block_mask=None):
     """Everything :func:`attention_fwd` does before its kernel launches: returns
     ``(result, launches)``, where ``result()`` gives what ``attention_fwd`` returns once
     the launches have run and each launch is a tuple of :func:`numba_flash.launch.launch`'s
     arguments. ``bench.py`` uses it to time the kernels alone, next to the whole call.
     ``splits`` forces the number of key splits of the CUDA-core kernel (tests, tuning);
     by default :func:`numba_flash.registry.forward_splits` decides."""
-    return _plan_forward(q, k, v, alibi_slopes, causal, scale, window, softcap, splits=splits)[:2]
+    mods = _mod_call(score_mod, mask_mod, None, mod_args, block_mask)
+    return _plan_forward(q, k, v, alibi_slopes, causal, scale, window, softcap, mods, splits=splits)[:2]
 
 
 def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, splits=None):
@@ -742,9 +744,10 @@ def attention_bwd(dout, q, k, v, out, lse, *, causal=False, scale=None, window=N
 
 
 def plan_backward(dout, q, k, v, out, lse, causal=False, scale=None, *, window=None, softcap=None,
-                  alibi_slopes=None):
+                  alibi_slopes=None, score_mod=None, score_mod_grad=None, mask_mod=None, mod_args=(), block_mask=None):
     """:func:`attention_bwd` up to its kernel launches; see :func:`plan_forward`."""
-    return _plan_backward(dout, q, k, v, out, lse, alibi_slopes, causal, scale, window, softcap)[:2]
+    mods = _mod_call(score_mod, mask_mod, score_mod_grad, mod_args, block_mask)
+    return _plan_backward(dout, q, k, v, out, lse, alibi_slopes, causal, scale, window, softcap, mods)[:2]
 
 
 def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softcap, mods=None):

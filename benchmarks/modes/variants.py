@@ -38,10 +38,43 @@ class VariantRow:
     softcap: float = None
     alibi: bool = False
     base: str = None
+    mask: str = None        # a mask_mod with its block mask: "causal" or "documents"
+    docs: int = 0           # equal documents of the "documents" mask
 
-    def options(self, slopes=None):
-        return {"causal": self.causal, "window": self.window, "softcap": self.softcap,
-                "alibi_slopes": slopes if self.alibi else None}
+    def options(self, slopes=None, n=None):
+        found = {"causal": self.causal, "window": self.window, "softcap": self.softcap,
+                 "alibi_slopes": slopes if self.alibi else None}
+        if self.mask:
+            found["block_mask"] = row_block_mask(self, n or self.N)
+        return found
+
+
+def causal_mod(b, h, i, j):
+    return j <= i
+
+
+def same_document(b, h, i, j, docs):
+    return docs[i] == docs[j]
+
+
+def document_ids(n, docs):
+    """Position -> document of ``docs`` equal documents (int32)."""
+    return (np.arange(n) * docs // n).astype(np.int32)
+
+
+_BLOCK_MASKS = {}
+
+
+def row_block_mask(r, n):
+    """The row's block mask at length ``n`` (built once; independent of batch and head)."""
+    key = (r.mask, r.docs, n)
+    if key not in _BLOCK_MASKS:
+        if r.mask == "causal":
+            _BLOCK_MASKS[key] = numba_flash.block_mask(causal_mod, 1, 1, n, n)
+        else:
+            _BLOCK_MASKS[key] = numba_flash.block_mask(same_document, 1, 1, n, n,
+                                                       mod_args=(document_ids(n, r.docs),))
+    return _BLOCK_MASKS[key]
 
 
 def _variant_rows(dtypes, B, H, N, d, long_n, left):
@@ -54,15 +87,31 @@ def _variant_rows(dtypes, B, H, N, d, long_n, left):
                  VariantRow("alibi", B, H, H, N, d, dt, alibi=True, base="plain"),
                  VariantRow("softcap+alibi", B, H, H, N, d, dt, softcap=30.0, alibi=True, base="plain"),
                  VariantRow("causal", 1, H, H, long_n, d, dt, causal=True),
-                 VariantRow(f"window {left}", 1, H, H, long_n, d, dt, causal=True, window=(left, 0), base="causal")]
+                 VariantRow(f"window {left}", 1, H, H, long_n, d, dt, causal=True, window=(left, 0), base="causal"),
+                 VariantRow("mask_mod causal", 1, H, H, long_n, d, dt, mask="causal", base="causal"),
+                 VariantRow("full", 1, H, H, long_n, d, dt),
+                 VariantRow("8 documents", 1, H, H, long_n, d, dt, mask="documents", docs=8, base="full")]
     return rows
 
 
 # The issue's targets: GQA (4, 32 -> 8, 4096, 128) within 5% of MHA's TFLOP/s; a causal
 # window of 1024 at N = 16384 in <= 0.15x full causal's time; softcap, ALiBi <= 10% slower.
+# Programmable attention: a mask_mod expressing causal, with its block mask, >= 0.9x the
+# built-in causal's speed; 8 equal documents at N = 16384 >= 4x faster than full attention
+# and >= 1.0x FlexAttention on the same mask.
 VARIANT_ROWS = _variant_rows(("bfloat16", "float32"), 4, 16, 4096, 128, 16384, 1024)
 TINY_VARIANT_ROWS = _variant_rows(("float32", "bfloat16"), 1, 2, 19, 16, 40, 5)
 VARIANT_VALIDATE_N = 2048      # validated on the first batch index, N cut to this, two K/V heads
+VARIANT_VALIDATE_MASK_N = 512  # (rows with a mask_mod: the oracle calls it per pair, in Python)
+
+
+def oracle_options(options):
+    """The oracle's options for a call's: a block mask as its mask_mod and mod_args."""
+    options = dict(options)
+    bm = options.pop("block_mask", None)
+    if bm is not None:
+        options.update(mask_mod=bm.mask_mod, mod_args=bm.mod_args)
+    return options
 
 
 def alibi_slopes(h):
@@ -73,6 +122,8 @@ def alibi_slopes(h):
 def variant_flops(r: VariantRow) -> float:
     """4·d per visible (query, key) pair per head: the FlashAttention convention for the
     visible area (a causal square is half of N², plus its diagonal)."""
+    if r.mask:          # the block mask counts the visible pairs
+        return 4.0 * r.d * r.B * r.Hq * row_block_mask(r, r.N).density * r.N * r.N
     rules = scores.parse(r.causal, r.window, r.softcap, r.alibi)
     return 4.0 * r.d * r.B * r.Hq * scores.visible_pairs(rules, r.N, r.N)
 
@@ -94,19 +145,19 @@ def validate_variant(r: VariantRow, bench, backward=True):
     ``VARIANT_VALIDATE_N``, the first two K/V heads and their query heads (same kernels);
     the backward too where the dtype has one, unless ``backward`` is False."""
     g = r.Hq // r.Hkv
-    n = min(r.N, VARIANT_VALIDATE_N)
+    n = min(r.N, VARIANT_VALIDATE_MASK_N if r.mask else VARIANT_VALIDATE_N)
     q, k, v, slopes = variant_inputs(r, bench, n=n, b=1, hq=g * min(2, r.Hkv))
     try:
-        out, lse = numba_flash.attention_fwd(q, k, v, **r.options(slopes))
+        out, lse = numba_flash.attention_fwd(q, k, v, **r.options(slopes, n))
         host = [to_host(x).astype(np.float64) for x in (q, k, v)]
-        opts = r.options(to_host(slopes).astype(np.float64))
+        opts = oracle_options(r.options(to_host(slopes).astype(np.float64), n))
         ref_out, ref_lse = reference.attention_fwd(*host, **opts)
         err = max(max_abs_err(to_host(out).astype(np.float64), ref_out), max_abs_err(to_host(lse), ref_lse))
         ok = bool(err <= TOLERANCE[r.dtype])
         val = {"valid": ok, "max_abs_err": err, "tolerance": TOLERANCE[r.dtype], "n": n, "error": None}
         if backward and has_backward(r):     # dq, dk, dv: max abs error relative to max(1, max|oracle|)
             dout = random_arrays([tuple(q.shape)], r.dtype, bench.kind, bench.torch, SEED + 1)[0]
-            grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **r.options(slopes))
+            grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **r.options(slopes, n))
             refs = reference.attention_bwd(to_host(dout).astype(np.float64), *host, **opts)
             bwd = max(max_abs_err(to_host(g), ref) / max(1.0, float(np.abs(ref).max())) for g, ref in zip(grads, refs))
             val.update(bwd_rel_err=bwd, bwd_tolerance=BWD_TOLERANCE[r.dtype])
