@@ -9,6 +9,7 @@
     python bench.py ladder --tiny          # ... in the simulator, as a smoke test
     python bench.py variants               # GQA, windows, softcap, ALiBi vs the plain call, SDPA, FlexAttention
     python bench.py serving                # KV-cache decoding, packed varlen prefill vs SDPA
+    python bench.py ring                   # ring attention on every GPU vs one GPU (--tiny: 2 CPU processes)
     python bench.py --dtype bfloat16 --csv /tmp/b.csv --plot /tmp/b.png   # also a CSV and a TFLOP/s plot
 
 Every mode validates each configuration against the oracle, then times it (CUDA events, L2

@@ -11,6 +11,7 @@ from .harness import DEFAULT_MIN_TIME_S, DEFAULT_REPEATS, DEFAULT_WARMUP, TINY_R
 from .modes.backward import BACKWARD_COLUMNS, backward_notes, run_backward
 from .modes.forward import FORWARD_COLUMNS, forward_notes, run_forward
 from .modes.ladder import LADDER_COLUMNS, ladder_notes, ladder_options, run_ladder
+from .modes.ring import render_ring_markdown, ring_options, run_ring
 from .modes.serving import SERVING_COLUMNS, run_serving, serving_notes, serving_options
 from .modes.variants import render_variants_markdown, run_variants, variants_options
 from .options import _common_options
@@ -41,6 +42,8 @@ MODES = {
                      run_variants, render_variants_markdown, variants_options),
     "serving": Mode("decoding against KV caches, packed variable-length prefill: vs SDPA and the padded batch",
                     run_serving, _markdown(SERVING_COLUMNS, serving_notes), serving_options),
+    "ring": Mode("ring attention over every GPU (one process each, NCCL) vs one GPU at a shard's length",
+                 run_ring, render_ring_markdown, ring_options),
 }
 DEFAULT_MODE = "forward"
 NO_GPU = ("bench.py times kernels with CUDA events, so it needs a CUDA GPU, and none was found "
