@@ -33,12 +33,22 @@ def test_zigzag_shard_and_unshard():
         zigzag_shard(torch.zeros(1, 1, 10, 2), 0, 3)
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="torch.distributed with gloo")
-def test_ring_matches_the_oracle_on_two_ranks():
+def _two_gpus():
+    return torch.cuda.is_available() and torch.cuda.device_count() >= 2 and dist.is_nccl_available()
+
+
+@pytest.mark.parametrize("backend", ["gloo", "nccl"])
+def test_ring_matches_the_oracle_on_two_ranks(backend):
     """Causal (zigzag) with grouped heads in float32, non-causal in bfloat16: out, lse, dq, dk, dv
-    of each rank's shard, the all-gathered output unsharded, and a repeat bitwise equal."""
-    proc = subprocess.run([sys.executable, "tests/ring_worker.py", "2", str(_free_port())], cwd=ROOT,
-                          env=project_env(NUMBA_ENABLE_CUDASIM="1"), capture_output=True, text=True, timeout=600)
+    of each rank's shard, the all-gathered output unsharded, and a repeat bitwise equal; two
+    CPU processes under gloo (the simulator), and two GPUs under NCCL where a machine has them."""
+    if backend == "gloo" and not (dist.is_available() and dist.is_gloo_available()):
+        pytest.skip("torch.distributed with gloo")
+    if backend == "nccl" and not _two_gpus():
+        pytest.skip("two CUDA GPUs and NCCL")
+    env = project_env(NUMBA_ENABLE_CUDASIM="1") if backend == "gloo" else project_env(NCCL_NVLS_ENABLE="0")
+    proc = subprocess.run([sys.executable, "tests/ring_worker.py", "2", str(_free_port()), backend], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * 2, proc.stdout
