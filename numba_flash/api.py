@@ -269,11 +269,13 @@ def _check_block_mask(bm, lead, nq, nk):
 
 
 def _device_mod_args(args, stream):
-    """``mod_args`` as kernel arguments: NumPy arrays copied to the device, CUDA device
-    arrays (Numba, CuPy, PyTorch, JAX) as Numba views, numbers as Python numbers (Numba
+    """``mod_args`` as kernel arguments: NumPy arrays (and PyTorch CPU tensors) copied to
+    the device, CUDA device arrays (Numba, CuPy, PyTorch, JAX) as Numba views, numbers as Python numbers (Numba
     types ints as int64, floats as float64); anything else a TypeError naming its place."""
     out = []
     for i, a in enumerate(args):
+        if _arrays._is_torch(a) and not a.is_cuda:      # a PyTorch CPU tensor: as NumPy
+            a = _arrays.host_view(a)
         if isinstance(a, (bool, np.bool_)):
             out.append(bool(a))
         elif isinstance(a, numbers.Integral):
@@ -281,7 +283,10 @@ def _device_mod_args(args, stream):
         elif isinstance(a, numbers.Real):
             out.append(float(a))
         elif isinstance(a, np.ndarray) or _arrays.is_device_array(a):
-            dt = np.dtype(_arrays.logical_dtype(a))
+            try:
+                dt = np.dtype(_arrays.logical_dtype(a))
+            except TypeError:           # a dtype NumPy has no name for (a PyTorch one)
+                dt = np.dtype(np.void)
             if dt.kind not in "biuf" or dt.kind == "f" and dt.itemsize < 4:
                 raise TypeError(f"mod_args[{i}] has dtype {dt}; mod_args arrays must be bool, integer, float32 "
                                 "or float64. Cast it first (e.g. .astype(np.float32)).")
