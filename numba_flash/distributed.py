@@ -100,11 +100,10 @@ def _chunk(x, which):
 def _step_exchange(buf, group, rank, world):
     """Post the send of ``buf`` to the next rank and the receive of the previous rank's into
     a new buffer; returns ``(requests, received)``."""
+    def peer(r):                  # P2P operations name global ranks
+        return dist.get_global_rank(group, r % world) if group else r % world
     got = torch.empty_like(buf)
-    ops = [dist.P2POp(dist.isend, buf, dist.get_global_rank(group, (rank + 1) % world) if group else (rank + 1) % world,
-                      group),
-           dist.P2POp(dist.irecv, got, dist.get_global_rank(group, (rank - 1) % world) if group else (rank - 1) % world,
-                      group)]
+    ops = [dist.P2POp(dist.isend, buf, peer(rank + 1), group), dist.P2POp(dist.irecv, got, peer(rank - 1), group)]
     return dist.batch_isend_irecv(ops), got
 
 

@@ -61,10 +61,6 @@ class Mods:
     nargs: int = 0          # how many mod_args the kernels pass on (their types are the kernel's argument types)
     blocks: bool = False    # a block mask narrows each query tile's keys (numba_flash.blockmask)
 
-    def names(self):
-        return "+".join(f"{n}={getattr(f, '__qualname__', repr(f))}" for n, f in
-                        (("score_mod", self.score_mod), ("mask_mod", self.mask_mod)) if f is not None)
-
 
 @dataclasses.dataclass(frozen=True)
 class ScoreSpec:
