@@ -124,6 +124,13 @@ def _mask_peers(r, q, k, v, torch, flex, sdpa, i, j):
 def _flex(torch):
     try:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+        # every row (shape, score_mod, block mask) compiles its own graph: past dynamo's
+        # recompile limit (8) the calls would run flex_attention uncompiled (its dense
+        # reference path), orders of magnitude slower
+        for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                     "accumulated_cache_size_limit"):
+            if hasattr(torch._dynamo.config, name):
+                setattr(torch._dynamo.config, name, max(256, getattr(torch._dynamo.config, name)))
         return torch.compile(flex_attention), create_block_mask
     except Exception:  # noqa: BLE001 - an older torch
         return None

@@ -35,7 +35,8 @@ class _Inputs:
         self.rules = _scores.parse(causal, window, softcap, slopes is not None,   # with the values
                                    *(() if mods is None else mods.functions),
                                    nargs=0 if mods is None else len(mods.args),
-                                   blocks=mods is not None and mods.block_mask is not None)
+                                   blocks=mods is not None and mods.block_mask is not None,
+                                   exact=mods is not None and mods.block_mask is not None and mods.block_mask.exact)
         self.block_mask = None if mods is None else mods.block_mask
         self.scores = self.rules.spec           # the score rules the kernels compile in
         kinds = [_kind(a, n) for n, a in arrays.items()]
@@ -138,18 +139,16 @@ class _Inputs:
             raise ValueError(f"score_mod/mask_mod take sequences and batches below 2**24 with 16-bit or float32 "
                              f"inputs, got Nq={self.nq}, Nk={self.nk}, {self.batch} leading indices.")
         heads = self.lead[-1] if self.lead else 1
-        ranges = None
-        if self.block_mask is not None and rows is not None:   # the forward kernel's query tiles
-            ranges = self.block_mask.tile_ranges(rows)          # (Bm, Hm, tiles, 2)
-        width = 5 + (0 if ranges is None else 2 * ranges.shape[2])
+        width = 5 if self.block_mask is None else 6
         ids = np.zeros(self.lead + (width,), self.acc_dtype)
         flat = ids.reshape(-1, width)
         n = np.arange(flat.shape[0])
         b, h = n // heads, n % heads
         flat[:, 1], flat[:, 2], flat[:, 3], flat[:, 4] = b, h, self.nq, self.nk
-        if ranges is not None:          # ids[..., 5 + 2 qt], ids[..., 6 + 2 qt]: scores.block_rules
-            bm, hm = ranges.shape[:2]
-            flat[:, 5:] = ranges[b % bm, h % hm].reshape(len(n), -1)
+        if self.block_mask is not None:     # ids[..., 5]: the row of the mask's table (scores.block_rules)
+            bm, hm = self.block_mask.shape[:2]
+            flat[:, 5] = (b % bm) * hm + h % hm
+            self.block_table = self.block_mask.device_table(rows)
         if self.slopes is not None:
             s = self.device_slopes
             ids[..., 0] = np.broadcast_to(s.copy_to_host() if hasattr(s, "copy_to_host") else np.asarray(s),
@@ -158,8 +157,11 @@ class _Inputs:
 
     def score_tail(self, slopes_view):
         """The kernels' last score argument: the slopes' view, or with user functions the
-        pair ``(ids view, mod_args)``."""
-        return slopes_view if self.mod_args is None else (slopes_view, self.mod_args)
+        pair ``(ids view, mod_args)``, with a block mask the triple ``(ids view, mod_args,
+        table)`` (the table of the query tile height :meth:`score_args` was last given)."""
+        if self.mod_args is None:
+            return slopes_view
+        return (slopes_view, self.mod_args) + (() if self.block_mask is None else (self.block_table,))
 
     @functools.cached_property
     def device_slopes(self):

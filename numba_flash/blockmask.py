@@ -10,6 +10,12 @@ then masked (a tile-by-tile table of empty and full tiles is not built): masks w
 visible keys per query tile form one run (causal, windows, document masking, prefix-LM)
 get the whole saving; a mask with holes only its outer bounds.
 
+When every row's visible keys are one run (:attr:`BlockMask.exact`: causal, windows,
+documents, prefix-LM), the Hopper family does not call ``mask_mod`` at all: it masks each
+row by its run, and only in the key tiles that some row of the query tile sees in part
+(the others are all visible, as in the built-in ``causal``); the other families call
+``mask_mod`` for every score they compute inside the bounds.
+
 One block mask serves every call with the same mask, shapes and mod_args values, in
 every layer; the per-tile ranges of each kernel family's query tile height are derived
 on the host once and cached in the object.
@@ -63,6 +69,10 @@ class BlockMask:
         self.mask_mod, self.shape, self.mod_args = mask_mod, shape, tuple(mod_args)
         self._rows = rows               # (B, H, Nq, 3) int64: first key, one past the last, count
         self._tiles = {}
+        self._tables = {}
+        count = rows[..., 2]
+        self.exact = bool(np.all((count == 0) | (count == rows[..., 1] - rows[..., 0])))
+        """True if every row's visible keys are one run (see the module docstring)."""
 
     @property
     def density(self) -> float:
@@ -87,6 +97,32 @@ class BlockMask:
             pad[:, :, :Nq] = self._rows[..., :2]
             pad = pad.reshape(B, H, n, rows, 2)
             found = self._tiles[rows] = np.stack([pad[..., 0].min(-1), pad[..., 1].max(-1)], axis=-1)
+        return found
+
+    def device_table(self, rows: int):
+        """What the kernels of query tiles of ``rows`` rows read (``scores.block_rules``), on
+        the device (built once per ``rows``): int32 ``(B · H, 2 P + 4 n)``, ``n`` the tiles and
+        ``P = n · rows`` the padded rows, per ``(b, h)`` (row ``b · H + h``): at columns
+        ``2 i``, ``2 i + 1`` row ``i``'s first visible key and one past its last (``Nk, 0``
+        for a row that sees none, padding rows included); at ``W − 4 − 4 t ..`` (``W`` the
+        width, counted from the end) tile ``t``'s first and one-past-last key any row sees,
+        then the first and one-past-last key every row sees (``0, 0`` unless :attr:`exact`)."""
+        found = self._tables.get(rows)
+        if found is None:
+            B, H, Nq, Nk = self.shape
+            n = -(-Nq // rows)
+            ends = np.empty((B, H, n * rows, 2), np.int64)
+            ends[..., 0], ends[..., 1] = Nk, 0
+            ends[:, :, :Nq] = self._rows[..., :2]
+            inner = np.zeros((B, H, n, 2), np.int64)
+            if self.exact:
+                real = (np.arange(n * rows) < Nq)[None, None, :]       # padding rows are never written
+                lo = np.where(real, ends[..., 0], -1).reshape(B, H, n, rows).max(-1)
+                hi = np.where(real, ends[..., 1], Nk + 1).reshape(B, H, n, rows).min(-1)
+                inner[..., 0], inner[..., 1] = lo, np.maximum(hi, lo)
+            tiles = np.concatenate([self.tile_ranges(rows), inner], axis=-1)[:, :, ::-1]    # last tile first
+            table = np.concatenate([ends.reshape(B * H, -1), tiles.reshape(B * H, -1)], axis=1)
+            found = self._tables[rows] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
         return found
 
     def __repr__(self):

@@ -60,6 +60,8 @@ class Mods:
     score_mod_grad: object = None
     nargs: int = 0          # how many mod_args the kernels pass on (their types are the kernel's argument types)
     blocks: bool = False    # a block mask narrows each query tile's keys (numba_flash.blockmask)
+    exact: bool = False     # ... and its rows' visible keys are runs: kernels that read its row
+                            # ranges (device_rules' block_rows) mask by them, never calling mask_mod
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,7 +158,7 @@ class Scores:
 
 
 def parse(causal=False, window=None, softcap=None, alibi=False, score_mod=None, mask_mod=None,
-          score_mod_grad=None, nargs=0, blocks=False) -> Scores:
+          score_mod_grad=None, nargs=0, blocks=False, exact=False) -> Scores:
     """The :class:`Scores` of the public options, or a ``TypeError``/``ValueError`` that
     names the option and the fix."""
     mods = None
@@ -167,7 +169,7 @@ def parse(causal=False, window=None, softcap=None, alibi=False, score_mod=None, 
     if score_mod_grad is not None and score_mod is None:
         raise ValueError("score_mod_grad was given without a score_mod: pass the score_mod it differentiates.")
     if score_mod is not None or mask_mod is not None:
-        mods = Mods(score_mod, mask_mod, score_mod_grad, nargs, bool(blocks))
+        mods = Mods(score_mod, mask_mod, score_mod_grad, nargs, bool(blocks), bool(blocks and exact))
     if not isinstance(causal, (bool, np.bool_)):
         raise TypeError(f"causal must be True or False, got {causal!r} ({type(causal).__name__}). "
                         "Pass causal=bool(...) if it is a flag of another type.")
@@ -341,7 +343,7 @@ def band_tiles(scores, rows: int, cols: int, nq: int, nk: int) -> int:
 SOFTCAP_TANH = {"float64": "exact", "float32": "rcp", "float16": "approx", "bfloat16": "approx"}
 
 
-def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None):
+def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None, block_rows: bool = False):
     """``(row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts)`` for kernels,
     specialised on ``spec``; ``dtype_name`` is the kernel's accumulator dtype. ``geo`` is
     the tuple ``(Nk, diag, left, right)`` (int64; ``left``, ``right`` the window's sides,
@@ -371,8 +373,14 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None)
     special-function reciprocal (``rcp.approx``, within 1 ulp: a few units of the last
     place too, in a handful of instructions fewer); "approx" the special-function tanh
     (``tanh.approx``, one instruction). The last two are float32 only.
+
+    ``block_rows``: the kernel folds an exact block mask's row ranges into ``row_keys``'
+    (``block_row_rules``) and masks the tiles it marks partial: with such a mask
+    (``spec.mods.exact``) ``in_row`` then tests both ends and ``score`` leaves ``mask_mod``
+    out.
     """
     tanh = tanh or SOFTCAP_TANH[dtype_name]
+    rows_given = block_rows and spec.mods is not None and spec.mods.exact
     assert tanh == "exact" or (tanh in ("rcp", "approx") and dtype_name == "float32"), (tanh, dtype_name)
     causal, window, softcap, alibi = spec.causal, spec.window, spec.softcap, spec.alibi
     DT = np.dtype(dtype_name).type
@@ -390,7 +398,7 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None)
         return lo, hi
 
     def in_row(j, lo, hi):
-        if window:
+        if window or rows_given:
             return j >= lo and j <= hi
         return j <= hi
 
@@ -458,38 +466,72 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None)
     (builtin_score,) = _device((builtin_score,))     # score's closure sees the device function
     if spec.mods is None:
         return _device((row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts))
-    score, score_consts = _mod_rules(spec, builtin_score, DT)
+    score, score_consts = _mod_rules(spec, builtin_score, DT, rows_given)
     return _device((row_keys, in_row, key_range, query_range, tile_needs_mask)) + (score, score_consts)
 
 
 def block_rules(spec: ScoreSpec):
     """``block_keys(slopes, b1, b2, qt, begin, end)``: the key range ``[begin, end)`` of
     query tile ``qt`` narrowed to where a block mask (``spec.mods.blocks``) says its rows
-    can see anything: ``slopes`` is then the pair ``(ids, mod_args)`` of :func:`_mod_rules`
-    and ``ids[b1, b2, 5 + 2 qt]``, ``ids[b1, b2, 6 + 2 qt]`` the tile's first visible key
-    and one past its last, for the kernel's own query tile height (``api`` builds them).
-    Without a block mask the range is returned as it is."""
+    can see anything. ``slopes`` is then the triple ``(ids, mod_args, table)``: ``ids`` as
+    :func:`_mod_rules` reads it with ``ids[b1, b2, 5]`` the leading index's row of
+    ``table``, the block mask's ``BlockMask.device_table`` for the kernel's own query tile
+    height (``api`` passes them). Without a block mask the range is returned as it is."""
     if spec.mods is not None and spec.mods.blocks:
         def block_keys(slopes, b1, b2, qt, begin, end):
-            ids = slopes[0]
-            return max(begin, int(ids[b1, b2, 5 + 2 * qt])), min(end, int(ids[b1, b2, 6 + 2 * qt]))
+            t = int(slopes[0][b1, b2, 5])
+            table = slopes[2]
+            at = table.shape[1] - 4 - 4 * qt
+            return max(begin, int(table[t, at])), min(end, int(table[t, at + 1]))
     else:
         def block_keys(slopes, b1, b2, qt, begin, end):
             return begin, end
     return _device((block_keys,))[0]
 
 
-def _mod_rules(spec, builtin_score, DT):
+def block_row_rules(spec: ScoreSpec):
+    """``(block_rows, block_tile)`` for kernels that mask by an exact block mask's rows
+    (``spec.mods.exact``; ``device_rules(..., block_rows=True)``), else stand-ins that
+    change nothing:
+
+    * ``block_rows(slopes, b1, b2, i, lo, hi)``: ``row_keys``' ``(lo, hi)`` of query row ``i``
+      (``i`` below the table's padded rows) narrowed to the mask's run of keys;
+    * ``block_tile(slopes, b1, b2, qt, k0, cols)``: True unless every row of query tile
+      ``qt`` sees every key ``k0 .. k0 + cols − 1`` by the mask (then no score of the tile
+      needs masking for it)."""
+    if spec.mods is not None and spec.mods.exact:
+        def block_rows(slopes, b1, b2, i, lo, hi):
+            t = int(slopes[0][b1, b2, 5])
+            table = slopes[2]
+            return max(lo, int(table[t, 2 * i])), min(hi, int(table[t, 2 * i + 1]) - 1)
+
+        def block_tile(slopes, b1, b2, qt, k0, cols):
+            t = int(slopes[0][b1, b2, 5])
+            table = slopes[2]
+            at = table.shape[1] - 4 - 4 * qt
+            return k0 < table[t, at + 2] or k0 + cols > table[t, at + 3]
+    else:
+        def block_rows(slopes, b1, b2, i, lo, hi):
+            return lo, hi
+
+        def block_tile(slopes, b1, b2, qt, k0, cols):
+            return False
+    return _device((block_rows, block_tile))
+
+
+def _mod_rules(spec, builtin_score, DT, rows_given=False):
     """``score`` and ``score_consts`` with the user's functions (:class:`Mods`): ``slopes``
     is then the pair ``(ids, mod_args)``, ``ids (B1, B2, 5)`` holding per leading index the
     ALiBi slope, the flattened leading index ``b``, the head ``h``, ``Nq`` and ``Nk``
     (``api``), and ``mod_args`` the user's tuple; ``sc`` carries them on. The user's
     functions are called for existing (query, key) pairs only: kernels compute scores of
     padding rows and columns too (and mask or drop them), and a user function may index
-    a table by position."""
+    a table by position. ``rows_given``: the kernel masks by an exact block mask's rows
+    instead of calling ``mask_mod``."""
     alibi = spec.alibi
     mods = spec.mods
     HAS_S, HAS_M, HAS_G = (f is not None for f in (mods.score_mod, mods.mask_mod, mods.score_mod_grad))
+    HAS_M = HAS_M and not rows_given
     smod, gmod = (_call_with_args(f, True, mods.nargs) for f in (mods.score_mod, mods.score_mod_grad))
     mmod = _call_with_args(mods.mask_mod, False, mods.nargs)
     ZERO, LN2_T, LOG2E_T, NEG_INF = DT(0), DT(math.log(2)), DT(LOG2E), DT(-math.inf)
@@ -511,7 +553,7 @@ def _mod_rules(spec, builtin_score, DT):
         return y, grad
 
     def score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2):
-        ids, margs = slopes
+        ids, margs = slopes[0], slopes[1]
         slope_log2 = ids[b1, b2, 0] * LOG2E_T if alibi else ZERO
         return (scale_log2, cap_in, cap_out, slope_log2, int(ids[b1, b2, 1]), int(ids[b1, b2, 2]),
                 int(ids[b1, b2, 3]), int(ids[b1, b2, 4]), margs)

@@ -14,7 +14,9 @@ backward, contiguous and paged KV caches with appends, the one-warp decoding ker
 key splits forced, grouped query heads, merge_attention), every dtype they take;
 ``--hopper``: the Hopper forward family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU)
 at ragged shapes of the head dims it takes, float16 and bfloat16, on a grid of three
-persistent blocks (each takes several work items; ``--quick``: the first shape only).
+persistent blocks (each takes several work items; ``--quick``: the first shape only),
+then block masks (an exact one, masked by its rows' runs, and one with holes, whose
+``mask_mod`` the kernel calls) on the first shape, forward and backward.
 """
 import os
 import sys
@@ -134,6 +136,39 @@ def _kvcache(rng, npdt, dt, tol, paged, forced):
     return bad
 
 
+def doc_causal(b, h, i, j, docs):
+    return docs[i] == docs[j] and j <= i
+
+
+def doc_holes(b, h, i, j, docs):
+    return docs[i] == docs[j] and (i - j) % 3 != 1
+
+
+def block_masks(rng, shape, dtypes):
+    """Block masks on one shape: each call against the oracle given the function."""
+    hq, hkv, nq, nk, d = shape
+    bad = 0
+    docs = np.sort(rng.integers(0, 3, max(nq, nk))).astype(np.int32)
+    q = rng.standard_normal((2, hq, nq, d))
+    k, v = (rng.standard_normal((2, hkv, nk, d)) for _ in range(2))
+    dout = rng.standard_normal(q.shape)
+    for fn in (doc_causal, doc_holes):
+        bm = numba_flash.block_mask(fn, 1, 1, nq, nk, mod_args=(docs,))
+        opts = {"mask_mod": fn, "mod_args": (docs,)}
+        ref_out, _ = reference.attention_fwd(q, k, v, **opts)
+        ref_grads = reference.attention_bwd(dout, q, k, v, **opts)
+        for dt, tol in dtypes:
+            npdt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
+            args = [x.astype(npdt) for x in (q, k, v)]
+            out, lse = numba_flash.attention_fwd(*args, block_mask=bm)
+            errs = [float(np.abs(out.astype(np.float64) - ref_out).max())]
+            grads = numba_flash.attention_bwd(dout.astype(npdt), *args, out, lse, block_mask=bm)
+            errs += [float(np.abs(g.astype(np.float64) - r).max() / max(1, np.abs(r).max()))
+                     for g, r in zip(grads, ref_grads)]
+            bad += _report(f"{shape} block mask {fn.__name__} (exact: {bm.exact})", dt, max(errs), tol)
+    return bad
+
+
 def _few_blocks(blocks=3):
     """Report ``blocks`` multiprocessors to the launches, so the Hopper family's persistent
     blocks each take several work items at these small shapes."""
@@ -187,6 +222,8 @@ def main():
                 bad += not ok
                 print(f"{'ok ' if ok else 'BAD'} {dt:9s} {(hq, hkv, nq, nk, d)} {opts if 'alibi_slopes' not in opts else {**opts, 'alibi_slopes': '...'}} "
                       f"max err {max(errs):.1e}", flush=True)
+    if "--hopper" in sys.argv:
+        bad += block_masks(rng, shapes[0], dtypes)
     return 1 if bad else 0
 
 

@@ -46,7 +46,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .. import ops_hopper as H
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_rules, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, block_rules, device_rules
 from .forward import LN2
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
@@ -106,8 +106,16 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     assert D in HEAD_DIMS, D
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
-    LONGEST_FIRST = scores.causal or scores.window   # rows see different numbers of keys
-    RAW = not scores.transforms          # scores are scale · q·k: the scale joins exp2's FMA
+    mods = scores.mods
+    LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks)   # rows see different numbers of keys
+    # scores are scale · q·k (an exact block mask's rows are masked like a window's): the
+    # scale joins exp2's FMA
+    RAW = not (scores.softcap or scores.alibi or (mods is not None and (mods.score_mod is not None or not mods.exact)))
+    # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
+    # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
+    # slow instruction on the multi-function unit the exponentials need (user functions
+    # take the integer positions)
+    FLOAT_POS = scores.alibi and scores.mods is None
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES)
     NS = BN // 2                          # S accumulator elements per thread
     NP = NS // 2                          # the same, packed in 16-bit pairs
@@ -119,8 +127,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
-        scores, "float32", SOFTCAP_TANH[dtype_name])
+        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
     block_keys = block_rules(scores)
+    block_rows, block_tile = block_row_rules(scores)
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
     TILE_BYTES = NSUB * SUB_K             # K or V of one stage
@@ -178,7 +187,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             H.named_arrive(4 - wg, 256)
 
     @cuda.jit(device=True, inline=True)
-    def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1, geo, diag, sc):
+    def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2):
         """One key tile's online softmax on the raw products ``s`` (two rows per thread, a
         quad per row): scores in log2 units, masks, the new maxima, ``s`` replaced by the
         exponentials. Returns the maxima, the partial sums and the old-to-new factors.
@@ -186,10 +195,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         on ``s`` (the scale is positive) and the scale is applied inside the exponent's
         argument, one FMA per element."""
         sl = sc[0]
-        if not RAW:
+        if FLOAT_POS:
+            rf = F32(row0 + diag - k0 - 2 * tq4)          # the distance to the thread's first key
+            for i in range(NS):
+                s[i], _ = score(s[i], rf + F32(8 * ((i >> 1) & 1)), F32(8 * (i >> 2) + (i & 1)), ZERO, sc)
+        elif not RAW:
             for i in range(NS):
                 s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
-        if tile_needs_mask(r0, ROWS, k0, BN, geo):
+        if tile_needs_mask(r0, ROWS, k0, BN, geo) or block_tile(slopes, b1, b2, r0 // BM, k0, BN):
             for i in range(NS):
                 col = k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1)
                 seen = in_row(col, lo1, hi1) if (i >> 1) & 1 else in_row(col, lo0, hi0)
@@ -368,6 +381,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
             lo0, hi0 = row_keys(row0, geo)
             lo1, hi1 = row_keys(row0 + 8, geo)
+            lo0, hi0 = block_rows(slopes, b1, b2, row0, lo0, hi0)
+            lo1, hi1 = block_rows(slopes, b1, b2, row0 + 8, lo1, hi1)
             m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
             o0 = zeros_o()
             o1 = zeros_o()
@@ -391,7 +406,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 ak, bk = advance(ak, bk)
                 H.to_array(acc, s)
                 m0, m1, l0, l1, alpha0, alpha1 = softmax(s, kt0 * BN, row0, tq4, r0, m0, m1, l0, l1,
-                                                         lo0, hi0, lo1, hi1, geo, diag, sc)
+                                                         lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2)
                 for k in range(NP):
                     p[k] = pack(s[2 * k], s[2 * k + 1])
                 for j in range(1, tiles):
@@ -409,7 +424,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     ak, bk = advance(ak, bk)
                     H.to_array(acc, s)
                     m0, m1, l0, l1, alpha0, alpha1 = softmax(s, (kt0 + j) * BN, row0, tq4, r0, m0, m1, l0, l1,
-                                                             lo0, hi0, lo1, hi1, geo, diag, sc)
+                                                             lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2)
                     wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
                     release(ct, empty_v + 8 * av)
                     av, bv = advance(av, bv)
