@@ -18,6 +18,10 @@ _POISON = None
 
 
 # --------------------------------------------------------------------------- inputs
+_IDS = {}           # (context, lead, Nq, Nk, dtype, block mask's (B, H)) -> user functions' ids table
+MAX_IDS = 64        # the table starts afresh when it is full
+
+
 class _Inputs:
     """Validated inputs: array kind, dtype, shapes, scale, and the arrays on the device side.
 
@@ -110,7 +114,10 @@ class _Inputs:
         self.arrays = dict(zip(names, values))
         self.slopes = None if slopes is None else _check_slopes(slopes, self.lead, self.on_device, self.acc_dtype)
         self.packed = None      # packed sequences' table (numba_flash.varlen), set by their entry points
-        self.mod_args = None if mods is None else _device_mod_args(mods.args, self.stream)
+        if mods is not None and mods.block_mask is not None and mods.args is mods.block_mask.mod_args:
+            self.mod_args = mods.block_mask.device_args     # copied to the device once, by block_mask
+        else:
+            self.mod_args = None if mods is None else _device_mod_args(mods.args, self.stream)
         if self.block_mask is not None:
             _check_block_mask(self.block_mask, self.lead, self.nq, self.nk)
 
@@ -134,10 +141,18 @@ class _Inputs:
         """With user functions: per leading index the ALiBi slope (0 without ALiBi), the
         flattened index ``b`` of the dims before the head axis, the head ``h``, ``Nq`` and
         ``Nk``, shape ``lead + (5,)`` in the accumulator dtype (exact: lengths < 2**24 are
-        checked), on the device (what ``scores``'s ``score_consts`` reads)."""
+        checked), on the device (what ``scores``'s ``score_consts`` reads). Without ALiBi the
+        table depends on the shapes only: kept on the device and reused (``_IDS``), as
+        each call's copy would wait for the work already queued."""
         if max(self.nq, self.nk, self.batch) >= 1 << 24 and self.acc_dtype == np.float32:
             raise ValueError(f"score_mod/mask_mod take sequences and batches below 2**24 with 16-bit or float32 "
                              f"inputs, got Nq={self.nq}, Nk={self.nk}, {self.batch} leading indices.")
+        if self.block_mask is not None:
+            self.block_table = self.block_mask.device_table(rows)
+        key = (None if SIMULATOR else context_handle(), self.lead, self.nq, self.nk, self.acc_dtype.str,
+               None if self.block_mask is None else self.block_mask.shape[:2])
+        if self.slopes is None and key in _IDS:
+            return _IDS[key]
         heads = self.lead[-1] if self.lead else 1
         width = 5 if self.block_mask is None else 6
         ids = np.zeros(self.lead + (width,), self.acc_dtype)
@@ -148,12 +163,15 @@ class _Inputs:
         if self.block_mask is not None:     # ids[..., 5]: the row of the mask's table (scores.block_rules)
             bm, hm = self.block_mask.shape[:2]
             flat[:, 5] = (b % bm) * hm + h % hm
-            self.block_table = self.block_mask.device_table(rows)
         if self.slopes is not None:
             s = self.device_slopes
             ids[..., 0] = np.broadcast_to(s.copy_to_host() if hasattr(s, "copy_to_host") else np.asarray(s),
                                           self.lead)
-        return _arrays.to_device(ids, self.stream)
+            return _arrays.to_device(ids, self.stream)
+        if len(_IDS) >= MAX_IDS:
+            _IDS.clear()
+        found = _IDS[key] = _arrays.to_device(ids)      # (complete before any stream reads it)
+        return found
 
     def score_tail(self, slopes_view):
         """The kernels' last score argument: the slopes' view, or with user functions the

@@ -65,8 +65,9 @@ class BlockMask:
     (and ``attention_fwd`` / ``attention_bwd``) as ``block_mask=``; its ``mask_mod`` and
     ``mod_args`` are the call's unless the call gives them (the same function)."""
 
-    def __init__(self, mask_mod, shape, mod_args, rows):
+    def __init__(self, mask_mod, shape, mod_args, rows, device_args=None):
         self.mask_mod, self.shape, self.mod_args = mask_mod, shape, tuple(mod_args)
+        self.device_args = device_args  # mod_args as kernel arguments (NumPy arrays copied once)
         self._rows = rows               # (B, H, Nq, 3) int64: first key, one past the last, count
         self._tiles = {}
         self._tables = {}
@@ -161,10 +162,10 @@ def block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=()):
     B, H, Nq, Nk = int(B), int(H), int(Nq), int(Nk)
     n = B * H * Nq
     rows = np.empty((B, H, Nq, 3), np.int64)
+    margs = api._device_mod_args(tuple(mod_args), 0)
     if n:
         out = cuda.device_array((n, 3), np.int64)
         kern = _rows_kernel(mask_mod, len(mod_args))
-        margs = api._device_mod_args(tuple(mod_args), 0)
         launch.launch(kern, -(-n // THREADS), THREADS, 0, (out, B, H, Nq, Nk, margs))
         rows[...] = out.copy_to_host().reshape(B, H, Nq, 3)
-    return BlockMask(mask_mod, (B, H, Nq, Nk), mod_args, rows)
+    return BlockMask(mask_mod, (B, H, Nq, Nk), mod_args, rows, margs)

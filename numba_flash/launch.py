@@ -74,6 +74,11 @@ def _layout(shape, strides, itemsize):
     return "F"
 
 
+class _TupleKey(tuple):
+    """The key of a tuple argument: its items' keys (Numba passes a tuple's items as
+    parameters of their own, in order)."""
+
+
 def _arg_key(a):
     """What determines a parameter's Numba type, or None if the fast path does not handle it."""
     t = type(a)
@@ -82,6 +87,9 @@ def _arg_key(a):
     if getattr(a, "__cuda_ndarray__", False) and not isinstance(a, np.ndarray):
         shape, strides = a.shape, a.strides
         return (a.dtype, len(shape), _layout(shape, strides, a.dtype.itemsize))
+    if t is tuple:
+        keys = _TupleKey(_arg_key(x) for x in a)
+        return None if None in keys else keys
     return None
 
 
@@ -96,7 +104,9 @@ def _param_ctypes(argkey):
     """The ctypes of the flattened kernel parameters for an argument-types key."""
     ptypes = []
     for k in argkey:
-        if isinstance(k, tuple):     # meminfo, parent, nitems, itemsize, data, shape, strides
+        if isinstance(k, _TupleKey):
+            ptypes += _param_ctypes(k)
+        elif isinstance(k, tuple):   # meminfo, parent, nitems, itemsize, data, shape, strides
             ptypes += [ctypes.c_int64] * (5 + 2 * k[1])
         else:
             ptypes.append(_SCALAR_CTYPES[k])
@@ -166,15 +176,22 @@ def array_params(a, ptr):
     return [0, 0, a.size, a.dtype.itemsize, ptr, *a.shape, *a.strides]
 
 
-def _launch_fast(entry, grid, block, smem_bytes, args, stream):
-    from cuda.bindings import driver as cu
-    handle, ptypes = entry[0], entry[1]
-    values = []
+def _flat_params(args, values):
+    """Append the kernel parameters of ``args`` to ``values`` (tuples flattened)."""
     for a in args:
         if type(a) in _SCALAR_CTYPES:
             values.append(a)
+        elif type(a) is tuple:
+            _flat_params(a, values)
         else:
             values += array_params(a, a.device_ctypes_pointer.value or 0)
+    return values
+
+
+def _launch_fast(entry, grid, block, smem_bytes, args, stream):
+    from cuda.bindings import driver as cu
+    handle, ptypes = entry[0], entry[1]
+    values = _flat_params(args, [])
     err, = cu.cuLaunchKernel(handle, *dims3(grid), *dims3(block), smem_bytes, _arrays.stream_handle(stream),
                              (tuple(values), ptypes), 0)
     if err != cu.CUresult.CUDA_SUCCESS:
