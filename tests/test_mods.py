@@ -312,13 +312,16 @@ def test_block_mask_skips_what_no_row_of_a_tile_sees():
     assert len(calls) < n_plain, (len(calls), n_plain)
 
 
-def test_hopper_family_masks_exact_block_masks_without_the_function(monkeypatch):
-    """The Hopper family (in the simulator) masks by an exact block mask's row runs and
-    never calls the function; a mask with holes (not exact) is called inside the bounds.
-    Both against the oracle."""
+@pytest.mark.parametrize("dtype, hopper", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_forward_masks_exact_block_masks_without_the_function(dtype, hopper, monkeypatch):
+    """Every forward family (in the simulator: CUDA cores, mma.sync, Hopper) masks by an
+    exact block mask's row runs and never calls the function; a mask with holes (not
+    exact) is called inside the bounds. Both against the oracle."""
     if ON_GPU:
         pytest.skip("counts calls of the Python function, which only the simulator makes")
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    if hopper:
+        monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    n, d = (150, 64) if hopper else (45, 16)
     calls = []
 
     def counted(b, h, i, j, docs):
@@ -328,10 +331,10 @@ def test_hopper_family_masks_exact_block_masks_without_the_function(monkeypatch)
     def holes(b, h, i, j, docs):
         calls.append(1)
         return docs[b, i] == docs[b, j] and (i - j) % 3 != 1
-    rng, q, k, v, _ = _inputs("bfloat16", (1, 2), 150, 150, 64, 12)
-    docs = np.repeat(np.arange(3, dtype=np.int32), 50)[None]
+    rng, q, k, v, _ = _inputs(dtype, (1, 2), n, n, d, 12)
+    docs = np.repeat(np.arange(3, dtype=np.int32), n // 3)[None]
     for fn, exact in ((counted, True), (holes, False)):
-        bm = numba_flash.block_mask(fn, 1, 1, 150, 150, mod_args=(docs,))
+        bm = numba_flash.block_mask(fn, 1, 1, n, n, mod_args=(docs,))
         assert bm.exact == exact
         calls.clear()
         out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)

@@ -71,7 +71,7 @@ from .. import ops, warp
 from . import tiles
 from .tiles import PAD
 from .._runtime import SIMULATOR
-from ..scores import ScoreSpec, block_rules, device_rules, device_sequence
+from ..scores import ScoreSpec, block_row_rules, block_rules, device_rules, device_sequence
 
 LN2 = 0.6931471805599453
 
@@ -172,20 +172,23 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
 
     if not SIMULATOR:
         copy_kv = cuda.jit(device=True, inline="always")(copy_kv)
-    row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name)
+    row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name,
+                                                                                        block_rows=True)
     block_keys = block_rules(scores)
+    block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 
-    def softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo):
+    def softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo, slopes, b1, b2):
         """Online softmax on one S tile: rescale O and l, write P = exp2(S - m) to shared memory."""
         # Scores in log2 units, then masked: a loop of its own, so that each loop nest
         # stays small enough for the compiler to unroll completely (registers, not stack).
         for i in range(TM):
             for j in range(TN):
                 s[i, j], _ = score(s[i, j], q0 + r * TM + i, k0 + c + CG * j, geo[1], sc)
-        if tile_needs_mask(q0, BM, k0, BN, geo):
+        if tile_needs_mask(q0, BM, k0, BN, geo) or block_tile(slopes, b1, b2, q0 // BM, k0, BN):
             for i in range(TM):
                 lo, hi = row_keys(q0 + r * TM + i, geo)
+                lo, hi = block_rows(slopes, b1, b2, q0 + r * TM + i, lo, hi)    # (an exact block mask's run)
                 for j in range(TN):
                     if not in_row(k0 + c + CG * j, lo, hi):
                         s[i, j] = NEG_INF
@@ -306,7 +309,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                     mm_abt(smem, slot + Q_OFF, slot + K_OFF, QS, s, qv, kv, r, c)
                     cuda.syncthreads()         # chunk kc fully read before its slot is refilled
 
-            softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo)
+            softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo, slopes, b1, b2)
             if NKC == 1:
                 ops.cp_async_wait(0)       # V(kt) has landed
             cuda.syncthreads()             # P and V complete; every thread is done reading K(kt)

@@ -36,7 +36,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_rules, device_rules, device_sequence
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, block_rules, device_rules, device_sequence
 from .forward import LN2
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
@@ -116,8 +116,9 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
-        scores, "float32", SOFTCAP_TANH[dtype_name])
+        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
     block_keys = block_rules(scores)
+    block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 
     copy_q = make_copy_rows(D, NT, BM)
@@ -245,10 +246,11 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
                     for e in range(4):
                         s[mt, n, e], _ = score(s[mt, n, e], q0 + warp_row + 16 * mt + g + 8 * (e >> 1),
                                                k0 + 8 * n + 2 * tq + (e & 1), diag, sc)
-            if tile_needs_mask(q0, BM, k0, BN, geo):
+            if tile_needs_mask(q0, BM, k0, BN, geo) or block_tile(slopes, b1, b2, qt, k0, BN):
                 for h in range(H):
                     mt = h >> 1
                     lo, hi = row_keys(q0 + warp_row + 16 * mt + g + 8 * (h & 1), geo)
+                    lo, hi = block_rows(slopes, b1, b2, q0 + warp_row + 16 * mt + g + 8 * (h & 1), lo, hi)
                     for n in range(NB):
                         for e in range(2 * (h & 1), 2 * (h & 1) + 2):
                             if not in_row(k0 + 8 * n + 2 * tq + (e & 1), lo, hi):
