@@ -39,7 +39,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import LOG2E, ScoreSpec, block_rules, device_rules
+from ..scores import LOG2E, ScoreSpec, block_row_rules, block_rules, device_rules
 from . import tiles
 from .forward import Tiling
 from .tiles import PAD
@@ -144,8 +144,11 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     copy_tile, mm_abt, mm_pv = tiles.make_tile_ops(dtype_name, D, TM, TN, CG, NT, DK, DO, use_async)
-    row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name)
+    # dQ blocks mask by an exact block mask's row runs (dK/dV blocks call mask_mod)
+    row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name,
+                                                                                    block_rows=not DKDV)
     place = make_block_place(DKDV, R, C, key_range, query_range, block_rules(scores))
+    block_rows, _ = block_row_rules(scores)
 
     @cuda.jit(**JIT)
     def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
@@ -248,6 +251,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
                         delta_ij = delta_j
                     else:               # row = query, col = key
                         lo, hi = row_keys(row, geo)
+                        lo, hi = block_rows(slopes, b1, b2, row, lo, hi)
                         seen = in_row(col, lo, hi)
                         x, grad = score(s[i, j], row, col, diag, sc)
                         lse_ij = row_lse[i]

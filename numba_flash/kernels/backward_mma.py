@@ -33,7 +33,7 @@ from numba import cuda
 
 from .. import ops
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_rules, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, block_rules, device_rules
 from .backward import make_block_place
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
@@ -123,9 +123,11 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     ZERO = F32(0)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
+    # dQ blocks mask by an exact block mask's row runs (dK/dV blocks call mask_mod)
     row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
-        scores, "float32", SOFTCAP_TANH[dtype_name])
+        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=not DKDV)
     place = make_block_place(DKDV, BR, BC, key_range, query_range, block_rules(scores))
+    block_rows, block_tile = block_row_rules(scores)
     copy_r = make_copy_rows(D, NT, BR)
     copy_c = make_copy_rows(D, NT, BC)
 
@@ -230,7 +232,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
             if DKDV:
                 masked = tile_needs_mask(c0, BC, r0, BR, geo)
             else:
-                masked = tile_needs_mask(r0, BR, c0, BC, geo)
+                masked = tile_needs_mask(r0, BR, c0, BC, geo) or block_tile(slopes, b1, b2, r0 // BR, c0, BC)
             for n in range(NB):
                 for e in range(4):
                     row = r0 + wr + g + 8 * (e >> 1)
@@ -250,6 +252,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                             seen = in_row(row, lo, hi)
                         else:
                             lo, hi = row_keys(row, geo)
+                            lo, hi = block_rows(slopes, b1, b2, row, lo, hi)
                             seen = in_row(col, lo, hi)
                         if not seen:
                             p = ZERO
