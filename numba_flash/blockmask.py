@@ -100,15 +100,34 @@ class BlockMask:
             found = self._tiles[rows] = np.stack([pad[..., 0].min(-1), pad[..., 1].max(-1)], axis=-1)
         return found
 
-    def device_table(self, rows: int):
-        """What the kernels of query tiles of ``rows`` rows read (``scores.block_rules``), on
-        the device (built once per ``rows``): int32 ``(B · H, 2 P + 4 n)``, ``n`` the tiles and
-        ``P = n · rows`` the padded rows, per ``(b, h)`` (row ``b · H + h``): at columns
-        ``2 i``, ``2 i + 1`` row ``i``'s first visible key and one past its last (``Nk, 0``
-        for a row that sees none, padding rows included); at ``W − 4 − 4 t ..`` (``W`` the
-        width, counted from the end) tile ``t``'s first and one-past-last key any row sees,
-        then the first and one-past-last key every row sees (``0, 0`` unless :attr:`exact`)."""
-        found = self._tables.get(rows)
+    def key_tile_ranges(self, keys: int):
+        """``(B, H, ceil(Nk / keys), 2)`` int64: per tile of ``keys`` keys the first query
+        that sees any of them and one past the last (``Nq, 0``: none does). From the rows'
+        ranges, so for a mask with holes a superset (the rows whose range overlaps the tile)."""
+        B, H, Nq, Nk = self.shape
+        n = -(-Nk // keys)
+        c0 = np.arange(n) * keys
+        out = np.empty((B, H, n, 2), np.int64)
+        for b in range(B):
+            for h in range(H):
+                lo, hi, count = self._rows[b, h].T
+                touch = ((count > 0)[:, None] & (lo[:, None] < (c0 + keys)[None, :])
+                         & (hi[:, None] > c0[None, :]))                    # (Nq, n)
+                seen = touch.any(0)
+                out[b, h, :, 0] = np.where(seen, touch.argmax(0), Nq)
+                out[b, h, :, 1] = np.where(seen, Nq - touch[::-1].argmax(0), 0)
+        return out
+
+    def device_table(self, rows: int, keys: int = 0):
+        """What the kernels read (``scores.block_rules``), for query tiles of ``rows`` rows
+        and (``keys`` > 0) key tiles of ``keys`` keys, on the device (built once per pair):
+        int32 ``(B · H, W)``, a row per ``(b, h)`` (``b · H + h``): a header of 4 columns
+        (where the rows, the query tiles and the key tiles start), then per row ``i`` of the
+        ``n · rows`` padded rows its first visible key and one past its last (``Nk, 0`` for a
+        row that sees none, padding rows included), per query tile its first and
+        one-past-last key any row sees and the first and one-past-last key every row sees
+        (``0, 0`` unless :attr:`exact`), per key tile :meth:`key_tile_ranges`."""
+        found = self._tables.get((rows, keys))
         if found is None:
             B, H, Nq, Nk = self.shape
             n = -(-Nq // rows)
@@ -121,9 +140,14 @@ class BlockMask:
                 lo = np.where(real, ends[..., 0], -1).reshape(B, H, n, rows).max(-1)
                 hi = np.where(real, ends[..., 1], Nk + 1).reshape(B, H, n, rows).min(-1)
                 inner[..., 0], inner[..., 1] = lo, np.maximum(hi, lo)
-            tiles = np.concatenate([self.tile_ranges(rows), inner], axis=-1)[:, :, ::-1]    # last tile first
-            table = np.concatenate([ends.reshape(B * H, -1), tiles.reshape(B * H, -1)], axis=1)
-            found = self._tables[rows] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
+            tiles = np.concatenate([self.tile_ranges(rows), inner], axis=-1)
+            parts = [ends.reshape(B * H, -1), tiles.reshape(B * H, -1)]
+            if keys:
+                parts.append(self.key_tile_ranges(keys).reshape(B * H, -1))
+            starts = np.cumsum([4] + [p.shape[1] for p in parts])
+            head = np.broadcast_to(np.array([starts[0], starts[1], starts[2], 0]), (B * H, 4))
+            table = np.concatenate([head] + parts, axis=1)
+            found = self._tables[(rows, keys)] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
         return found
 
     def __repr__(self):

@@ -226,7 +226,7 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
     t, tq = specs[1].tiling, specs[2].tiling
     rows, rows_q = t.RG * t.TM, tq.RG * tq.TM
     scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
-    score_args, slopes = inp.score_args(lse, rows_q)      # a block mask's ranges: dQ's query tiles
+    score_args, slopes = inp.score_args(lse, rows_q, rows)    # a block mask's: dQ's query, dK/dV's key tiles
     n_stats = stats_rows(inp.nq) if low else inp.nq
     delta = inp.empty_like(inp.lead + ((2, n_stats) if low else (n_stats,)), inp.acc_dtype)
     scratch.append(delta)

@@ -471,22 +471,38 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None,
 
 
 def block_rules(spec: ScoreSpec):
-    """``block_keys(slopes, b1, b2, qt, begin, end)``: the key range ``[begin, end)`` of
-    query tile ``qt`` narrowed to where a block mask (``spec.mods.blocks``) says its rows
-    can see anything. ``slopes`` is then the triple ``(ids, mod_args, table)``: ``ids`` as
-    :func:`_mod_rules` reads it with ``ids[b1, b2, 5]`` the leading index's row of
-    ``table``, the block mask's ``BlockMask.device_table`` for the kernel's own query tile
-    height (``api`` passes them). Without a block mask the range is returned as it is."""
+    """``(block_keys, block_queries)``:
+
+    * ``block_keys(slopes, b1, b2, qt, begin, end)``: the key range ``[begin, end)`` of
+      query tile ``qt`` narrowed to where a block mask (``spec.mods.blocks``) says its rows
+      can see anything;
+    * ``block_queries(slopes, b1, b2, kt, begin, end)``: the query range ``[begin, end)`` of
+      key tile ``kt`` narrowed to the rows that may see any of its keys.
+
+    ``slopes`` is then the triple ``(ids, mod_args, table)``: ``ids`` as :func:`_mod_rules`
+    reads it with ``ids[b1, b2, 5]`` the leading index's row of ``table``, the block mask's
+    ``BlockMask.device_table`` for the kernels' query (and key) tile heights (``api`` passes
+    them; its header, columns 1 and 2, says where the query and key tiles start). Without a
+    block mask the ranges are returned as they are."""
     if spec.mods is not None and spec.mods.blocks:
         def block_keys(slopes, b1, b2, qt, begin, end):
             t = int(slopes[0][b1, b2, 5])
             table = slopes[2]
-            at = table.shape[1] - 4 - 4 * qt
+            at = table[t, 1] + 4 * qt
+            return max(begin, int(table[t, at])), min(end, int(table[t, at + 1]))
+
+        def block_queries(slopes, b1, b2, kt, begin, end):
+            t = int(slopes[0][b1, b2, 5])
+            table = slopes[2]
+            at = table[t, 2] + 2 * kt
             return max(begin, int(table[t, at])), min(end, int(table[t, at + 1]))
     else:
         def block_keys(slopes, b1, b2, qt, begin, end):
             return begin, end
-    return _device((block_keys,))[0]
+
+        def block_queries(slopes, b1, b2, kt, begin, end):
+            return begin, end
+    return _device((block_keys, block_queries))
 
 
 def block_row_rules(spec: ScoreSpec):
@@ -503,12 +519,12 @@ def block_row_rules(spec: ScoreSpec):
         def block_rows(slopes, b1, b2, i, lo, hi):
             t = int(slopes[0][b1, b2, 5])
             table = slopes[2]
-            return max(lo, int(table[t, 2 * i])), min(hi, int(table[t, 2 * i + 1]) - 1)
+            return max(lo, int(table[t, 4 + 2 * i])), min(hi, int(table[t, 5 + 2 * i]) - 1)
 
         def block_tile(slopes, b1, b2, qt, k0, cols):
             t = int(slopes[0][b1, b2, 5])
             table = slopes[2]
-            at = table.shape[1] - 4 - 4 * qt
+            at = table[t, 1] + 4 * qt
             return k0 < table[t, at + 2] or k0 + cols > table[t, at + 3]
     else:
         def block_rows(slopes, b1, b2, i, lo, hi):

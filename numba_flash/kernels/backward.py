@@ -51,14 +51,18 @@ def _same(x):
     return x
 
 
-def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, block_keys):
+def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, scores: ScoreSpec):
     """``place(block, B1, B2, Nq, group, geo, slopes)`` for a backward kernel: ``(b1, b2_first, r0,
     c_start, n_ct)``, the leading index and first query head of block ``block``, its
     first row ``r0`` (``R`` rows: keys for dK/dV, queries for dQ) and its column tiles
     ``c_start .. c_start + n_ct − 1`` of ``C`` columns (the others see none of its rows).
     dK/dV blocks of grouped K/V heads take ``group`` query heads each; the heaviest row
-    tiles come first (early key tiles, late query tiles). A dQ block's keys are narrowed by
-    a block mask (``block_keys``: ``scores.block_rules``; dK/dV blocks are not)."""
+    tiles come first (early key tiles, late query tiles). A block mask narrows a dQ block's
+    keys and a dK/dV block's queries (``scores.block_rules``; for grouped heads the union
+    over the group)."""
+    block_keys, block_queries = block_rules(scores)
+    BLOCKS = scores.mods is not None and scores.mods.blocks
+
     def place(block, B1, B2, Nq, group, geo, slopes):
         BG = B2 // group                # blocks per b1 along B2: each takes `group` of them
         B = B1 * BG
@@ -68,6 +72,12 @@ def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, block_k
         if dkdv:
             r0 = bt * R
             c_begin, c_stop = query_range(r0, R, Nq, geo)
+            if BLOCKS:
+                lo, hi = Nq, 0
+                for gi in range(group):
+                    a, z = block_queries(slopes, b1, (b - b1 * BG) * group + gi, bt, c_begin, c_stop)
+                    lo, hi = min(lo, a), max(hi, z)
+                c_begin, c_stop = lo, hi
         else:
             r0 = ((Nq + R - 1) // R - 1 - bt) * R
             c_begin, c_stop = key_range(r0, R, geo)
@@ -147,7 +157,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     # dQ blocks mask by an exact block mask's row runs (dK/dV blocks call mask_mod)
     row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name,
                                                                                     block_rows=not DKDV)
-    place = make_block_place(DKDV, R, C, key_range, query_range, block_rules(scores))
+    place = make_block_place(DKDV, R, C, key_range, query_range, scores)
     block_rows, _ = block_row_rules(scores)
 
     @cuda.jit(**JIT)

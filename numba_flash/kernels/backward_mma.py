@@ -33,7 +33,7 @@ from numba import cuda
 
 from .. import ops
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, block_rules, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, device_rules
 from .backward import make_block_place
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
@@ -126,7 +126,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     # dQ blocks mask by an exact block mask's row runs (dK/dV blocks call mask_mod)
     row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=not DKDV)
-    place = make_block_place(DKDV, BR, BC, key_range, query_range, block_rules(scores))
+    place = make_block_place(DKDV, BR, BC, key_range, query_range, scores)
     block_rows, block_tile = block_row_rules(scores)
     copy_r = make_copy_rows(D, NT, BR)
     copy_c = make_copy_rows(D, NT, BC)

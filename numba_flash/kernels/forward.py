@@ -174,7 +174,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         copy_kv = cuda.jit(device=True, inline="always")(copy_kv)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name,
                                                                                         block_rows=True)
-    block_keys = block_rules(scores)
+    block_keys, _ = block_rules(scores)
     block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 

@@ -117,7 +117,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
-    block_keys = block_rules(scores)
+    block_keys, _ = block_rules(scores)
     block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 

@@ -128,7 +128,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
-    block_keys = block_rules(scores)
+    block_keys, _ = block_rules(scores)
     block_rows, block_tile = block_row_rules(scores)
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
