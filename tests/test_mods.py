@@ -10,6 +10,8 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import example, given, note, settings
+from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba_flash import registry, scores
@@ -394,3 +396,101 @@ def test_kernels_with_mods_compile_to_tensor_core_ptx():
                           env=project_env(NUMBA_ENABLE_CUDASIM="0"), timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("\n") == 4, proc.stdout
+
+
+# --------------------------------------------------------------------------- property test
+# A family of functions with one signature: every call passes the same mod_args
+# (rel, shift, w, mtab, docs) and each function reads what it needs; the data is drawn
+# per example, so on a GPU each function compiles once, whatever the example.
+def rel_bias(s, b, h, i, j, rel, shift, w, mtab, docs):
+    return s + rel[h, i - j + shift]
+
+
+def rel_bias_grad(s, b, h, i, j, rel, shift, w, mtab, docs):
+    return 1.0
+
+
+def times_w(s, b, h, i, j, rel, shift, w, mtab, docs):
+    return s * w
+
+
+def times_w_grad(s, b, h, i, j, rel, shift, w, mtab, docs):
+    return w
+
+
+def table_mask(b, h, i, j, rel, shift, w, mtab, docs):
+    return mtab[b, i, j] != 0
+
+
+def doc_mask(b, h, i, j, rel, shift, w, mtab, docs):
+    return docs[b, i] == docs[b, j]
+
+
+def doc_table_mask(b, h, i, j, rel, shift, w, mtab, docs):
+    return docs[b, i] == docs[b, j] and mtab[b, i, j] != 0
+
+
+SCORE_FAMILY = {None: (None, None), "relative bias": (rel_bias, rel_bias_grad), "times w": (times_w, times_w_grad)}
+MASK_FAMILY = {None: None, "table": table_mask, "documents": doc_mask, "documents and table": doc_table_mask}
+
+
+@st.composite
+def mod_cases(draw):
+    dtype = draw(st.sampled_from(DTYPES))
+    B, hkv, group = draw(st.integers(1, 2)), draw(st.integers(1, 2)), draw(st.sampled_from([1, 2]))
+    nq, nk = draw(st.integers(1, 40)), draw(st.integers(1, 40))
+    d = draw(st.sampled_from([8, 16]))
+    score = draw(st.sampled_from(sorted(SCORE_FAMILY, key=str)))
+    mask = draw(st.sampled_from(sorted(MASK_FAMILY, key=str)))
+    causal = draw(st.booleans())
+    window = draw(st.one_of(st.none(), st.tuples(st.one_of(st.none(), st.integers(0, 45)),
+                                                 st.one_of(st.none(), st.integers(0, 45)))))
+    blocks = mask is not None and draw(st.booleans())
+    density = draw(st.sampled_from([0.2, 0.7, 1.0]))
+    return dict(dtype=dtype, B=B, hkv=hkv, group=group, nq=nq, nk=nk, d=d, score=score, mask=mask, causal=causal,
+                window=window, blocks=blocks, density=density, seed=draw(st.integers(0, 2**31 - 1)))
+
+
+@settings(max_examples=40 if ON_GPU else 6, deadline=None)
+@given(case=mod_cases())
+@example(case=dict(dtype="bfloat16", B=2, hkv=2, group=2, nq=37, nk=29, d=16, score="relative bias", mask="documents",
+                   causal=True, window=None, blocks=True, density=1.0, seed=1))     # an exact block mask, GQA
+@example(case=dict(dtype="float32", B=1, hkv=1, group=2, nq=23, nk=40, d=8, score="times w", mask="table",
+                   causal=False, window=(5, None), blocks=True, density=0.7, seed=2))   # one with holes
+def test_random_mods_match_oracle(case):
+    """Random problems with functions from a family (additive relative bias from a table,
+    a scale; masks from a random table, documents, both), random data in mod_args, with
+    causal, windows and grouped heads, with and without a block mask: forward (out, lse)
+    and backward (dq, dk, dv) against the float64 oracle given the same functions; the
+    block mask's result is bitwise that of the function without it (in the simulator,
+    and in every GPU family but the Hopper forward, which folds the scale into exp2's
+    multiply-add with an exact mask)."""
+    note(repr(case))
+    c = case
+    hq = c["hkv"] * c["group"]
+    rng, q, k, v, dout = _inputs(c["dtype"], (c["B"], hq), c["nq"], c["nk"], c["d"], c["seed"],
+                                 lead_k=(c["B"], c["hkv"]))
+    n = max(c["nq"], c["nk"])
+    mod_args = (rng.standard_normal((hq, c["nq"] + c["nk"])).astype(np.float32), c["nk"], float(rng.uniform(0.5, 2)),
+                (rng.random((c["B"], c["nq"], c["nk"])) < c["density"]).astype(np.int8),
+                np.sort(rng.integers(0, 3, (c["B"], n)), axis=1).astype(np.int32))
+    score_mod, score_grad = SCORE_FAMILY[c["score"]]
+    mask_mod = MASK_FAMILY[c["mask"]]
+    if score_mod is None and mask_mod is None:
+        mask_mod = doc_mask
+    options = dict(causal=c["causal"], window=c["window"], score_mod=score_mod, mask_mod=mask_mod, mod_args=mod_args)
+    out, lse = numba_flash.attention_fwd(q, k, v, **options)
+    assert_attention_close(out, q, k, v, lse, **options)
+    backward = dict(options, score_mod_grad=score_grad)
+    grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, **backward)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    _check_grads(grads, dout, q, k, v, backward)
+    if c["blocks"]:
+        bm = numba_flash.block_mask(mask_mod, c["B"], 1, c["nq"], c["nk"], mod_args=mod_args)
+        blocked = dict(options, mask_mod=None, block_mask=bm)
+        o2, l2 = numba_flash.attention_fwd(q, k, v, **blocked)
+        g2 = numba_flash.attention_bwd(dout, q, k, v, out, lse, score_mod_grad=score_grad, **blocked)
+        assert_attention_close(o2, q, k, v, l2, **options)
+        if not ON_GPU:
+            assert o2.tobytes() == out.tobytes() and l2.tobytes() == lse.tobytes()
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, g2))
