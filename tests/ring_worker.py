@@ -45,11 +45,13 @@ def worker(rank, world, port, backend):
         dist.all_gather(gathered, out.detach().contiguous().to(device))
         gathered = [x.cpu() for x in gathered]
         whole = D.zigzag_unshard(gathered) if causal else torch.cat(gathered, -2)
-        print(json.dumps({"rank": rank, "case": [causal, hq, hkv, dtype], "out": err(out, ro),
+        row = json.dumps({"rank": rank, "case": [causal, hq, hkv, dtype], "out": err(out, ro),
                           "lse": float((lse.double() - shard(torch.from_numpy(rl)[..., None])[..., 0]).abs().max()),
                           "dq": err(grads[0], rg[0]), "dk": err(grads[1], rg[1]), "dv": err(grads[2], rg[2]),
                           "repeat_bitwise": bool(torch.equal(again, out.detach())),
-                          "unshard": float((whole.double() - torch.from_numpy(ro)).abs().max())}), flush=True)
+                          "unshard": float((whole.double() - torch.from_numpy(ro)).abs().max())})
+        sys.stdout.flush()
+        os.write(1, (row + "\n").encode())   # one write: the ranks share the pipe, lines must not interleave
     dist.destroy_process_group()
 
 
