@@ -470,6 +470,14 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None,
     return _device((row_keys, in_row, key_range, query_range, tile_needs_mask)) + (score, score_consts)
 
 
+def _block_table():
+    """``block_table(slopes, b1, b2)``: a block mask's table and the row of leading index
+    ``(b1, b2)`` in it (``slopes`` as :func:`block_rules` describes)."""
+    def block_table(slopes, b1, b2):
+        return slopes[2], int(slopes[0][b1, b2, 5])
+    return _device((block_table,))[0]
+
+
 def block_rules(spec: ScoreSpec):
     """``(block_keys, block_queries)``:
 
@@ -484,16 +492,15 @@ def block_rules(spec: ScoreSpec):
     ``BlockMask.device_table`` for the kernels' query (and key) tile heights (``api`` passes
     them; its header, columns 1 and 2, says where the query and key tiles start). Without a
     block mask the ranges are returned as they are."""
+    block_table = _block_table()
     if spec.mods is not None and spec.mods.blocks:
         def block_keys(slopes, b1, b2, qt, begin, end):
-            t = int(slopes[0][b1, b2, 5])
-            table = slopes[2]
+            table, t = block_table(slopes, b1, b2)
             at = table[t, 1] + 4 * qt
             return max(begin, int(table[t, at])), min(end, int(table[t, at + 1]))
 
         def block_queries(slopes, b1, b2, kt, begin, end):
-            t = int(slopes[0][b1, b2, 5])
-            table = slopes[2]
+            table, t = block_table(slopes, b1, b2)
             at = table[t, 2] + 2 * kt
             return max(begin, int(table[t, at])), min(end, int(table[t, at + 1]))
     else:
@@ -515,15 +522,14 @@ def block_row_rules(spec: ScoreSpec):
     * ``block_tile(slopes, b1, b2, qt, k0, cols)``: True unless every row of query tile
       ``qt`` sees every key ``k0 .. k0 + cols − 1`` by the mask (then no score of the tile
       needs masking for it)."""
+    block_table = _block_table()
     if spec.mods is not None and spec.mods.exact:
         def block_rows(slopes, b1, b2, i, lo, hi):
-            t = int(slopes[0][b1, b2, 5])
-            table = slopes[2]
+            table, t = block_table(slopes, b1, b2)
             return max(lo, int(table[t, 4 + 2 * i])), min(hi, int(table[t, 5 + 2 * i]) - 1)
 
         def block_tile(slopes, b1, b2, qt, k0, cols):
-            t = int(slopes[0][b1, b2, 5])
-            table = slopes[2]
+            table, t = block_table(slopes, b1, b2)
             at = table[t, 1] + 4 * qt
             return k0 < table[t, at + 2] or k0 + cols > table[t, at + 3]
     else:
