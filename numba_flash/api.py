@@ -564,18 +564,24 @@ def _run(plan):
 
 
 def _run_mods(planned, mods):
-    """:func:`_run` of a call with user functions; Numba's compile errors become a
-    TypeError naming the functions."""
+    """:func:`_run` of a call with user functions; Numba's compile errors (and in the
+    simulator, which calls the functions as Python, their errors) become a TypeError
+    naming the functions."""
     try:
         return _run(planned)
     except Exception as e:
         from numba.core.errors import NumbaError
-        if not isinstance(e, NumbaError):
+        if not (isinstance(e, NumbaError) or SIMULATOR):
             raise
         names = ", ".join(f"{n} {getattr(f, '__qualname__', repr(f))}" for n, f in
                           zip(("score_mod", "mask_mod", "score_mod_grad"), mods.functions) if f is not None)
-        raise TypeError(f"{names} did not compile into the kernel (mod_args types: "
-                        f"{[type(a).__name__ for a in mods.args]}). Numba says: {str(e).strip()[:1500]}") from e
+        types = [type(a).__name__ for a in mods.args]
+        if isinstance(e, NumbaError):
+            raise TypeError(f"{names} did not compile into the kernel (mod_args types: {types}). "
+                            f"Numba says: {str(e).strip()[:1500]}") from e
+        raise TypeError(f"{names} failed in the simulator's kernel (mod_args types: {types}): "
+                        f"{type(e).__name__}: {str(e).strip()[:1500]}. score_mod and score_mod_grad must "
+                        "return a number, mask_mod a bool.") from e
 
 
 def _call(name, planner, arrays, options):

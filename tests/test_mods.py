@@ -191,6 +191,19 @@ def test_bad_mods_get_clear_errors(call, match):
         call(q)
 
 
+def test_a_function_that_fails_in_the_simulator_is_named():
+    """In the simulator the functions run as Python: a score_mod returning a string fails
+    with a TypeError naming it and saying what it must return."""
+    if ON_GPU:
+        pytest.skip("the simulator calls the functions as Python")
+
+    def returns_text(s, b, h, i, j):
+        return "x"
+    q = np.random.default_rng(8).standard_normal((1, 8, 8)).astype(np.float32)
+    with pytest.raises(TypeError, match="score_mod .*returns_text.*must return a number"):
+        numba_flash.attention(q, q, q, score_mod=returns_text)
+
+
 @pytest.mark.skipif(not ON_GPU, reason="Numba compiles user functions on a GPU (the simulator calls them)")
 def test_a_function_that_does_not_compile_is_named():
     def uses_a_dict(s, b, h, i, j):
