@@ -53,8 +53,6 @@ import threading
 import types
 import warnings
 
-import numpy as np
-
 from ._runtime import SIMULATOR
 
 ENV_DIR = "NUMBA_FLASH_CACHE_DIR"
@@ -249,12 +247,10 @@ def _digest_value(value, h, seen):
 
 def argkey_text(argkey) -> str:
     """``launch``'s argument-types key as text: ``dtype:ndim:layout`` per array, the type's
-    name per scalar, a tuple argument's in parentheses."""
+    name per scalar."""
     parts = []
     for k in argkey:
-        if isinstance(k, tuple) and (not k or not isinstance(k[0], np.dtype)):    # a tuple argument's keys
-            parts.append(f"({argkey_text(k)})")
-        elif isinstance(k, tuple):
+        if isinstance(k, tuple):
             dtype, ndim, layout = k
             parts.append(f"{dtype}/{dtype.str}:{ndim}:{layout}")
         else:
