@@ -23,6 +23,21 @@ from test_backward_mma import check_backward_low
 DTYPES = ("float32", "float64", "float16", "bfloat16")
 
 
+def assert_same_result(got, want):
+    """A block mask's result against the function's without it: bitwise in the simulator
+    (the same Python arithmetic runs); on a GPU the exact mask's score loop never calls
+    the function, so the compiler may fold the scale into an FMA there and not in the
+    other (measured: dQ one unit in the last place apart in float32 and float64), hence
+    within four units in the last place of the largest element."""
+    for a, b in zip(got, want):
+        if not ON_GPU:
+            assert a.tobytes() == b.tobytes()
+            continue
+        ulp = 2.0 ** -7 if a.dtype == ml_dtypes.bfloat16 else float(np.finfo(a.dtype).eps)
+        a, b = a.astype(np.float64), b.astype(np.float64)
+        np.testing.assert_allclose(a, b, rtol=0, atol=4 * ulp * max(np.abs(b).max(), 1.0))
+
+
 def causal_mask(b, h, i, j):
     return j <= i
 
@@ -282,8 +297,9 @@ def test_block_mask_ranges_against_brute_force():
 
 @pytest.mark.parametrize("dtype, hopper", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
 def test_block_mask_gives_the_mask_mods_result(dtype, hopper, monkeypatch):
-    """A call with block_mask= gives bitwise what the same mask_mod gives without it (the
-    tiles it skips are all hidden), in each forward family, and the backward too."""
+    """A call with block_mask= gives what the same mask_mod gives without it (the tiles
+    it skips are all hidden; :func:`assert_same_result`), in each forward family, and the
+    backward too."""
     if hopper:
         if ON_GPU:
             from numba import cuda
@@ -296,8 +312,7 @@ def test_block_mask_gives_the_mask_mods_result(dtype, hopper, monkeypatch):
     bm = numba_flash.block_mask(doc_causal, 2, 1, 37, 37, mod_args=(docs,))       # H = 1: every head
     out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)
     o2, l2 = numba_flash.attention_fwd(q, k, v, mask_mod=doc_causal, mod_args=(docs,))
-    if not (hopper and ON_GPU):     # (there the exact mask's rows let the scale join exp2's FMA)
-        assert out.tobytes() == o2.tobytes() and lse.tobytes() == l2.tobytes()
+    assert_same_result((out, lse), (o2, l2))
     assert_attention_close(out, q, k, v, lse, mask_mod=doc_causal, mod_args=(docs,))
     if not hopper:
         grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, block_mask=bm)
@@ -371,15 +386,15 @@ def per_head_window(b, h, i, j):
 def test_block_mask_per_head_with_grouped_heads(dtype):
     """A mask that differs per query head, with two query heads per K/V head: the dK/dV
     blocks of a K/V head visit the union of its heads' queries; forward and backward give
-    the function's result (bitwise that of the mask_mod without the block mask), against
-    the oracle too."""
+    the function's result (that of the mask_mod without the block mask, as
+    :func:`assert_same_result` says), against the oracle too."""
     rng, q, k, v, dout = _inputs(dtype, (1, 2), 26, 26, 8, 13, lead_k=(1, 1))
     bm = numba_flash.block_mask(per_head_window, 1, 2, 26, 26)
     assert bm.exact
     out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)
     grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, block_mask=bm)
     plain = numba_flash.attention_bwd(dout, q, k, v, out, lse, mask_mod=per_head_window)
-    assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, plain))
+    assert_same_result(grads, plain)
     assert_attention_close(out, q, k, v, lse, mask_mod=per_head_window)
     _check_grads(grads, dout, q, k, v, {"mask_mod": per_head_window})
 
@@ -464,7 +479,7 @@ def mod_cases(draw):
                 window=window, blocks=blocks, density=density, seed=draw(st.integers(0, 2**31 - 1)))
 
 
-@settings(max_examples=40 if ON_GPU else 4, deadline=None)
+@settings(max_examples=20 if ON_GPU else 4, deadline=None)     # on a GPU each example compiles five kernels
 @given(case=mod_cases())
 @example(case=dict(dtype="bfloat16", B=2, hkv=1, group=2, nq=23, nk=19, d=8, score="relative bias", mask="documents",
                    causal=True, window=None, blocks=True, density=1.0, seed=1))     # an exact block mask, GQA
@@ -475,9 +490,7 @@ def test_random_mods_match_oracle(case):
     a scale; masks from a random table, documents, both), random data in mod_args, with
     causal, windows and grouped heads, with and without a block mask: forward (out, lse)
     and backward (dq, dk, dv) against the float64 oracle given the same functions; the
-    block mask's result is bitwise that of the function without it (in the simulator,
-    and in every GPU family but the Hopper forward, which folds the scale into exp2's
-    multiply-add with an exact mask)."""
+    block mask's result is that of the function without it (:func:`assert_same_result`)."""
     note(repr(case))
     c = case
     hq = c["hkv"] * c["group"]
@@ -504,6 +517,5 @@ def test_random_mods_match_oracle(case):
         o2, l2 = numba_flash.attention_fwd(q, k, v, **blocked)
         g2 = numba_flash.attention_bwd(dout, q, k, v, out, lse, score_mod_grad=score_grad, **blocked)
         assert_attention_close(o2, q, k, v, l2, **options)
-        if not ON_GPU:
-            assert o2.tobytes() == out.tobytes() and l2.tobytes() == lse.tobytes()
-        assert all(a.tobytes() == b.tobytes() for a, b in zip(grads, g2))
+        assert_same_result((o2, l2), (out, lse))
+        assert_same_result(g2, grads)
