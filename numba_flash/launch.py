@@ -42,7 +42,9 @@ _opted_in = {}
 _fast = {}
 
 # How Numba passes a scalar argument (numba.cuda.dispatcher._Kernel._prepare_args).
-_SCALAR_CTYPES = {np.float32: ctypes.c_float, np.float64: ctypes.c_double, int: ctypes.c_int64}
+# Numba types a Python int as int64 and a Python float as float64.
+_SCALAR_CTYPES = {np.float32: ctypes.c_float, np.float64: ctypes.c_double, int: ctypes.c_int64,
+                  float: ctypes.c_double}
 
 
 def _layout(shape, strides, itemsize):
@@ -261,7 +263,8 @@ def launch(kern, grid, block, smem_bytes, args, stream=0):
     """``kern[grid, block, stream, smem_bytes](*args)``: through Numba the first time a
     kernel meets these argument types (compiling it, and opting in to > 48 KiB of shared
     memory) unless the on-disk cache has it, then straight to the driver. Arguments other
-    than device arrays and float32 / float64 / int scalars always go through Numba."""
+    than device arrays, float32 / float64 / int / float scalars and tuples of these
+    always go through Numba."""
     if SIMULATOR:
         previous = sys.getswitchinterval()
         sys.setswitchinterval(SIM_SWITCH_INTERVAL_S)

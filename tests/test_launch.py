@@ -9,6 +9,7 @@ arrays, and the pool is checked to hand memory back.
 """
 import gc
 import importlib.util
+import itertools
 import os
 import warnings
 
@@ -101,15 +102,16 @@ def _variants(rng):
 @GPU_ONLY
 def test_fast_launch_matches_expected_on_every_layout():
     rng = np.random.default_rng()
-    for host, x in _variants(rng):
+    for (host, x), number in itertools.product(_variants(rng), (np.float32, float)):   # float: float64
         for _ in range(3):      # the first launch goes through Numba, the next ones to the driver
-            s = np.float32(rng.uniform(0.5, 2))
+            s = number(rng.uniform(0.5, 2))
             out = cuda.to_device(np.full((7, 5), np.nan, np.float32))
             launch(_affine, (1, 1), (8, 8), 0, (x, out, s))
             want = host * s + np.arange(7)[:, None] - 2 * np.arange(5)[None, :]
             np.testing.assert_allclose(out.copy_to_host(), want, rtol=1e-6, atol=1e-5)
     layouts = {key[2][0][2] for key in _fast if key[0] is _affine}
     assert layouts == {"C", "F", "A"}, f"fast-path entries for layouts {layouts}"
+    assert {key[2][2] for key in _fast if key[0] is _affine} == {np.float32, float}
 
 
 @GPU_ONLY
