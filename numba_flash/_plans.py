@@ -64,6 +64,11 @@ def _kind_of(t):
     return found
 
 
+def array_kind(x):
+    """Whether ``x`` is a device array of a kind plans take (its signature function), or None."""
+    return _kind_of(type(x))
+
+
 class Signature:
     """What identifies a call for :func:`lookup` / :func:`remember`, and the per-call
     facts a plan needs: the inputs' data pointers and the stream."""
@@ -144,9 +149,10 @@ class Plan:
     tables of packed calls), its outputs (allocated per call) and one scratch block
     (allocated per call and freed, stream-ordered, after the last launch)."""
 
-    def __init__(self, launches, outputs, scratch_bytes, finish, ctx, pool, n_uploads=0):
+    def __init__(self, launches, outputs, scratch_bytes, finish, ctx, pool, n_uploads=0, keep=()):
         self.launches, self.outputs, self.scratch_bytes = launches, outputs, scratch_bytes
         self.finish, self.ctx, self.pool, self.n_uploads = finish, ctx, pool, n_uploads
+        self.keep = tuple(keep)         # the constants' memory, whose pointers the launches hold
         self.lock = threading.Lock()
 
     def run(self, sig, poison=None, uploads=()):
@@ -203,7 +209,17 @@ def _map_pointer(ptr, tmap):
 SCRATCH_ALIGN = 256
 
 
-def capture(inputs, outputs, scratch, launches, finish, stream, uploads=()):
+def _leaves(args):
+    """The kernel arguments with tuples flattened, in the order their parameters are
+    passed (``launch``)."""
+    for a in args:
+        if type(a) is tuple:
+            yield from _leaves(a)
+        else:
+            yield a
+
+
+def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), constants=()):
     """The :class:`Plan` of a call the full path just ran, or None.
 
     ``inputs``: the device arrays the call's input pointers point to, in the
@@ -211,9 +227,11 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=()):
     (a later call gives :meth:`Plan.run` its host arrays in this order); ``outputs``: (array, logical dtype) of what it returns (before
     ``finish``), which a plan allocates anew each call; ``scratch``: arrays only its
     launches use;
-    ``launches``: :func:`numba_flash.launch.launch` argument tuples, whose array
-    arguments must each share its memory with exactly one of those arrays (a view made
-    by ``_arrays.strided_view`` or the array itself)."""
+    ``launches``: :func:`numba_flash.launch.launch` argument tuples (tuple arguments
+    flattened), whose array arguments must each share its memory with exactly one of
+    those arrays (a view made by ``_arrays.strided_view`` or the array itself), or be one
+    of ``constants``: device arrays every call with this signature reads (tables
+    numba_flash keeps), passed by their pointers and kept alive by the plan."""
     from numba.cuda.cudadrv import devices
 
     from . import families
@@ -235,6 +253,7 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=()):
         if gid in roots or not a.size:
             return None                                 # the same memory twice, or empty
         roots[gid] = (index, offset)
+    fixed = {id(a.gpu_data) for a in constants}
     plans = []
     for kern, grid, block, smem, args, launch_stream in launches:
         if _arrays.stream_handle(launch_stream) != stream:
@@ -243,9 +262,12 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=()):
         if entry is None or smem > entry[2]:
             return None
         values, slots = [], []
-        for a in args:
+        for a in _leaves(args):
             if _launch.is_scalar(a):
                 values.append(a)
+                continue
+            if id(a.gpu_data) in fixed:
+                values += _launch.array_params(a, _arrays.device_pointer(a))
                 continue
             root, tmap = roots.get(id(a.gpu_data)), None
             if root is None and id(a) in families.MAP_SOURCES:     # a TMA map over an input
@@ -261,4 +283,4 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=()):
             values += _launch.array_params(a, 0)
         plans.append(_Launch(entry[0], grid, block, smem, values, entry[1], slots))
     outs = [(tuple(a.shape), a.dtype, np.dtype(dt)) for a, dt in outputs]
-    return Plan(plans, outs, total, finish, ctx, pool, len(uploads))
+    return Plan(plans, outs, total, finish, ctx, pool, len(uploads), constants)

@@ -118,6 +118,7 @@ class _Inputs:
             self.mod_args = mods.block_mask.device_args     # copied to the device once, by block_mask
         else:
             self.mod_args = None if mods is None else _device_mod_args(mods.args, self.stream)
+        self.mod_tables = []    # the tables of user functions the kernels read (ids, a block mask's)
         if self.block_mask is not None:
             _check_block_mask(self.block_mask, self.lead, self.nq, self.nk)
 
@@ -150,9 +151,11 @@ class _Inputs:
                              f"inputs, got Nq={self.nq}, Nk={self.nk}, {self.batch} leading indices.")
         if self.block_mask is not None:
             self.block_table = self.block_mask.device_table(rows, keys)
+            self.mod_tables.append(self.block_table)
         key = (None if SIMULATOR else context_handle(), self.lead, self.nq, self.nk, self.acc_dtype.str,
                None if self.block_mask is None else self.block_mask.shape[:2])
         if self.slopes is None and key in _IDS:
+            self.mod_tables.append(_IDS[key])
             return _IDS[key]
         heads = self.lead[-1] if self.lead else 1
         width = 5 if self.block_mask is None else 6
@@ -172,7 +175,13 @@ class _Inputs:
         if len(_IDS) >= MAX_IDS:
             _IDS.clear()
         found = _IDS[key] = _arrays.to_device(ids)      # (complete before any stream reads it)
+        self.mod_tables.append(found)
         return found
+
+    def mod_arrays(self):
+        """The device arrays among the user functions' arguments, in order (a launch plan's
+        inputs after the call's arrays: :func:`_mod_plan_key`'s order)."""
+        return [] if self.mod_args is None else [a for a in self.mod_args if not isinstance(a, (bool, int, float))]
 
     def score_tail(self, slopes_view):
         """The kernels' last score argument: the slopes' view, or with user functions the
@@ -543,9 +552,10 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, sp
     if not inp.on_device or copied:
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
-    inputs = [qd, kd, vd] + ([inp.device_slopes] if inp.slopes is not None else [])
+    inputs = [qd, kd, vd] + ([inp.device_slopes] if inp.slopes is not None else []) + inp.mod_arrays()
     capture = lambda stream: _plans.capture(  # noqa: E731
-        inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish, stream)
+        inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish, stream,
+        constants=inp.mod_tables)
     return result, launches, capture
 
 
@@ -584,6 +594,28 @@ def _run_mods(planned, mods):
                         "return a number, mask_mod a bool.") from e
 
 
+def _mod_plan_key(mods, slopes):
+    """``(key, arrays)`` for a launch plan of a call with user functions: the key holds
+    the functions, the block mask and the numbers among ``mod_args`` (by type and value),
+    ``arrays`` the device arrays among them (in order: the plan reads their pointers per
+    call). None where a plan cannot serve: ALiBi slopes (their table is uploaded per
+    call), NumPy arrays (copied per call) or bools among ``mod_args``."""
+    if slopes is not None:
+        return None
+    bm = mods.block_mask
+    args = bm.device_args if bm is not None and mods.args is bm.mod_args else mods.args
+    key, arrays = [], []
+    for a in args:
+        if type(a) in (int, float):
+            key.append((type(a), a))
+        elif _plans.array_kind(a) is not None:
+            key.append("array")
+            arrays.append(a)
+        else:
+            return None
+    return (mods.functions, bm, tuple(key)), arrays
+
+
 def _call(name, planner, arrays, options):
     """The results in the kind of the call's ``q`` (:func:`_arrays.like`; PyTorch CPU
     tensors go in as NumPy views), computed by :func:`_compute`."""
@@ -595,18 +627,23 @@ def _call(name, planner, arrays, options):
 def _compute(name, planner, arrays, options):
     """A call through its cached launch plan when there is one (:mod:`numba_flash._plans`),
     otherwise through ``planner`` (which then leaves a plan behind)."""
-    if options[-1] is not None:                # user functions: no launch plan
-        return _run_mods(planner(*arrays, *options), options[-1])
-    options = tuple(tuple(o) if isinstance(o, list) else o for o in options[:-1])   # hashable
+    mods, extra, mods_key = options[-1], [], ()
+    if mods is not None:
+        found = _mod_plan_key(mods, arrays[-1])
+        if found is None:                      # user functions a plan cannot hold
+            return _run_mods(planner(*arrays, *options), mods)
+        mods_key, extra = (found[0],), found[1]
+    base = tuple(tuple(o) if isinstance(o, list) else o for o in options[:-1])   # hashable
     # the family choice, which the environment may change, is part of the plan's signature
-    sig = _plans.signature(name, [a for a in arrays if a is not None], options + (registry.hopper_choice(),))
+    sig = _plans.signature(name, [a for a in arrays if a is not None] + extra,
+                           base + mods_key + (registry.hopper_choice(),))
     plan = _plans.lookup(sig)
     if plan is not None:
         found = plan.run(sig, _POISON)
         if found is not None:
             return found
-    planned = planner(*arrays, *options, None)
-    found = _run(planned)
+    planned = planner(*arrays, *base, mods)
+    found = _run(planned) if mods is None else _run_mods(planned, mods)
     if sig is not None and planned[2] is not None:
         _plans.remember(sig, planned[2](sig.stream))
     return found
@@ -807,8 +844,8 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
     if not inp.on_device or not (inp.nq and inp.nk) or copied:
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order
-    inputs += [inp.device_slopes] if inp.slopes is not None else []
+    inputs += ([inp.device_slopes] if inp.slopes is not None else []) + inp.mod_arrays()
     capture = lambda stream: _plans.capture(  # noqa: E731
         inputs, [(dq, inp.dtype), (dk, inp.dtype), (dv, inp.dtype)], scratch, launches,
-        functools.partial(_finish, inp.dtype if inp.low else None), stream)
+        functools.partial(_finish, inp.dtype if inp.low else None), stream, constants=inp.mod_tables)
     return result, launches, capture

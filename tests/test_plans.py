@@ -223,3 +223,58 @@ def test_backward_plan_with_torch_inputs_and_the_forward_outputs(plan_runs):
         grads = numba_flash.attention_bwd(dout, q, k, v, out, lse, causal=True)
         check_backward([host(x) for x in grads], *(x.cpu().numpy() for x in (dout, q, k, v)), True, None)
     assert len(plan_runs) == 4, "forward and backward: each call after the first through its plan"
+
+
+def doc_mask(b, h, i, j, docs):
+    return docs[i] == docs[j]
+
+
+def doc_bias(s, b, h, i, j, docs, w):
+    return s - w * abs(i - j)
+
+
+def doc_bias_grad(s, b, h, i, j, docs, w):
+    return 1.0
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("hopper", [False, True])
+def test_user_functions_through_plans(hopper, plan_runs, monkeypatch):
+    """Calls with user functions take plans too: a block mask (its own mod_args), and a
+    score_mod with a device array and a number among mod_args; each call's data fresh
+    (new q, k, v, new document ids at a new address), every result against the oracle;
+    a different number is another signature (the full path), a NumPy mod_args none."""
+    from numba_flash import registry
+    from numba_flash.testing import assert_attention_close
+    if hopper and cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1" if hopper else "0")
+    n = 300
+    docs = np.sort(np.random.default_rng(1).integers(0, 4, n)).astype(np.int32)
+    bm = numba_flash.block_mask(doc_mask, 1, 1, n, n, mod_args=(docs,))
+    for call in range(3):
+        q, k, v = (x.astype(np.float16) for x in make_qkv(300 + call, (2, 3), n, n, 64, "float32"))
+        dev = [cuda.to_device(x) for x in (q, k, v)]
+        out, lse = numba_flash.attention_fwd(*dev, block_mask=bm)
+        assert_attention_close(host(out), q, k, v, host(lse), mask_mod=doc_mask, mod_args=(bm.mod_args[0],))
+        assert len(plan_runs) == call, "block-mask calls after the first must run through the plan"
+    for call in range(3):
+        docs = np.sort(np.random.default_rng(10 + call).integers(0, 4, n)).astype(np.int32)
+        q, k, v = (x.astype(np.float16) for x in make_qkv(400 + call, (2, 3), n, n, 64, "float32"))
+        dev = [cuda.to_device(x) for x in (q, k, v)]
+        args = (cuda.to_device(docs), 0.01)
+        before = len(plan_runs)
+        out, lse = numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask, mod_args=args)
+        assert_attention_close(host(out), q, k, v, host(lse), score_mod=doc_bias, mask_mod=doc_mask,
+                               mod_args=(docs, 0.01))
+        assert len(plan_runs) - before == (call > 0), "calls after the first must run through the plan"
+        dout = cuda.to_device(np.random.default_rng(call).standard_normal(q.shape).astype(np.float16))
+        grads = numba_flash.attention_bwd(dout, *dev, out, lse, score_mod=doc_bias, score_mod_grad=doc_bias_grad,
+                                          mask_mod=doc_mask, mod_args=args)
+        again = numba_flash.attention_bwd(dout, *dev, out, lse, score_mod=doc_bias, score_mod_grad=doc_bias_grad,
+                                          mask_mod=doc_mask, mod_args=args)
+        assert all(host(a).tobytes() == host(b).tobytes() for a, b in zip(grads, again))   # the plan's = the full path's
+    runs = len(plan_runs)
+    numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask, mod_args=(args[0], 0.02))
+    numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask, mod_args=(docs, 0.01))
+    assert len(plan_runs) == runs, "another number, or NumPy mod_args, must take the full path"
