@@ -229,6 +229,10 @@ def doc_mask(b, h, i, j, docs):
     return docs[i] == docs[j]
 
 
+def doc_mask_w(b, h, i, j, docs, w):      # the score_mod's mod_args: the functions share them
+    return docs[i] == docs[j]
+
+
 def doc_bias(s, b, h, i, j, docs, w):
     return s - w * abs(i - j)
 
@@ -264,17 +268,17 @@ def test_user_functions_through_plans(hopper, plan_runs, monkeypatch):
         dev = [cuda.to_device(x) for x in (q, k, v)]
         args = (cuda.to_device(docs), 0.01)
         before = len(plan_runs)
-        out, lse = numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask, mod_args=args)
-        assert_attention_close(host(out), q, k, v, host(lse), score_mod=doc_bias, mask_mod=doc_mask,
+        out, lse = numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask_w, mod_args=args)
+        assert_attention_close(host(out), q, k, v, host(lse), score_mod=doc_bias, mask_mod=doc_mask_w,
                                mod_args=(docs, 0.01))
         assert len(plan_runs) - before == (call > 0), "calls after the first must run through the plan"
         dout = cuda.to_device(np.random.default_rng(call).standard_normal(q.shape).astype(np.float16))
         grads = numba_flash.attention_bwd(dout, *dev, out, lse, score_mod=doc_bias, score_mod_grad=doc_bias_grad,
-                                          mask_mod=doc_mask, mod_args=args)
+                                          mask_mod=doc_mask_w, mod_args=args)
         again = numba_flash.attention_bwd(dout, *dev, out, lse, score_mod=doc_bias, score_mod_grad=doc_bias_grad,
-                                          mask_mod=doc_mask, mod_args=args)
+                                          mask_mod=doc_mask_w, mod_args=args)
         assert all(host(a).tobytes() == host(b).tobytes() for a, b in zip(grads, again))   # the plan's = the full path's
     runs = len(plan_runs)
-    numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask, mod_args=(args[0], 0.02))
-    numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask, mod_args=(docs, 0.01))
+    numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask_w, mod_args=(args[0], 0.02))
+    numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask_w, mod_args=(docs, 0.01))
     assert len(plan_runs) == runs, "another number, or NumPy mod_args, must take the full path"
