@@ -293,6 +293,17 @@ def test_tiny_variants_run(tmp_path):
     assert proc.stdout.rstrip().splitlines()[-1].startswith("TFLOP/s count"), "the table ends the log"
 
 
+def test_variant_rows_selects_rows_and_their_bases():
+    """``--variant-rows``: the named rows with the rows they are compared with, in table
+    order; an unknown label is an error that lists the labels."""
+    from benchmarks.modes.variants import select_rows
+    rows = [r for r in bench.TINY_VARIANT_ROWS if r.dtype == "bfloat16"]
+    assert select_rows(rows, None) == rows
+    assert [r.label for r in select_rows(rows, ["8 documents", "alibi"])] == ["plain", "alibi", "full", "8 documents"]
+    with pytest.raises(ValueError, match="no row is labelled 'eight docs'.*8 documents"):
+        select_rows(rows, ["eight docs"])
+
+
 # --------------------------------------------------------------------------- serving mode
 def test_tiny_serving_run(tmp_path):
     """``bench.py serving --tiny`` (bfloat16 rows): KV-cache (contiguous, paged) and 4-D decoding, a packed

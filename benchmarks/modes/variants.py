@@ -188,7 +188,7 @@ def run_variants(args):
     env = environment(bench.torch)
     print(_header(env), flush=True)
     rows_cfg = TINY_VARIANT_ROWS if args.tiny else VARIANT_ROWS
-    rows_cfg = [r for r in rows_cfg if r.dtype in args.variant_dtypes]
+    rows_cfg = select_rows([r for r in rows_cfg if r.dtype in args.variant_dtypes], args.variant_rows)
     flex = _flex(bench.torch) if bench.torch is not None and not args.no_flex else None
     rows, by_label, status = [], {}, 0
     progress = Progress("variants", len(rows_cfg))
@@ -240,6 +240,20 @@ def run_variants(args):
           "ratio: ours TFLOP/s ÷ the peer's. sdpa mask / sdpa bias: SDPA with an explicit attn_mask; flex: "
           "FlexAttention under torch.compile.")
     return status
+
+
+def select_rows(rows, labels):
+    """The rows named in ``labels`` (all when None) and the rows they are compared with, in
+    table order; a label no row has is a ValueError naming the labels there are."""
+    if labels is None:
+        return rows
+    known = {r.label for r in rows}
+    unknown = [x for x in labels if x not in known]
+    if unknown:
+        raise ValueError(f"--variant-rows: no row is labelled {', '.join(map(repr, unknown))}; "
+                         f"the rows are {', '.join(sorted(known))}")
+    wanted = set(labels) | {r.base for r in rows if r.label in labels and r.base}
+    return [r for r in rows if r.label in wanted]
 
 
 def variant_label(r: VariantRow):
@@ -294,6 +308,9 @@ def render_variants_markdown(doc):
 def variants_options(p):
     p.add_argument("--variant-dtypes", type=_csv_choice(("float32", "bfloat16")), default=["bfloat16", "float32"],
                    help="dtypes of the variants rows (default: bfloat16,float32)")
+    p.add_argument("--variant-rows", type=lambda s: [x.strip() for x in s.split(",") if x.strip()], default=None,
+                   metavar="LABELS", help="only these rows (comma-separated labels, e.g. '8 documents,alibi'), "
+                   "with the rows they are compared with")
     p.add_argument("--no-flex", action="store_true", help="skip the FlexAttention peer (torch.compile)")
     p.add_argument("--no-backward", dest="variant_backward", action="store_false",
                    help="skip timing attention_bwd on the rows whose dtype has a backward")
