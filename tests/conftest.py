@@ -87,6 +87,12 @@ def pytest_configure(config):
 _BACKGROUND_COMPILES = ("test_ptx", "test_ladder")
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """The tests that wait for the background compiles run last: the simulator tests run
+    meanwhile, on the core the compiles leave, instead of after them on one core."""
+    items.sort(key=lambda item: getattr(getattr(item, "module", None), "__name__", None) in _BACKGROUND_COMPILES)
+
+
 def pytest_collection_finish(session):
     """Start the slow PTX compiles of test_ptx.py and test_ladder.py in the background right
     away, if those modules were selected: they use the CPU that the single-threaded simulator
