@@ -8,13 +8,16 @@
     python bench.py ladder                 # the kernel ladder (numba_flash.ladder) on the seed problem
     python bench.py ladder --tiny          # ... in the simulator, as a smoke test
     python bench.py variants               # GQA, windows, softcap, ALiBi vs the plain call, SDPA, FlexAttention
+    python bench.py variants --variant-rows "8 documents"   # one row (and the row it is compared with)
     python bench.py serving                # KV-cache decoding, packed varlen prefill vs SDPA
     python bench.py ring                   # ring attention on every GPU vs one GPU (--tiny: 2 CPU processes)
     python bench.py --dtype bfloat16 --csv /tmp/b.csv --plot /tmp/b.png   # also a CSV and a TFLOP/s plot
 
 Every mode validates each configuration against the oracle, then times it (CUDA events, L2
 flushed, median of many repeats), then writes JSON (``--json``), optionally Markdown, CSV
-and a plot, and prints its table last. The machinery lives in the package ``benchmarks/``
+and a plot, and prints its table last. Stopped by Ctrl-C or SIGTERM (``timeout``) while
+timing, the forward, backward, ladder, variants and serving modes write the rows they
+finished, the JSON marked ``"interrupted": true``. The machinery lives in the package ``benchmarks/``
 (its docstring says how it measures, and how to add a mode); this file is the command.
 """
 import sys

@@ -97,10 +97,22 @@ def parse_args(argv=None, doc=""):
     return args
 
 
+def _interrupt_on_sigterm():
+    """A ``timeout`` (SIGTERM) stops a run as Ctrl-C does: the modes that time row by row
+    then write the rows they finished, marked ``"interrupted": true``."""
+    import signal
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    if hasattr(signal, "SIGTERM"):
+        signal.signal(signal.SIGTERM, stop)
+
+
 def main(argv=None, doc=""):
     args = parse_args(argv, doc)
     if SIMULATOR and not args.tiny:
         print(NO_GPU, file=sys.stderr)
         return 2
+    _interrupt_on_sigterm()
     return args.run(args)
 

@@ -85,15 +85,32 @@ def time_all(configs, validated, bench, time_one, progress=None):
     print(f"Timing {len(configs)} configurations ({bench.events.name}; median of >= {bench.repeats} "
           f"repeats and >= {bench.min_time_s:g} s; peers: {', '.join(bench.peers) or 'none'}) ...", flush=True)
     rows = []
-    for cfg, (val, ctx) in zip(configs, validated):
-        if progress:
-            progress.step(f"time {progress_label(cfg)}")
-        rec = time_one(cfg, val, ctx, bench)
-        if progress:
-            progress.clear()
-        print(f"  {row_label(cfg)}: {_brief(rec)}", flush=True)
-        rows.append(rec)
+    try:
+        for cfg, (val, ctx) in zip(configs, validated):
+            if progress:
+                progress.step(f"time {progress_label(cfg)}")
+            rec = time_one(cfg, val, ctx, bench)
+            if progress:
+                progress.clear()
+            print(f"  {row_label(cfg)}: {_brief(rec)}", flush=True)
+            rows.append(rec)
+    except KeyboardInterrupt:
+        interrupted(rows, len(configs))
     return rows
+
+
+def interrupted(rows, total):
+    """After Ctrl-C or SIGTERM in a row loop: say so (the document then says
+    ``"interrupted": true``: :func:`run_doc`)."""
+    print(f"\nInterrupted after {len(rows)} of {total} rows: writing those.", file=sys.stderr, flush=True)
+
+
+def run_doc(mode, env, settings, rows, total):
+    """A mode's JSON document; ``interrupted`` when it has fewer rows than ``total``."""
+    doc = {"mode": mode, **env, "settings": settings, "rows": rows}
+    if len(rows) < total:
+        doc["interrupted"] = True
+    return doc
 
 
 def _brief(rec):
@@ -131,7 +148,7 @@ def run_mode(args, mode, validate_one, time_one, columns, notes, settings):
     validated = validate_all(configs, bench, validate_one, progress)
     rows = time_all(configs, validated, bench, time_one, progress)
     progress.close()
-    doc = {"mode": mode, **env, "settings": {**_settings(args, bench), **settings}, "rows": rows}
+    doc = run_doc(mode, env, {**_settings(args, bench), **settings}, rows, len(configs))
     written = write_outputs(args, doc, lambda d, path: tflops_chart(d, path, shape_point))
     if args.markdown:
         write_markdown(args.markdown, doc, columns, notes(doc))
@@ -140,11 +157,12 @@ def run_mode(args, mode, validate_one, time_one, columns, notes, settings):
     return print_summary(rows, columns, notes(doc))
 
 
-def finish_rows(args, bench, env, mode, rows, progress, point):
+def finish_rows(args, bench, env, mode, rows, progress, point, total):
     """The end of a mode whose rows are not (shape, causal, dtype) (variants, serving): the
-    progress line closed, the document, its JSON, CSV and plot (``point``: ``tflops_chart``'s)."""
+    progress line closed, the document (of ``total`` rows asked for), its JSON, CSV and plot
+    (``point``: ``tflops_chart``'s)."""
     progress.close()
-    doc = {"mode": mode, **env, "settings": _settings(args, bench), "rows": rows}
+    doc = run_doc(mode, env, _settings(args, bench), rows, total)
     return doc, write_outputs(args, doc, lambda d, path: tflops_chart(d, path, point))
 
 

@@ -293,6 +293,27 @@ def test_tiny_variants_run(tmp_path):
     assert proc.stdout.rstrip().splitlines()[-1].startswith("TFLOP/s count"), "the table ends the log"
 
 
+def test_sigterm_writes_the_rows_done(tmp_path):
+    """A ``timeout`` (SIGTERM) during a run: the rows timed so far are written, the
+    document marked interrupted, and the exit is orderly."""
+    import signal
+    js = tmp_path / "v.json"
+    proc = subprocess.Popen([sys.executable, str(BENCH), "variants", "--tiny", "--variant-dtypes", "bfloat16",
+                             "--no-backward", "--repeats", "1", "--json", str(js)],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in proc.stdout:            # the first row's line: "  <label> bfloat16 ..."
+            if line.startswith("  ") and "bfloat16" in line:
+                proc.send_signal(signal.SIGTERM)
+                break
+        out, err = proc.communicate(timeout=HANG_GUARD_S)
+    finally:
+        proc.kill()
+    doc = json.loads(js.read_text())
+    assert doc["interrupted"] is True and 1 <= len(doc["rows"]) < len(bench.TINY_VARIANT_ROWS) // 2, err[-2000:]
+    assert "Interrupted after" in err
+
+
 def test_variant_rows_selects_rows_and_their_bases():
     """``--variant-rows``: the named rows with the rows they are compared with, in table
     order; an unknown label is an error that lists the labels."""

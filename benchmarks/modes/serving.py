@@ -16,7 +16,7 @@ from ..harness import NP_DTYPES, SEED, max_abs_err, random_arrays, time_numba, t
 from ..peers import PEER_DTYPES, PEERS, ratio, run_peer
 from ..report import Progress, _fmt, _header, labelled_series, simulator_notes, write_markdown, wrote
 from ..options import _csv_choice
-from ..runner import finish_rows, make_bench
+from ..runner import finish_rows, interrupted, make_bench
 
 
 # --------------------------------------------------------------------------- serving mode
@@ -155,43 +155,46 @@ def run_serving(args):
                 if r.dtype in args.serving_dtypes and r.kind in args.serving_kinds]
     rows, status, varlen, contiguous = [], 0, {}, {}
     progress = Progress("serving", len(rows_cfg))
-    for r in rows_cfg:
-        progress.step(f"{r.dtype} {r.label} ({r.B},{r.Hq}/{r.Hkv},{r.Nk},{r.d})")
-        rec = {"mode": "serving", "row": dataclasses.asdict(r), "flops": serving_flops(r), "ours": {}, "peers": {}}
-        try:
-            call, peers, check = serving_inputs(r, bench)
-            rec["max_abs_err"] = check()
-            rec["valid"] = bool(rec["max_abs_err"] <= SERVING_TOLERANCE[r.dtype])
-        except Exception as exc:  # noqa: BLE001 - reported in the row
-            rec.update(valid=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-        if not rec["valid"]:
-            status = 1
-            print(f"VALIDATION FAILED for {r.label} {r.dtype}: {rec.get('error') or rec['max_abs_err']}\n"
-                  f"{rec.get('traceback', '')}", file=sys.stderr, flush=True)
-        else:
-            rec["ours"] = time_numba(call, bench, rec["flops"])
-            if r.kind in ("kvcache", "paged", "decode") and rec["ours"].get("ms_median"):
-                rec["ours"]["tb_per_s"] = serving_bytes(r) / (rec["ours"]["ms_median"] * 1e-3) / 1e12
-            for name, peer_call in peers.items():
-                if r.dtype in PEER_DTYPES[name] and bench.peers:
-                    peer = run_peer(name, bench, lambda: time_torch(peer_call, bench, rec["flops"]))
-                    peer["ratio"] = ratio(rec["ours"], peer)
-                    rec["peers"][name] = peer
-            if r.kind == "varlen":
-                varlen[r.dtype] = rec
-            if r.kind == "kvcache" and r.Hkv == r.Hq:
-                contiguous[r.dtype] = rec["ours"]
-            base = contiguous.get(r.dtype, {}).get("ms_median")
-            if r.kind == "paged" and base and rec["ours"].get("ms_median"):
-                rec["vs_contiguous"] = {"time_ratio": rec["ours"]["ms_median"] / base}
-            mine = varlen.get(r.dtype, {}).get("ours", {})
-            if r.kind == "padded" and mine.get("ms_median") and rec["ours"].get("ms_median"):
-                varlen[r.dtype]["vs_padded"] = {"time_ratio": mine["ms_median"] / rec["ours"]["ms_median"],
-                                                "tflops_ratio": mine["tflops"] / rec["ours"]["tflops"]}
-        rows.append(rec)
-        progress.clear()
-        print(f"  {serving_line(rec)}", flush=True)
-    doc, written = finish_rows(args, bench, env, "serving", rows, progress, serving_point)
+    try:
+        for r in rows_cfg:
+            progress.step(f"{r.dtype} {r.label} ({r.B},{r.Hq}/{r.Hkv},{r.Nk},{r.d})")
+            rec = {"mode": "serving", "row": dataclasses.asdict(r), "flops": serving_flops(r), "ours": {}, "peers": {}}
+            try:
+                call, peers, check = serving_inputs(r, bench)
+                rec["max_abs_err"] = check()
+                rec["valid"] = bool(rec["max_abs_err"] <= SERVING_TOLERANCE[r.dtype])
+            except Exception as exc:  # noqa: BLE001 - reported in the row
+                rec.update(valid=False, error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+            if not rec["valid"]:
+                status = 1
+                print(f"VALIDATION FAILED for {r.label} {r.dtype}: {rec.get('error') or rec['max_abs_err']}\n"
+                      f"{rec.get('traceback', '')}", file=sys.stderr, flush=True)
+            else:
+                rec["ours"] = time_numba(call, bench, rec["flops"])
+                if r.kind in ("kvcache", "paged", "decode") and rec["ours"].get("ms_median"):
+                    rec["ours"]["tb_per_s"] = serving_bytes(r) / (rec["ours"]["ms_median"] * 1e-3) / 1e12
+                for name, peer_call in peers.items():
+                    if r.dtype in PEER_DTYPES[name] and bench.peers:
+                        peer = run_peer(name, bench, lambda: time_torch(peer_call, bench, rec["flops"]))
+                        peer["ratio"] = ratio(rec["ours"], peer)
+                        rec["peers"][name] = peer
+                if r.kind == "varlen":
+                    varlen[r.dtype] = rec
+                if r.kind == "kvcache" and r.Hkv == r.Hq:
+                    contiguous[r.dtype] = rec["ours"]
+                base = contiguous.get(r.dtype, {}).get("ms_median")
+                if r.kind == "paged" and base and rec["ours"].get("ms_median"):
+                    rec["vs_contiguous"] = {"time_ratio": rec["ours"]["ms_median"] / base}
+                mine = varlen.get(r.dtype, {}).get("ours", {})
+                if r.kind == "padded" and mine.get("ms_median") and rec["ours"].get("ms_median"):
+                    varlen[r.dtype]["vs_padded"] = {"time_ratio": mine["ms_median"] / rec["ours"]["ms_median"],
+                                                    "tflops_ratio": mine["tflops"] / rec["ours"]["tflops"]}
+            rows.append(rec)
+            progress.clear()
+            print(f"  {serving_line(rec)}", flush=True)
+    except KeyboardInterrupt:
+        interrupted(rows, len(rows_cfg))
+    doc, written = finish_rows(args, bench, env, "serving", rows, progress, serving_point, len(rows_cfg))
     if args.markdown:
         write_markdown(args.markdown, doc, SERVING_COLUMNS, serving_notes(doc))
         written.append(args.markdown)

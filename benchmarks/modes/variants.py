@@ -17,7 +17,7 @@ from ..harness import SEED, TOLERANCE, max_abs_err, random_arrays, time_numba, t
 from ..peers import _flex, ratio, variant_peers
 from ..report import Progress, _fmt, _header, labelled_series, wrote
 from ..options import _csv_choice
-from ..runner import finish_rows, make_bench
+from ..runner import finish_rows, interrupted, make_bench
 from .backward import BWD_FLOP_FACTOR, BWD_TOLERANCE
 
 
@@ -192,43 +192,46 @@ def run_variants(args):
     flex = _flex(bench.torch) if bench.torch is not None and not args.no_flex else None
     rows, by_label, status = [], {}, 0
     progress = Progress("variants", len(rows_cfg))
-    for r in rows_cfg:
-        progress.step(variant_label(r))
-        val = validate_variant(r, bench, args.variant_backward)
-        rec = {"mode": "variants", "row": dataclasses.asdict(r), "flops": variant_flops(r), "validation": val,
-               "valid": val["valid"], "ours": {}, "peers": {}}
-        if not val["valid"]:
-            status = 1
-            print(f"VALIDATION FAILED for {r.label} {r.dtype}: {val.get('error') or val['max_abs_err']}\n"
-                  f"{val.get('traceback', '')}", file=sys.stderr, flush=True)
-        else:
-            q, k, v, slopes = variant_inputs(r, bench)
-            opts = r.options(slopes)
-            rec["ours"] = time_numba(lambda: numba_flash.attention_fwd(q, k, v, **opts), bench, rec["flops"],
-                                     lambda: api.plan_forward(q, k, v, **opts))
-            if has_backward(r) and args.variant_backward:
-                rec["backward"] = time_variant_backward(r, q, k, v, slopes, bench, rec["flops"])
-            base = by_label.get((r.base, r.dtype))
-            for key, name in (("ours", "vs_base"), ("backward", "bwd_vs_base")):
-                mine, theirs = rec.get(key, {}), (base or {}).get(key, {})
-                if mine.get("ms_median") and theirs.get("ms_median"):
-                    rec[name] = {"base": r.base, "time_ratio": mine["ms_median"] / theirs["ms_median"],
-                                 "tflops_ratio": mine["tflops"] / theirs["tflops"]}
-            if bench.torch is not None and bench.peers:
-                for name, call in variant_peers(r, q, k, v, slopes, bench.torch, flex).items():
-                    try:
-                        peer = time_torch(call, bench, rec["flops"])
-                    except Exception as exc:  # noqa: BLE001 - unsupported, out of memory, no compiler
-                        peer = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
-                    peer["ratio"] = ratio(rec["ours"], peer)
-                    rec["peers"][name] = peer
-                    bench.torch.cuda.empty_cache()
-            del q, k, v
-        by_label[(r.label, r.dtype)] = rec
-        rows.append(rec)
-        progress.clear()
-        print(f"  {variant_line(rec)}", flush=True)
-    doc, written = finish_rows(args, bench, env, "variants", rows, progress, variant_point)
+    try:
+        for r in rows_cfg:
+            progress.step(variant_label(r))
+            val = validate_variant(r, bench, args.variant_backward)
+            rec = {"mode": "variants", "row": dataclasses.asdict(r), "flops": variant_flops(r), "validation": val,
+                   "valid": val["valid"], "ours": {}, "peers": {}}
+            if not val["valid"]:
+                status = 1
+                print(f"VALIDATION FAILED for {r.label} {r.dtype}: {val.get('error') or val['max_abs_err']}\n"
+                      f"{val.get('traceback', '')}", file=sys.stderr, flush=True)
+            else:
+                q, k, v, slopes = variant_inputs(r, bench)
+                opts = r.options(slopes)
+                rec["ours"] = time_numba(lambda: numba_flash.attention_fwd(q, k, v, **opts), bench, rec["flops"],
+                                         lambda: api.plan_forward(q, k, v, **opts))
+                if has_backward(r) and args.variant_backward:
+                    rec["backward"] = time_variant_backward(r, q, k, v, slopes, bench, rec["flops"])
+                base = by_label.get((r.base, r.dtype))
+                for key, name in (("ours", "vs_base"), ("backward", "bwd_vs_base")):
+                    mine, theirs = rec.get(key, {}), (base or {}).get(key, {})
+                    if mine.get("ms_median") and theirs.get("ms_median"):
+                        rec[name] = {"base": r.base, "time_ratio": mine["ms_median"] / theirs["ms_median"],
+                                     "tflops_ratio": mine["tflops"] / theirs["tflops"]}
+                if bench.torch is not None and bench.peers:
+                    for name, call in variant_peers(r, q, k, v, slopes, bench.torch, flex).items():
+                        try:
+                            peer = time_torch(call, bench, rec["flops"])
+                        except Exception as exc:  # noqa: BLE001 - unsupported, out of memory, no compiler
+                            peer = {"error": f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"}
+                        peer["ratio"] = ratio(rec["ours"], peer)
+                        rec["peers"][name] = peer
+                        bench.torch.cuda.empty_cache()
+                del q, k, v
+            by_label[(r.label, r.dtype)] = rec
+            rows.append(rec)
+            progress.clear()
+            print(f"  {variant_line(rec)}", flush=True)
+    except KeyboardInterrupt:
+        interrupted(rows, len(rows_cfg))
+    doc, written = finish_rows(args, bench, env, "variants", rows, progress, variant_point, len(rows_cfg))
     table = "\n".join([VARIANT_HEADER, "-" * len(VARIANT_HEADER)] + [variant_line(r) for r in rows])
     if args.markdown:
         Path(args.markdown).write_text(render_variants_markdown(doc))
