@@ -12,7 +12,7 @@ from ..environment import environment
 from ..harness import SEED, max_abs_err, time_numba, to_host
 from ..report import (Progress, _fmt, _header, print_summary, pyplot, simulator_notes, write_markdown,
                       write_outputs, wrote)
-from ..runner import _settings, make_bench, time_all, validate_all
+from ..runner import _settings, make_bench, run_doc, time_all, validate_all
 
 
 # --------------------------------------------------------------------------- ladder
@@ -157,7 +157,7 @@ def run_ladder(args):
                 "inputs_distribution": "(r mod 5) + 0.01 (r' mod 5), random sign (the seed's)",
                 "tolerance": LADDER_TOLERANCE, "flop_convention": "4*N*N*d",
                 "timed_call": "numba_flash.ladder rung(q, k, v), device arrays in and out"}
-    doc = {"mode": "ladder", **env, "settings": settings, "rows": rows}
+    doc = run_doc("ladder", env, settings, rows, len(configs))
     written = write_outputs(args, doc)           # --plot: the bar chart below, at that path
     png = args.plot or args.png or str(Path(args.json).with_suffix(".png"))
     if ladder_chart(doc, png):
