@@ -16,7 +16,9 @@ key splits forced, grouped query heads, merge_attention), every dtype they take;
 at ragged shapes of the head dims it takes, float16 and bfloat16, on a grid of three
 persistent blocks (each takes several work items; ``--quick``: the first shape only),
 then block masks (an exact one, masked by its rows' runs, and one with holes, whose
-``mask_mod`` the kernel calls) on the first shape, forward and backward.
+``mask_mod`` the kernel calls) on the first shape, forward and backward. ``--masks``: the
+block masks alone (every dtype, or as ``--low``/``--hopper`` say), a run short enough for
+racecheck.
 """
 import os
 import sys
@@ -197,6 +199,8 @@ def main():
         _few_blocks()
     if "--low" in sys.argv or "--hopper" in sys.argv:
         dtypes = [(dt, tol) for dt, tol in dtypes if dt in ("float16", "bfloat16")]
+    if "--masks" in sys.argv:
+        return 1 if block_masks(rng, shapes[0], dtypes) else 0
     for (hq, hkv, nq, nk, d) in shapes:
         for opts in options:
             opts = dict(opts)
