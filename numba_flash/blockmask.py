@@ -3,7 +3,9 @@
 ``block_mask(mask_mod, B, H, Nq, Nk, mod_args=...)`` evaluates the mask on the device (a
 kernel with one thread per query row, scanning every key; in the simulator the same kernel
 on the CPU) and keeps, per ``(b, h, query row)``, the first visible key, one past the last,
-and how many keys are visible. A call given ``block_mask=`` (forward kernels of every
+and how many keys are visible; and per chunk of 16 query rows by 16 keys whether some
+pair is visible and whether every pair is, from which :meth:`BlockMask.tile_classes`
+says which tiles of any size are empty, partial or full (the kernels do not read it yet). A call given ``block_mask=`` (forward kernels of every
 family) narrows each query tile's keys to the union of its rows' ranges: key tiles outside
 it are never loaded or multiplied. Keys inside it that the mask hides are still computed,
 then masked (a tile-by-tile table of empty and full tiles is not built): masks whose
@@ -27,6 +29,9 @@ import numpy as np
 from numba import cuda      # (numba_flash has chosen the simulator or the GPU before this import)
 
 THREADS = 128
+CHUNK = 16          # the tile classes' grain: groups of 16 query rows by chunks of 16 keys
+WORD = 32           # chunks per word of the chunk bitmaps (int64 words, 32 bits used)
+_FULL_WORD = (1 << WORD) - 1
 
 
 @functools.lru_cache(maxsize=64)
@@ -35,7 +40,7 @@ def _rows_kernel(mask_mod, nargs):
     from .scores import _call_with_args
     call = _call_with_args(mask_mod, False, nargs)
 
-    def rows(out, B, H, Nq, Nk, margs):
+    def rows(out, seen, every, B, H, Nq, Nk, margs):
         t = cuda.grid(1)
         if t >= B * H * Nq:
             return
@@ -43,18 +48,37 @@ def _rows_kernel(mask_mod, nargs):
         rest = t - b * (H * Nq)
         h = rest // Nq
         i = rest - h * Nq
+        bh = b * H + h
+        g = i // CHUNK
         lo = Nk
         hi = 0
         n = 0
+        seen_w = 0                  # this word's chunks: some key visible / every key visible
+        every_w = _FULL_WORD
         for j in range(Nk):
+            bit = 1 << ((j // CHUNK) % WORD)
             if call(0.0, b, h, i, j, margs):
                 lo = min(lo, j)
                 hi = j + 1
                 n += 1
+                seen_w |= bit
+            else:
+                every_w &= _FULL_WORD ^ bit
+            if j % (CHUNK * WORD) == CHUNK * WORD - 1 or j == Nk - 1:
+                w = j // (CHUNK * WORD)
+                if seen_w != 0:
+                    cuda.atomic.or_(seen, (bh, g, w), seen_w)
+                if every_w != _FULL_WORD:
+                    cuda.atomic.and_(every, (bh, g, w), every_w)
+                seen_w = 0
+                every_w = _FULL_WORD
         out[t, 0] = lo
         out[t, 1] = hi
         out[t, 2] = n
     return cuda.jit(rows)
+
+
+EMPTY, PARTIAL, FULL = 0, 1, 2      # BlockMask.tile_classes
 
 
 class BlockMask:
@@ -65,10 +89,11 @@ class BlockMask:
     (and ``attention_fwd`` / ``attention_bwd``) as ``block_mask=``; its ``mask_mod`` and
     ``mod_args`` are the call's unless the call gives them (the same function)."""
 
-    def __init__(self, mask_mod, shape, mod_args, rows, device_args=None):
+    def __init__(self, mask_mod, shape, mod_args, rows, device_args=None, chunks=None):
         self.mask_mod, self.shape, self.mod_args = mask_mod, shape, tuple(mod_args)
         self.device_args = device_args  # mod_args as kernel arguments (NumPy arrays copied once)
         self._rows = rows               # (B, H, Nq, 3) int64: first key, one past the last, count
+        self._chunks = chunks           # (seen, every): (B, H, ceil(Nq/16), ceil(Nk/16)) bool
         self._tiles = {}
         self._tables = {}
         count = rows[..., 2]
@@ -99,6 +124,26 @@ class BlockMask:
             pad = pad.reshape(B, H, n, rows, 2)
             found = self._tiles[rows] = np.stack([pad[..., 0].min(-1), pad[..., 1].max(-1)], axis=-1)
         return found
+
+    def tile_classes(self, rows: int, keys: int):
+        """``(B, H, ceil(Nq / rows), ceil(Nk / keys))`` int8: per tile of ``rows`` query rows
+        by ``keys`` keys, :data:`EMPTY` (no pair visible), :data:`PARTIAL` or :data:`FULL`
+        (every pair of the tile's rows and keys that exist is visible). Exact when ``rows``
+        and ``keys`` are multiples of 16 (the mask is kept per 16 × 16 chunk); otherwise
+        a chunk that straddles two tiles counts in both, so a tile may be called partial
+        that is empty or full, never the other way round."""
+        B, H, Nq, Nk = self.shape
+        seen, every = self._chunks
+        nq, nk = -(-Nq // rows), -(-Nk // keys)
+        out = np.empty((B, H, nq, nk), np.int8)
+        for qt in range(nq):
+            g = slice(qt * rows // CHUNK, -(-min((qt + 1) * rows, Nq) // CHUNK))
+            for kt in range(nk):
+                c = slice(kt * keys // CHUNK, -(-min((kt + 1) * keys, Nk) // CHUNK))
+                any_seen = seen[:, :, g, c].any(axis=(2, 3))
+                all_seen = every[:, :, g, c].all(axis=(2, 3))
+                out[:, :, qt, kt] = np.where(all_seen, FULL, np.where(any_seen, PARTIAL, EMPTY))
+        return out
 
     def key_tile_ranges(self, keys: int):
         """``(B, H, ceil(Nk / keys), 2)`` int64: per tile of ``keys`` keys the first query
@@ -187,9 +232,16 @@ def block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=()):
     n = B * H * Nq
     rows = np.empty((B, H, Nq, 3), np.int64)
     margs = api._device_mod_args(tuple(mod_args), 0)
+    groups, chunks = -(-Nq // CHUNK), -(-Nk // CHUNK)
+    words = np.zeros((2, B * H, groups, -(-chunks // WORD)), np.int64)
+    words[1] = _FULL_WORD
     if n:
         out = cuda.device_array((n, 3), np.int64)
+        seen, every = cuda.to_device(words[0]), cuda.to_device(words[1])
         kern = _rows_kernel(mask_mod, len(mod_args))
-        launch.launch(kern, -(-n // THREADS), THREADS, 0, (out, B, H, Nq, Nk, margs))
+        launch.launch(kern, -(-n // THREADS), THREADS, 0, (out, seen, every, B, H, Nq, Nk, margs))
         rows[...] = out.copy_to_host().reshape(B, H, Nq, 3)
-    return BlockMask(mask_mod, (B, H, Nq, Nk), mod_args, rows, margs)
+        words[0], words[1] = seen.copy_to_host(), every.copy_to_host()
+    bits = (words[..., None] >> np.arange(WORD)) & 1          # (2, B·H, groups, words, 32)
+    bits = bits.reshape(2, B, H, groups, -1)[..., :chunks].astype(bool)
+    return BlockMask(mask_mod, (B, H, Nq, Nk), mod_args, rows, margs, (bits[0], bits[1]))
