@@ -109,5 +109,5 @@ grads_m = numba_flash.attention_bwd(dout, q, k, v, out_b, lse_b, mask_mod=same_d
 print(f"{'block mask':24s} {bm!r}, exact: {bm.exact}; backward agrees with the mask_mod's to "
       f"{max(np.abs(x - y).max() for x, y in zip(grads_b, grads_m)):.1e}")
 assert max(np.abs(x - y).max() for x, y in zip(grads_b, grads_m)) < 1e-4
-classes = np.bincount(bm.tile_classes(16, 16).ravel(), minlength=3) / bm.tile_classes(16, 16).size
-print(f"{'16 x 16 tiles':24s} {classes[0]:.0%} empty, {classes[1]:.0%} partial, {classes[2]:.0%} full")
+classes = np.bincount(bm.tile_classes(32, 32).ravel(), minlength=3) / bm.tile_classes(32, 32).size
+print(f"{'32 x 32 tiles':24s} {classes[0]:.0%} empty, {classes[1]:.0%} partial, {classes[2]:.0%} full")

@@ -3,7 +3,7 @@
 ``block_mask(mask_mod, B, H, Nq, Nk, mod_args=...)`` evaluates the mask on the device (a
 kernel with one thread per query row, scanning every key; in the simulator the same kernel
 on the CPU) and keeps, per ``(b, h, query row)``, the first visible key, one past the last,
-and how many keys are visible; and per chunk of 16 query rows by 16 keys whether some
+and how many keys are visible; and per chunk of 32 query rows by 32 keys whether some
 pair is visible and whether every pair is, from which :meth:`BlockMask.tile_classes`
 says which tiles of any size are empty, partial or full (the kernels do not read it yet). A call given ``block_mask=`` (forward kernels of every
 family) narrows each query tile's keys to the union of its rows' ranges: key tiles outside
@@ -29,8 +29,8 @@ import numpy as np
 from numba import cuda      # (numba_flash has chosen the simulator or the GPU before this import)
 
 THREADS = 128
-CHUNK = 16          # the tile classes' grain: groups of 16 query rows by chunks of 16 keys
-WORD = 32           # chunks per word of the chunk bitmaps (int64 words, 32 bits used)
+CHUNK = 32          # the tile classes' grain: groups of 32 query rows by chunks of 32 keys
+WORD = 32           # chunks per word of the chunk bitmaps (int64 words on the device, 32 bits used)
 _FULL_WORD = (1 << WORD) - 1
 
 
@@ -93,7 +93,7 @@ class BlockMask:
         self.mask_mod, self.shape, self.mod_args = mask_mod, shape, tuple(mod_args)
         self.device_args = device_args  # mod_args as kernel arguments (NumPy arrays copied once)
         self._rows = rows               # (B, H, Nq, 3) int64: first key, one past the last, count
-        self._chunks = chunks           # (seen, every): (B, H, ceil(Nq/16), ceil(Nk/16)) bool
+        self._chunks = chunks           # (seen, every): (B·H, groups, words) uint32 bitmaps (block_mask)
         self._tiles = {}
         self._tables = {}
         count = rows[..., 2]
@@ -129,19 +129,20 @@ class BlockMask:
         """``(B, H, ceil(Nq / rows), ceil(Nk / keys))`` int8: per tile of ``rows`` query rows
         by ``keys`` keys, :data:`EMPTY` (no pair visible), :data:`PARTIAL` or :data:`FULL`
         (every pair of the tile's rows and keys that exist is visible). Exact when ``rows``
-        and ``keys`` are multiples of 16 (the mask is kept per 16 × 16 chunk); otherwise
-        a chunk that straddles two tiles counts in both, so a tile may be called partial
-        that is empty or full, never the other way round."""
+        and ``keys`` are multiples of 32 (the mask is kept per 32 × 32 chunk, in bits);
+        otherwise a chunk that straddles two tiles counts in both, so a tile may be called
+        partial that is empty or full, never the other way round."""
         B, H, Nq, Nk = self.shape
-        seen, every = self._chunks
-        nq, nk = -(-Nq // rows), -(-Nk // keys)
+        nq, nk, chunks = -(-Nq // rows), -(-Nk // keys), -(-Nk // CHUNK)
         out = np.empty((B, H, nq, nk), np.int8)
         for qt in range(nq):
             g = slice(qt * rows // CHUNK, -(-min((qt + 1) * rows, Nq) // CHUNK))
+            seen, every = (((w[:, g, :, None] >> np.arange(WORD, dtype=np.uint32)) & 1)
+                           .reshape(B, H, g.stop - g.start, -1)[..., :chunks].astype(bool) for w in self._chunks)
             for kt in range(nk):
                 c = slice(kt * keys // CHUNK, -(-min((kt + 1) * keys, Nk) // CHUNK))
-                any_seen = seen[:, :, g, c].any(axis=(2, 3))
-                all_seen = every[:, :, g, c].all(axis=(2, 3))
+                any_seen = seen[..., c].any(axis=(2, 3))
+                all_seen = every[..., c].all(axis=(2, 3))
                 out[:, :, qt, kt] = np.where(all_seen, FULL, np.where(any_seen, PARTIAL, EMPTY))
         return out
 
@@ -242,6 +243,5 @@ def block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=()):
         launch.launch(kern, -(-n // THREADS), THREADS, 0, (out, seen, every, B, H, Nq, Nk, margs))
         rows[...] = out.copy_to_host().reshape(B, H, Nq, 3)
         words[0], words[1] = seen.copy_to_host(), every.copy_to_host()
-    bits = (words[..., None] >> np.arange(WORD)) & 1          # (2, B·H, groups, words, 32)
-    bits = bits.reshape(2, B, H, groups, -1)[..., :chunks].astype(bool)
-    return BlockMask(mask_mod, (B, H, Nq, Nk), mod_args, rows, margs, (bits[0], bits[1]))
+    packed = words.astype(np.uint32)                           # (the low 32 bits hold the chunks)
+    return BlockMask(mask_mod, (B, H, Nq, Nk), mod_args, rows, margs, (packed[0], packed[1]))

@@ -401,7 +401,7 @@ def test_block_mask_per_head_with_grouped_heads(dtype):
 
 def chunk_pattern(b, h, i, j, table):
     """Per 16 × 16 chunk (from the table): hidden, visible, or a checkerboard."""
-    kind = table[h, i // 16, j // 16]
+    kind = table[h, i // 32, j // 32]
     return kind == 1 or (kind == 2 and (i + j) % 2 == 0)
 
 
@@ -409,29 +409,29 @@ def chunk_pattern(b, h, i, j, table):
 def test_tile_classes_match_a_brute_force_evaluation(seed):
     """``BlockMask.tile_classes``: empty / partial / full per tile against the mask
     evaluated pair by pair in NumPy, for a table of chunk kinds drawn fresh (two heads,
-    ragged lengths): equal for tile sizes that are multiples of 16, and never wrong in the
+    ragged lengths): equal for tile sizes that are multiples of 32, and never wrong in the
     safe direction (empty or full only where it is) for the others."""
     rng = np.random.default_rng()
-    nq, nk = (int(x) for x in rng.integers(20, 75, 2))
-    table = rng.integers(0, 3, (2, -(-nq // 16), -(-nk // 16))).astype(np.int32)
+    nq, nk = (int(x) for x in rng.integers(40, 140, 2))
+    table = rng.integers(0, 3, (2, -(-nq // 32), -(-nk // 32))).astype(np.int32)
     table[0, 0, :2] = 0, 1                  # every kind at least once
     table[1, 0, 0] = 2
     bm = numba_flash.block_mask(chunk_pattern, 1, 2, nq, nk, mod_args=(table,))
     i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
-    kind = table[:, i // 16, j // 16]
+    kind = table[:, i // 32, j // 32]
     dense = ((kind == 1) | ((kind == 2) & ((i + j) % 2 == 0)))[None]      # (1, 2, nq, nk)
-    for rows, keys in ((16, 16), (32, 64), (64, 16), (24, 40), (128, 128)):
+    for rows, keys in ((32, 32), (64, 32), (32, 128), (16, 16), (24, 40), (128, 128)):
         got = bm.tile_classes(rows, keys)
         want = np.zeros_like(got)
         for qt in range(got.shape[2]):
             for kt in range(got.shape[3]):
                 blk = dense[:, :, qt * rows:(qt + 1) * rows, kt * keys:(kt + 1) * keys]
                 want[:, :, qt, kt] = np.where(blk.all(axis=(2, 3)), 2, np.where(blk.any(axis=(2, 3)), 1, 0))
-        if rows % 16 == 0 and keys % 16 == 0:
+        if rows % 32 == 0 and keys % 32 == 0:
             np.testing.assert_array_equal(got, want, err_msg=f"tiles {rows} x {keys}")
         else:
             assert ((got == want) | (got == 1)).all(), f"tiles {rows} x {keys}"
-    assert set(np.unique(bm.tile_classes(16, 16))) == {0, 1, 2}
+    assert set(np.unique(bm.tile_classes(32, 32))) == {0, 1, 2}
 
 
 @pytest.mark.parametrize("call, match", [
