@@ -134,17 +134,28 @@ class BlockMask:
         partial that is empty or full, never the other way round."""
         B, H, Nq, Nk = self.shape
         nq, nk, chunks = -(-Nq // rows), -(-Nk // keys), -(-Nk // CHUNK)
+        seen, every = (self._unpack(w) for w in self._chunks)
+        if rows % CHUNK == 0 and keys % CHUNK == 0:       # whole chunks per tile: one reduction
+            r, c = rows // CHUNK, keys // CHUNK
+            pad = [(0, 0), (0, 0), (0, nq * r - seen.shape[2]), (0, nk * c - chunks)]
+            seen = np.pad(seen, pad, constant_values=False).reshape(B, H, nq, r, nk, c).any(axis=(3, 5))
+            every = np.pad(every, pad, constant_values=True).reshape(B, H, nq, r, nk, c).all(axis=(3, 5))
+            return np.where(every, FULL, np.where(seen, PARTIAL, EMPTY)).astype(np.int8)
         out = np.empty((B, H, nq, nk), np.int8)
         for qt in range(nq):
             g = slice(qt * rows // CHUNK, -(-min((qt + 1) * rows, Nq) // CHUNK))
-            seen, every = (((w[:, g, :, None] >> np.arange(WORD, dtype=np.uint32)) & 1)
-                           .reshape(B, H, g.stop - g.start, -1)[..., :chunks].astype(bool) for w in self._chunks)
             for kt in range(nk):
                 c = slice(kt * keys // CHUNK, -(-min((kt + 1) * keys, Nk) // CHUNK))
-                any_seen = seen[..., c].any(axis=(2, 3))
-                all_seen = every[..., c].all(axis=(2, 3))
+                any_seen = seen[:, :, g, c].any(axis=(2, 3))
+                all_seen = every[:, :, g, c].all(axis=(2, 3))
                 out[:, :, qt, kt] = np.where(all_seen, FULL, np.where(any_seen, PARTIAL, EMPTY))
         return out
+
+    def _unpack(self, words):
+        """``(B, H, groups, chunks)`` bool of one of the chunk bitmaps."""
+        B, H, Nq, Nk = self.shape
+        bits = (words[..., None] >> np.arange(WORD, dtype=np.uint32)) & 1
+        return bits.reshape(B, H, words.shape[1], -1)[..., :-(-Nk // CHUNK)].astype(bool)
 
     def key_tile_ranges(self, keys: int):
         """``(B, H, ceil(Nk / keys), 2)`` int64: per tile of ``keys`` keys the first query
