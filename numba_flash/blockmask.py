@@ -13,10 +13,11 @@ visible keys per query tile form one run (causal, windows, document masking, pre
 get the whole saving; a mask with holes only its outer bounds.
 
 When every row's visible keys are one run (:attr:`BlockMask.exact`: causal, windows,
-documents, prefix-LM), the Hopper family does not call ``mask_mod`` at all: it masks each
-row by its run, and only in the key tiles that some row of the query tile sees in part
-(the others are all visible, as in the built-in ``causal``); the other families call
-``mask_mod`` for every score they compute inside the bounds.
+documents, prefix-LM), the forward kernels of every family and the dQ kernels do not call
+``mask_mod`` at all: they mask each row by its run, and only in the key tiles that some
+row of the query tile sees in part (the others are all visible, as in the built-in
+``causal``); the dK/dV kernels visit only the queries that see a key tile
+(:meth:`BlockMask.key_tile_ranges`) and call ``mask_mod`` there.
 
 One block mask serves every call with the same mask, shapes and mod_args values, in
 every layer; the per-tile ranges of each kernel family's query tile height are derived
