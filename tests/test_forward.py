@@ -510,7 +510,7 @@ def test_gpu_compact_tilings(d, monkeypatch):
     """A GPU with less shared memory per block (an A100) gets registry.forward_tiling_compact:
     pretend to be one, and check the result and that the compact kernel ran."""
     first = registry.forward_specialisation("float32", d, CAUSAL, True)
-    monkeypatch.setattr(api, "_device_facts", lambda: (132, first.smem_bytes - 1))
+    monkeypatch.setattr(api, "_device_facts", lambda: (132, first.smem_bytes - 1, (8, 0)))   # an A100
     spec = registry.forward_specialisation("float32", d, CAUSAL, True, smem_limit=first.smem_bytes - 1)
     assert spec.compact and spec.smem_bytes < first.smem_bytes
     q, k, v = make_qkv(d, (2,), 600, 700, d, "float32")
