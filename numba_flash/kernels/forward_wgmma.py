@@ -52,6 +52,10 @@ from .forward import LN2
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
 HEAD_DIMS = (64, 128)
+# With a softcap every score takes two special-function instructions (tanh, then exp2) to
+# the tensor cores' one tile of products; half the exponentials on the FMA units (about ten
+# instructions each: ops.exp2_fma) balance the two units' loads (docs/performance.md).
+EXP2_FMA_SOFTCAP = 2
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
 
@@ -99,10 +103,14 @@ def smem_bytes(D, qbuf=None, stages=None):
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
-                       stages: int = None):
+                       stages: int = None, exp2_fma: int = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
-    ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`)."""
+    ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
+    ``exp2_fma``: of every four exponentials of the softmax, how many ``ops.exp2_fma``
+    computes on the FMA units rather than the special-function unit (default
+    :data:`EXP2_FMA_SOFTCAP` with a softcap, whose tanh is a second special-function
+    instruction per score, else 0)."""
     assert D in HEAD_DIMS, D
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
@@ -116,8 +124,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # slow instruction on the multi-function unit the exponentials need (user functions
     # take the integer positions)
     FLOAT_POS = scores.alibi and scores.mods is None
+    EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES)
     NS = BN // 2                          # S accumulator elements per thread
+    NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
     s_mma = H.wgmma(BN, dtype_name)
     o_mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
@@ -224,7 +234,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         mu1 = ZERO if mn1 == NEG_INF else mn1
         alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
         rs0, rs1 = ZERO, ZERO
-        for i in range(NS):
+        for i in range(NS_FMA):              # (two loops: each unrolls, with one kind of exp2)
+            e = ops.exp2_fma((s[i] * sl if RAW else s[i]) - (mu1 if (i >> 1) & 1 else mu0))
+            if (i >> 1) & 1:
+                rs1 += e
+            else:
+                rs0 += e
+            s[i] = e
+        for i in range(NS_FMA, NS):
             x = s[i] * sl if RAW else s[i]
             if (i >> 1) & 1:
                 e = ops.exp2_approx(x - mu1)
