@@ -46,7 +46,8 @@ from ._runtime import SIMULATOR
 # arithmetic, the special-function unit's ex2 2 ulp = 2.4e-7; P is then rounded to
 # 16 bits, 2⁻⁹ or 2⁻¹²); 2^j is j added to its exponent field. x is clamped at −127 so
 # the sum stays an integer of a few bits, and x < −125 gives 0 (ex2.approx.ftz gives 0
-# below −126: both are below 2⁻¹²⁵ relative to a row's largest term, 1).
+# below −126: both are below 2⁻¹²⁵ relative to a row's largest term, 1). NaN is passed on by
+# a select of its own (the integer add would make the canonical NaN's bits a finite number).
 EXP2_POLY = tuple(float.fromhex(h) for h in ("0x1.ffffe8p-1", "0x1.62e0dcp-1", "0x1.ec06dap-3", "0x1.ca1442p-5",
                                               "0x1.3997d2p-7"))
 EXP2_POLY_ROUND = 12582912.0        # 1.5 · 2²³
@@ -432,7 +433,8 @@ if not SIMULATOR:
                 p = builder.call(fma, [p, f, f32(c)])
             bits = builder.add(builder.bitcast(p, i32), builder.shl(builder.bitcast(t, i32), i32(23)))
             y = builder.bitcast(bits, f32)
-            return builder.select(builder.fcmp_ordered("<", x, f32(EXP2_POLY_ZERO)), f32(0.0), y)
+            y = builder.select(builder.fcmp_ordered("<", x, f32(EXP2_POLY_ZERO)), f32(0.0), y)
+            return builder.select(builder.fcmp_unordered("uno", x, x), x, y)
         return types.float32(x), codegen
 
 else:
@@ -568,6 +570,8 @@ else:
     def exp2_fma(x):
         f32 = _np.float32
         x = f32(x)
+        if x != x:
+            return x
         xc = f32(EXP2_POLY_FLOOR) if x < EXP2_POLY_FLOOR else x
         t = f32(xc + f32(EXP2_POLY_ROUND))
         f = f32(xc - f32(t - f32(EXP2_POLY_ROUND)))
