@@ -52,10 +52,11 @@ from .forward import LN2
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
 HEAD_DIMS = (64, 128)
-# With a softcap every score takes two special-function instructions (tanh, then exp2) to
-# the tensor cores' one tile of products; half the exponentials on the FMA units (about ten
-# instructions each: ops.exp2_fma) balance the two units' loads (docs/performance.md).
-EXP2_FMA_SOFTCAP = 2
+# With a softcap every score takes two special-function instructions (tanh, then exp2).
+# Moving half the exponentials to the FMA units (about ten instructions each: ops.exp2_fma)
+# was measured 10-15 % slower on an H200 (docs/performance.md item 32): none by default; the
+# factory's ``exp2_fma`` keeps the option, tested.
+EXP2_FMA_SOFTCAP = 0
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
 
