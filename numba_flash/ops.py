@@ -13,8 +13,8 @@ implementations with the same semantics:
 Operations: 128-bit accesses (``ld_shared_x4``, ``ld_global_x4``, ``st_shared_x4``);
 asynchronous copies (``cp_async16`` from 4-D and ``cp_async16_2d`` from 2-D arrays,
 ``cp_async16_rows``, ``cp_async_commit``, ``cp_async_wait``); special functions
-(``exp2_approx``, ``tanh_approx``, ``rcp_approx``); tensor cores: TF32 (``tf32_round``,
-``mma_tf32_m16n8k8``) and 16-bit (``ldmatrix_x4``, ``ldmatrix_x4_trans``,
+(``exp2_approx``, ``tanh_approx``, ``rcp_approx``; ``exp2_fma``: 2^x without the
+special-function unit); tensor cores: TF32 (``tf32_round``, ``mma_tf32_m16n8k8``) and 16-bit (``ldmatrix_x4``, ``ldmatrix_x4_trans``,
 ``mma_bf16_m16n8k16``, ``mma_f16_m16n8k16``, ``pack_bf16x2``, ``pack_f16x2``), emulated
 in the simulator by a warp rendezvous, as ``warp`` does for shuffles.
 
@@ -39,6 +39,20 @@ from llvmlite import ir
 from numba import cuda, types
 
 from ._runtime import SIMULATOR
+
+# ``exp2_fma``: 2^x = 2^j · 2^f with j = round(x), f = x − j in [−1/2, 1/2]. Adding 1.5·2²³
+# rounds x to an integer held in the sum's low mantissa bits; 2^f is a degree-4 polynomial
+# (coefficients c0..c4, float32, fitted to the relative error: at most 2.7e-6 in float32
+# arithmetic, the special-function unit's ex2 2 ulp = 2.4e-7; P is then rounded to
+# 16 bits, 2⁻⁹ or 2⁻¹²); 2^j is j added to its exponent field. x is clamped at −127 so
+# the sum stays an integer of a few bits, and x < −125 gives 0 (ex2.approx.ftz gives 0
+# below −126: both are below 2⁻¹²⁵ relative to a row's largest term, 1). NaN is passed on by
+# a select of its own (the integer add would make the canonical NaN's bits a finite number).
+EXP2_POLY = tuple(float.fromhex(h) for h in ("0x1.ffffe8p-1", "0x1.62e0dcp-1", "0x1.ec06dap-3", "0x1.ca1442p-5",
+                                              "0x1.3997d2p-7"))
+EXP2_POLY_ROUND = 12582912.0        # 1.5 · 2²³
+EXP2_POLY_FLOOR = -127.0
+EXP2_POLY_ZERO = -125.0
 
 
 def _elem_ptr(ctx, builder, aryty, ary, idxtys, idxs):
@@ -399,6 +413,30 @@ if not SIMULATOR:
                              "(``ex2.approx.ftz.f32``, one instruction; ``math.exp2`` adds three to keep "
                              "subnormal results): within 2 ulp; results below 2⁻¹²⁶ flush to zero.")
 
+    @intrinsic
+    def exp2_fma(typingctx, x):
+        """``2^x`` for ``x <= 0`` in float32 on the FMA and integer units, none on the
+        special-function unit (:data:`EXP2_POLY` says how)."""
+        if not isinstance(x, types.Float):
+            return None
+
+        def codegen(ctx, builder, sig, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            x = ctx.cast(builder, args[0], sig.args[0], types.float32)
+            fma = builder.module.declare_intrinsic("llvm.fma", [f32], ir.FunctionType(f32, [f32, f32, f32]))
+            low = f32(EXP2_POLY_FLOOR)
+            xc = builder.select(builder.fcmp_ordered("<", x, low), low, x)
+            t = builder.fadd(xc, f32(EXP2_POLY_ROUND))          # round(x) in the low bits
+            f = builder.fsub(xc, builder.fsub(t, f32(EXP2_POLY_ROUND)))    # x - round(x), in [-1/2, 1/2]
+            p = f32(EXP2_POLY[-1])
+            for c in EXP2_POLY[-2::-1]:
+                p = builder.call(fma, [p, f, f32(c)])
+            bits = builder.add(builder.bitcast(p, i32), builder.shl(builder.bitcast(t, i32), i32(23)))
+            y = builder.bitcast(bits, f32)
+            y = builder.select(builder.fcmp_ordered("<", x, f32(EXP2_POLY_ZERO)), f32(0.0), y)
+            return builder.select(builder.fcmp_unordered("uno", x, x), x, y)
+        return types.float32(x), codegen
+
 else:
     def ld_shared_x4(a, i):
         return a[i], a[i + 1], a[i + 2], a[i + 3]
@@ -528,6 +566,20 @@ else:
     def exp2_approx(x):
         y = _np.float32(_np.exp2(_np.float32(x)))
         return _np.float32(0) if 0 < y < _np.float32(2.0 ** -126) else y    # NaN stays NaN
+
+    def exp2_fma(x):
+        f32 = _np.float32
+        x = f32(x)
+        if x != x:
+            return x
+        xc = f32(EXP2_POLY_FLOOR) if x < EXP2_POLY_FLOOR else x
+        t = f32(xc + f32(EXP2_POLY_ROUND))
+        f = f32(xc - f32(t - f32(EXP2_POLY_ROUND)))
+        p = f32(EXP2_POLY[-1])
+        for c in EXP2_POLY[-2::-1]:
+            p = f32(float(p) * float(f) + float(c))         # (one rounding, as an FMA's, but twice)
+        bits = (int(p.view(_np.uint32)) + (int(t.view(_np.uint32)) << 23)) & 0xFFFFFFFF
+        return f32(0) if x < EXP2_POLY_ZERO else _np.uint32(bits).view(f32)
 
     def pack_f16x2(lo, hi):
         return _np.uint32(_f16_bits(lo) | (_f16_bits(hi) << 16))

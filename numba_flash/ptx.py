@@ -55,6 +55,8 @@ def features(ptx: str) -> dict:
         "bar.sync": ptx.count("bar.sync"),
         "tanh.approx.f32": ptx.count("tanh.approx.f32"),
         "rcp.approx.f32": ptx.count("rcp.approx.ftz.f32") + ptx.count("rcp.approx.f32"),
+        "ex2.approx": ptx.count("ex2.approx"),
+        "exp2_fma": ptx.count("0f4B400000"),       # ops.exp2_fma's rounding constant, 1.5 * 2**23
         "wgmma.mma_async": ptx.count("wgmma.mma_async"),
         "cp.async.bulk.tensor": ptx.count("cp.async.bulk.tensor"),
         "mbarrier": ptx.count("mbarrier."),

@@ -132,10 +132,13 @@ def _assert_hopper_launch(q, k, v, **options):
     assert "forward_wgmma" in launches[-1][0].py_func.__module__, launches[-1][0].py_func.__module__
 
 
-@pytest.mark.parametrize("pingpong", [True, False])
-def test_hopper_family_score_rules(pingpong, monkeypatch):
+@pytest.mark.parametrize("pingpong, rules", [(True, "window+softcap+alibi"), (False, "window+softcap+alibi"),
+                                             (True, "causal+softcap")])
+def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     """The Hopper family with a window, softcap and ALiBi (the scores' general path), with
-    and without the consumers' ping-pong (the kernel is built directly for the second)."""
+    and without the consumers' ping-pong (the kernel is built directly for the second,
+    with half its exponentials by ``ops.exp2_fma``); and with a softcap alone (its tanh
+    taken before the maxima, the cap in exp2's FMA)."""
     if ON_GPU:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
@@ -145,11 +148,13 @@ def test_hopper_family_score_rules(pingpong, monkeypatch):
     if not pingpong:
         plain = forward_wgmma.make_forward_wgmma
         monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                            lambda dt, d, scores: plain(dt, d, scores, pingpong=False))
+                            lambda dt, d, scores: plain(dt, d, scores, pingpong=False, exp2_fma=2))
     rng = np.random.default_rng(13 + pingpong)
     q = rng.standard_normal((2, 70, 64)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((2, 140, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
     opts = {"window": (40, 7), "softcap": 3.0, "alibi_slopes": np.array([0.25, 0.0625], np.float32)}
+    if rules == "causal+softcap":
+        opts = {"causal": True, "softcap": 2.0}
     _assert_hopper_launch(q, k, v, **opts)
     out, lse = numba_flash.attention_fwd(q, k, v, **opts)
     check_forward_low(out, lse, q, k, v, opts, None)

@@ -224,6 +224,22 @@ _SFU = {"tanh_approx": (_round_kernel(ops.tanh_approx), np.tanh, 2.0**-11),   # 
         "rcp_approx": (_round_kernel(ops.rcp_approx), np.reciprocal, 2.0**-23)}  # 1 ulp (float32)
 
 
+def test_exp2_fma_within_its_bound():
+    """``exp2_fma`` (2^x on the FMA units, for x <= 0): relative error within 3e-6 (its
+    polynomial's 2.7e-6 in float32 arithmetic) down to 2^-125, 0 below and for -inf,
+    NaN stays NaN (in the simulator: the twin, whose multiply-adds round twice)."""
+    rng = np.random.default_rng()
+    x = np.concatenate([-rng.uniform(0, 1, 2000), -rng.uniform(0, 126, 2000), -rng.uniform(0, 1e-6, 200),
+                        [0.0, -0.0, -0.5, -1.5, -124.9, -125.1, -126.0, -200.0, -np.inf, np.nan]]).astype(np.float32)
+    out = np.full_like(x, 7.0)
+    launch(_round_kernel(ops.exp2_fma), -(-x.size // 128), 128, 0, (x, out))
+    want = np.exp2(x.astype(np.float64))
+    normal = x >= -125
+    rel = np.abs(out[normal] / want[normal] - 1)
+    assert rel.max() <= 3e-6, f"relative error {rel.max():.3e} at x = {x[normal][rel.argmax()]}"
+    assert (out[(x < -125.1) | (x == -np.inf)] == 0).all() and np.isnan(out[-1])
+
+
 @pytest.mark.parametrize("name", sorted(_SFU))
 def test_special_function_ops_within_their_bounds(name):
     """``tanh_approx`` and ``rcp_approx`` (the softcap's tanh, ``scores.SOFTCAP_TANH``):

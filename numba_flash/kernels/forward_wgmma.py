@@ -52,6 +52,11 @@ from .forward import LN2
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
 HEAD_DIMS = (64, 128)
+# With a softcap every score takes two special-function instructions (tanh, then exp2).
+# Moving half the exponentials to the FMA units (about ten instructions each: ops.exp2_fma)
+# was measured 10-15 % slower on an H200 (docs/performance.md item 32): none by default; the
+# factory's ``exp2_fma`` keeps the option, tested.
+EXP2_FMA_SOFTCAP = 0
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
 
@@ -99,10 +104,14 @@ def smem_bytes(D, qbuf=None, stages=None):
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
-                       stages: int = None):
+                       stages: int = None, exp2_fma: int = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
-    ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`)."""
+    ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
+    ``exp2_fma``: of every four exponentials of the softmax, how many ``ops.exp2_fma``
+    computes on the FMA units rather than the special-function unit (default
+    :data:`EXP2_FMA_SOFTCAP` with a softcap, whose tanh is a second special-function
+    instruction per score, else 0)."""
     assert D in HEAD_DIMS, D
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
@@ -111,13 +120,19 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # scores are scale · q·k (an exact block mask's rows are masked like a window's): the
     # scale joins exp2's FMA
     RAW = not (scores.softcap or scores.alibi or (mods is not None and (mods.score_mod is not None or not mods.exact)))
+    # a softcap alone: the scores are cap_out · tanh(cap_in · q·k); the tanh is taken first
+    # and cap_out (positive, the scale's log2 units included) joins exp2's FMA as the scale does
+    TANH_RAW = scores.softcap and not scores.alibi and mods is None
+    SCALED = RAW or TANH_RAW          # s holds the scores over a positive factor, sl
     # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
     # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
     # slow instruction on the multi-function unit the exponentials need (user functions
     # take the integer positions)
     FLOAT_POS = scores.alibi and scores.mods is None
+    EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES)
     NS = BN // 2                          # S accumulator elements per thread
+    NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
     s_mma = H.wgmma(BN, dtype_name)
     o_mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
@@ -193,12 +208,16 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         exponentials. Returns the maxima, the partial sums and the old-to-new factors.
         Without softcap and ALiBi the scores are ``scale_log2 · s``: the maxima are taken
         on ``s`` (the scale is positive) and the scale is applied inside the exponent's
-        argument, one FMA per element."""
-        sl = sc[0]
+        argument, one FMA per element; with a softcap alone likewise on ``tanh(cap_in · s)``
+        with ``cap_out``."""
+        sl = sc[2] if TANH_RAW else sc[0]
         if FLOAT_POS:
             rf = F32(row0 + diag - k0 - 2 * tq4)          # the distance to the thread's first key
             for i in range(NS):
                 s[i], _ = score(s[i], rf + F32(8 * ((i >> 1) & 1)), F32(8 * (i >> 2) + (i & 1)), ZERO, sc)
+        elif TANH_RAW:
+            for i in range(NS):
+                s[i] = ops.tanh_approx(s[i] * sc[1])
         elif not RAW:
             for i in range(NS):
                 s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
@@ -217,15 +236,22 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         for off in (1, 2):
             mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
             mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
-        if RAW:
+        if SCALED:
             mx0, mx1 = mx0 * sl, mx1 * sl
         mn0, mn1 = max(m0, mx0), max(m1, mx1)
         mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
         mu1 = ZERO if mn1 == NEG_INF else mn1
         alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
         rs0, rs1 = ZERO, ZERO
-        for i in range(NS):
-            x = s[i] * sl if RAW else s[i]
+        for i in range(NS_FMA):              # (two loops: each unrolls, with one kind of exp2)
+            e = ops.exp2_fma((s[i] * sl if SCALED else s[i]) - (mu1 if (i >> 1) & 1 else mu0))
+            if (i >> 1) & 1:
+                rs1 += e
+            else:
+                rs0 += e
+            s[i] = e
+        for i in range(NS_FMA, NS):
+            x = s[i] * sl if SCALED else s[i]
             if (i >> 1) & 1:
                 e = ops.exp2_approx(x - mu1)
                 rs1 += e
