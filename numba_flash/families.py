@@ -55,7 +55,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
             return _hopper_launches(inp, spec, hviews, maps, pairs, score_args, sm_count)
         spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
         if inp.block_mask is not None:          # its block ranges are per query tile: this family's
-            score_args, slopes = inp.score_args(lse, _query_rows(spec))
+            score_args, slopes = inp.score_args(lse, _query_rows(spec), _list_keys(spec))
             views = inp.kernel_views([q, out, lse, slopes], [k, v])
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
@@ -100,8 +100,8 @@ def _query_rows(spec):
 
 def _list_keys(spec):
     """The key tile width of a forward family that visits key tiles from a block mask's
-    lists (``scores.block_lists``: the Hopper family), else 0 (none)."""
-    return spec.tiling.BN if spec.variant == "forward_wgmma" else 0
+    lists (``scores.block_lists``: the Hopper and ``mma.sync`` families), else 0 (none)."""
+    return spec.tiling.BN if spec.variant in ("forward_wgmma", "forward_mma", "forward_mma_split") else 0
 
 
 def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):

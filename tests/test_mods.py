@@ -382,16 +382,17 @@ def gap_mask(b, h, i, j):
     return (j < 128 or j >= 256) and (i + j) % 5 != 0
 
 
-def test_hopper_forward_skips_empty_key_tiles(monkeypatch):
-    """A mask with holes (not exact) whose middle key tile no query sees: the Hopper
-    forward visits the key tiles of the block mask's lists, the empty tile neither loaded
-    nor computed (in the simulator, which calls the function as Python: for the pairs of
-    three key tiles of four; without the block mask, of all four), with the oracle's result."""
-    if ON_GPU:
+@pytest.mark.parametrize("hopper", [True, False])
+def test_forward_skips_empty_key_tiles(hopper, monkeypatch):
+    """A mask with holes (not exact) whose keys 128..255 no query sees: the Hopper and
+    mma.sync forwards visit the key tiles of the block mask's lists, the empty ones neither
+    loaded nor computed (in the simulator, which calls the function as Python: for the
+    pairs of the other keys only; without the block mask, of all), with the oracle's result."""
+    if ON_GPU and hopper:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
             pytest.skip("the Hopper family runs on compute capability 9.0 only")
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1" if hopper else "0")
     calls = []
 
     def counted(b, h, i, j):
