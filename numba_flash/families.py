@@ -99,9 +99,9 @@ def _query_rows(spec):
 
 
 def _list_keys(spec):
-    """The key tile width of a forward family that visits key tiles from a block mask's
-    lists (``scores.block_lists``: the Hopper and ``mma.sync`` families), else 0 (none)."""
-    return spec.tiling.BN if spec.variant in ("forward_wgmma", "forward_mma", "forward_mma_split") else 0
+    """The key tile width of a forward specialisation: a block mask's lists of key tiles
+    (``scores.block_lists``) are built for it."""
+    return spec.tiling.BN
 
 
 def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
