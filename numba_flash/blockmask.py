@@ -5,9 +5,8 @@ kernel with one thread per query row, scanning every key; in the simulator the s
 on the CPU) and keeps, per ``(b, h, query row)``, the first visible key, one past the last,
 and how many keys are visible; and per chunk of 32 query rows by 32 keys whether some
 pair is visible and whether every pair is, from which :meth:`BlockMask.tile_classes`
-says which tiles of any size are empty, partial or full (the Hopper and mma.sync
-forwards skip the empty ones of masks that are not exact; the other kernels do not read
-it yet). A call given ``block_mask=`` (forward kernels of every
+says which tiles of any size are empty, partial or full (the forward kernels skip the
+empty ones of masks that are not exact; the backward's do not read it yet). A call given ``block_mask=`` (forward kernels of every
 family) narrows each query tile's keys to the union of its rows' ranges: key tiles outside
 it are never loaded or multiplied. Keys inside it that the mask hides are still computed,
 then masked (a tile-by-tile table of empty and full tiles is not built): masks whose
