@@ -5,13 +5,11 @@ kernel with one thread per query row, scanning every key; in the simulator the s
 on the CPU) and keeps, per ``(b, h, query row)``, the first visible key, one past the last,
 and how many keys are visible; and per chunk of 32 query rows by 32 keys whether some
 pair is visible and whether every pair is, from which :meth:`BlockMask.tile_classes`
-says which tiles of any size are empty, partial or full (the forward kernels skip the
-empty ones of masks that are not exact; the backward's do not read it yet). A call given ``block_mask=`` (forward kernels of every
-family) narrows each query tile's keys to the union of its rows' ranges: key tiles outside
-it are never loaded or multiplied. Keys inside it that the mask hides are still computed,
-then masked (a tile-by-tile table of empty and full tiles is not built): masks whose
-visible keys per query tile form one run (causal, windows, document masking, prefix-LM)
-get the whole saving; a mask with holes only its outer bounds.
+says which tiles of any size are empty, partial or full. A call given ``block_mask=``
+narrows each query tile's keys to the union of its rows' ranges: key tiles outside it are
+never loaded or multiplied; for a mask with holes the forward kernels (every family) also
+skip the empty key tiles inside it (the table's per-query-tile lists), and the backward
+computes them, then masks them.
 
 When every row's visible keys are one run (:attr:`BlockMask.exact`: causal, windows,
 documents, prefix-LM), the forward kernels of every family and the dQ kernels do not call
