@@ -5,12 +5,11 @@ kernel with one thread per query row, scanning every key; in the simulator the s
 on the CPU) and keeps, per ``(b, h, query row)``, the first visible key, one past the last,
 and how many keys are visible; and per chunk of 32 query rows by 32 keys whether some
 pair is visible and whether every pair is, from which :meth:`BlockMask.tile_classes`
-says which tiles of any size are empty, partial or full (the kernels do not read it yet).
-A call given ``block_mask=`` (forward kernels of every family) narrows each query tile's keys to the union of its rows' ranges: key tiles outside
-it are never loaded or multiplied. Keys inside it that the mask hides are still computed,
-then masked (a tile-by-tile table of empty and full tiles is not built): masks whose
-visible keys per query tile form one run (causal, windows, document masking, prefix-LM)
-get the whole saving; a mask with holes only its outer bounds.
+says which tiles of any size are empty, partial or full. A call given ``block_mask=``
+narrows each query tile's keys to the union of its rows' ranges: key tiles outside it are
+never loaded or multiplied; for a mask with holes the forward kernels (every family) also
+skip the empty key tiles inside it (the table's per-query-tile lists), and the backward
+computes them, then masks them.
 
 When every row's visible keys are one run (:attr:`BlockMask.exact`: causal, windows,
 documents, prefix-LM), the forward kernels of every family and the dQ kernels do not call
@@ -184,7 +183,10 @@ class BlockMask:
         ``n · rows`` padded rows its first visible key and one past its last (``Nk, 0`` for a
         row that sees none, padding rows included), per query tile its first and
         one-past-last key any row sees and the first and one-past-last key every row sees
-        (``0, 0`` unless :attr:`exact`), per key tile :meth:`key_tile_ranges`."""
+        (``0, 0`` unless :attr:`exact`), per key tile :meth:`key_tile_ranges`; with ``keys``
+        and a mask that is not exact, per query tile the list of the key tiles it does not
+        leave empty (:meth:`tile_classes`), ``ceil(Nk / keys) + 1`` columns: the count, then
+        the tiles in order (header column 3: where the lists start; 0 without them)."""
         found = self._tables.get((rows, keys))
         if found is None:
             B, H, Nq, Nk = self.shape
@@ -202,8 +204,16 @@ class BlockMask:
             parts = [ends.reshape(B * H, -1), tiles.reshape(B * H, -1)]
             if keys:
                 parts.append(self.key_tile_ranges(keys).reshape(B * H, -1))
+            if keys and not self.exact:
+                seen = self.tile_classes(rows, keys) != EMPTY                 # (B, H, n, n_kt)
+                lists = np.zeros(seen.shape[:3] + (seen.shape[3] + 1,), np.int64)
+                lists[..., 0] = seen.sum(-1)
+                order = np.argsort(~seen, axis=-1, kind="stable")            # the seen tiles first, in order
+                lists[..., 1:] = np.where(np.arange(seen.shape[3]) < lists[..., :1], order, 0)
+                parts.append(lists.reshape(B * H, -1))
             starts = np.cumsum([4] + [p.shape[1] for p in parts])
-            head = np.broadcast_to(np.array([starts[0], starts[1], starts[2], 0]), (B * H, 4))
+            head = np.broadcast_to(np.array([starts[0], starts[1], starts[2],
+                                             starts[3] if keys and not self.exact else 0]), (B * H, 4))
             table = np.concatenate([head] + parts, axis=1)
             found = self._tables[(rows, keys)] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
         return found

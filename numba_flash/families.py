@@ -44,7 +44,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     rows = inp.nq if inp.packed is None else inp.packed.max_q
     spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit,
                                            cc=cc, rows=rows)
-    score_args, slopes = inp.score_args(lse, _query_rows(spec))
+    score_args, slopes = inp.score_args(lse, _query_rows(spec), _list_keys(spec))
     views = inp.kernel_views([q, out, lse, slopes], [k, v])
     seqs = () if inp.packed is None else (inp.packed.table, inp.packed.pages, inp.packed.page_size)
     if spec.variant == "forward_wgmma":
@@ -55,7 +55,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
             return _hopper_launches(inp, spec, hviews, maps, pairs, score_args, sm_count)
         spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
         if inp.block_mask is not None:          # its block ranges are per query tile: this family's
-            score_args, slopes = inp.score_args(lse, _query_rows(spec))
+            score_args, slopes = inp.score_args(lse, _query_rows(spec), _list_keys(spec))
             views = inp.kernel_views([q, out, lse, slopes], [k, v])
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
@@ -96,6 +96,12 @@ def _heads_views(inp, arrays):
 def _query_rows(spec):
     """The query rows per block of a forward specialisation (a block mask's tile height)."""
     return spec.tiling.BM
+
+
+def _list_keys(spec):
+    """The key tile width of a forward specialisation: a block mask's lists of key tiles
+    (``scores.block_lists``) are built for it."""
+    return spec.tiling.BN
 
 
 def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):

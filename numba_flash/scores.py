@@ -512,6 +512,35 @@ def block_rules(spec: ScoreSpec):
     return _device((block_keys, block_queries))
 
 
+def block_lists(spec: ScoreSpec):
+    """``(key_tile_count, key_tile_at)`` for kernels that visit a query tile's key tiles
+    from a list: with a block mask that is not exact (``spec.mods.blocks`` and not
+    ``exact``) the table's list of the tiles some pair of the query tile sees
+    (``BlockMask.device_table``: its header's column 3 says where the lists start, one of
+    ``n_kt + 1`` entries per query tile, the count first), so the empty tiles inside the
+    range are neither loaded nor computed; otherwise the range as it is:
+
+    * ``key_tile_count(slopes, b1, b2, qt, n_kt, count)``: how many tiles (``count``: the
+      range's);
+    * ``key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j)``: the ``j``-th (``kt0 + j``)."""
+    block_table = _block_table()
+    if spec.mods is not None and spec.mods.blocks and not spec.mods.exact:
+        def key_tile_count(slopes, b1, b2, qt, n_kt, count):
+            table, t = block_table(slopes, b1, b2)
+            return int(table[t, table[t, 3] + qt * (n_kt + 1)])
+
+        def key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j):
+            table, t = block_table(slopes, b1, b2)
+            return int(table[t, table[t, 3] + qt * (n_kt + 1) + 1 + j])
+    else:
+        def key_tile_count(slopes, b1, b2, qt, n_kt, count):
+            return count
+
+        def key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j):
+            return kt0 + j
+    return _device((key_tile_count, key_tile_at))
+
+
 def block_row_rules(spec: ScoreSpec):
     """``(block_rows, block_tile)`` for kernels that mask by an exact block mask's rows
     (``spec.mods.exact``; ``device_rules(..., block_rows=True)``), else stand-ins that

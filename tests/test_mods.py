@@ -378,6 +378,43 @@ def test_forward_masks_exact_block_masks_without_the_function(dtype, hopper, mon
         assert_attention_close(out, q, k, v, lse, mask_mod=fn, mod_args=(docs,))
 
 
+def gap_mask(b, h, i, j):
+    return (j < 128 or j >= 256) and (i + j) % 5 != 0
+
+
+@pytest.mark.parametrize("dtype, hopper", [("bfloat16", True), ("bfloat16", False), ("float32", False)])
+def test_forward_skips_empty_key_tiles(dtype, hopper, monkeypatch):
+    """A mask with holes (not exact) whose keys 128..255 no query sees: every forward
+    family (Hopper, mma.sync, CUDA cores) visits the key tiles of the block mask's lists, the empty ones neither
+    loaded nor computed (in the simulator, which calls the function as Python: for the
+    pairs of the other keys only; without the block mask, of all), with the oracle's result."""
+    if ON_GPU and hopper:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1" if hopper else "0")
+    calls = []
+
+    def counted(b, h, i, j):
+        calls.append(1)
+        return gap_mask(b, h, i, j)
+    gap = gap_mask if ON_GPU else counted       # (on a GPU Numba compiles it: no Python list)
+    rng, q, k, v, _ = _inputs(dtype, (1, 1), 100, 400, 64, 14)
+    bm = numba_flash.block_mask(gap, 1, 1, 100, 400)
+    assert not bm.exact and list(bm.tile_classes(128, 128)[0, 0, 0]) == [1, 0, 1, 1]
+    calls.clear()
+    out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)
+    with_lists = len(calls)
+    calls.clear()
+    plain, plain_lse = numba_flash.attention_fwd(q, k, v, mask_mod=gap)
+    if not ON_GPU:
+        # every valid pair the same number of times (the CUDA-core family: once per slice of
+        # the head dim), the keys 128..255 never
+        assert len(calls) % (100 * 400) == 0 and with_lists * 400 == len(calls) * (400 - 128), (with_lists, len(calls))
+    assert_attention_close(out, q, k, v, lse, mask_mod=gap)
+    assert_same_result((out, lse), (plain, plain_lse))
+
+
 def per_head_window(b, h, i, j):
     return abs(i - j) <= 3 + 9 * h
 

@@ -71,7 +71,7 @@ from .. import ops, warp
 from . import tiles
 from .tiles import PAD
 from .._runtime import SIMULATOR
-from ..scores import ScoreSpec, block_row_rules, block_rules, device_rules, device_sequence
+from ..scores import ScoreSpec, block_lists, block_row_rules, block_rules, device_rules, device_sequence
 
 LN2 = 0.6931471805599453
 
@@ -175,6 +175,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name,
                                                                                         block_rows=True)
     block_keys, _ = block_rules(scores)
+    key_tile_count, key_tile_at = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 
@@ -264,32 +265,36 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
         # split_keys of them, counted from the first visible key tile.
         kv_begin, kv_end = key_range(q0, BM, geo)
         kv_begin, kv_end = block_keys(slopes, b1, b2, qt, kv_begin, kv_end)
-        k_lo = (kv_begin // BN) * BN + z * split_keys
-        kv_end = min(kv_end, k_lo + split_keys)
-        kt0 = k_lo // BN
-        n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
+        # The key tiles: kt0, kt0 + 1, ... or, for a block mask with holes, its list's.
+        kt0 = kv_begin // BN
+        n_all = (Nk + BN - 1) // BN
+        n_j = key_tile_count(slopes, b1, b2, qt, n_all, max((max(kv_end, 0) + BN - 1) // BN - kt0, 0))
+        j0 = z * (split_keys // BN)
+        n_j = min(n_j, j0 + split_keys // BN)
+        k_lo = key_tile_at(slopes, b1, b2, qt, n_all, kt0, j0) * BN
 
         if NKC == 1:
             # Prologue: Q (once) and K(kt0) in one group, V(kt0) in the next.
             copy_tile(smem, Q_OFF, QS, q, b1, b2, q_start + q0, BM, 0, DK, q_end, tid)
-            if n_kt > kt0:
+            if n_j > j0:
                 copy_kv(smem, K_OFF, QS, k, b1, b2, k_start + k_lo, BN, 0, DK, k_end, tid, pages, page_size)
             ops.cp_async_commit()
-            if n_kt > kt0:
+            if n_j > j0:
                 copy_kv(smem, V_OFF, DO, v, b1, b2, k_start + k_lo, BN, d0, DO, k_end, tid, pages, page_size)
             ops.cp_async_commit()
 
-        for kt in range(kt0, n_kt):
-            k0 = kt * BN
+        for jj in range(j0, n_j):
+            k0 = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj) * BN
+            kn = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj + 1) * BN if jj + 1 < n_j else k0
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO
             if NKC == 1:
-                ops.cp_async_wait(1)       # Q and K(kt) have landed (V(kt) may still be in flight)
+                ops.cp_async_wait(1)       # Q and K(jj) have landed (V(jj) may still be in flight)
                 cuda.syncthreads()         # ... for every thread's copies, not just this one's
                 mm_abt(smem, Q_OFF, K_OFF, QS, s, qv, kv, r, c)
             else:
-                # V(kt) joins chunk 0's group; chunk c+1 is in flight while chunk c is used.
+                # V(jj) joins chunk 0's group; chunk c+1 is in flight while chunk c is used.
                 copy_kv(smem, V_OFF, DO, v, b1, b2, k_start + k0, BN, d0, DO, k_end, tid, pages, page_size)
                 copy_tile(smem, Q_OFF, QS, q, b1, b2, q_start + q0, BM, 0, DK, q_end, tid)
                 copy_kv(smem, K_OFF, QS, k, b1, b2, k_start + k0, BN, 0, DK, k_end, tid, pages, page_size)
@@ -311,17 +316,17 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
 
             softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo, slopes, b1, b2)
             if NKC == 1:
-                ops.cp_async_wait(0)       # V(kt) has landed
-            cuda.syncthreads()             # P and V complete; every thread is done reading K(kt)
-            if NKC == 1 and kt + 1 < n_kt:
-                # K(kt + 1), overlapping P V
-                copy_kv(smem, K_OFF, QS, k, b1, b2, k_start + k0 + BN, BN, 0, DK, k_end, tid, pages, page_size)
+                ops.cp_async_wait(0)       # V(jj) has landed
+            cuda.syncthreads()             # P and V complete; every thread is done reading K(jj)
+            if NKC == 1 and jj + 1 < n_j:
+                # K(jj + 1), overlapping P V
+                copy_kv(smem, K_OFF, QS, k, b1, b2, k_start + kn, BN, 0, DK, k_end, tid, pages, page_size)
                 ops.cp_async_commit()
             mm_pv(smem, P_OFF, PS, V_OFF, DO, o, pv, vv, r, c)
             cuda.syncthreads()             # V and P fully read before they are overwritten
-            if NKC == 1 and kt + 1 < n_kt:
-                # V(kt + 1), overlapping the next S
-                copy_kv(smem, V_OFF, DO, v, b1, b2, k_start + k0 + BN, BN, d0, DO, k_end, tid, pages, page_size)
+            if NKC == 1 and jj + 1 < n_j:
+                # V(jj + 1), overlapping the next S
+                copy_kv(smem, V_OFF, DO, v, b1, b2, k_start + kn, BN, d0, DO, k_end, tid, pages, page_size)
                 ops.cp_async_commit()
 
         ops.cp_async_wait(0)               # nothing left in flight when the loop had no iteration

@@ -36,7 +36,8 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, block_rules, device_rules, device_sequence
+from ..scores import (SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules,
+                      device_sequence)
 from .forward import LN2
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
@@ -118,6 +119,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
     block_keys, _ = block_rules(scores)
+    key_tile_count, key_tile_at = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 
@@ -182,37 +184,42 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
         kv_begin, kv_end = key_range(q0, BM, geo)   # other keys: invisible to the whole tile
         kv_begin, kv_end = block_keys(slopes, b1, b2, qt, kv_begin, kv_end)       # (and to a block mask)
         kt0 = kv_begin // BN
-        if SPLIT:                      # split zs: split_keys keys from the first visible tile on
-            kt0 += zs * (split_keys // BN)
-            kv_end = min(kv_end, (kt0 + split_keys // BN) * BN)
-        n_kt = (max(kv_end, 0) + BN - 1) // BN     # key tiles kt0 .. n_kt - 1
+        n_all = (Nk + BN - 1) // BN
+        # the key tiles to visit: kt0, kt0 + 1, ... or, for a block mask with holes, its list's
+        n_j = key_tile_count(slopes, b1, b2, qt, n_all, max((max(kv_end, 0) + BN - 1) // BN - kt0, 0))
+        j0 = 0
+        if SPLIT:                      # split zs: split_keys keys' worth of tiles from the first on
+            j0 = zs * (split_keys // BN)
+            n_j = min(n_j, j0 + split_keys // BN)
 
         copy_q(smem, 0, q, b1, b2, q_start + q0, q_start + Nq, tid)
         k_end = k_start + Nk           # rows past this one are zero-filled
-        if n_kt > kt0 and PAGED:       # a paged cache's rows, through the page table
-            copy_kv_paged(smem, K_OFF, k, b1, b2, kt0 * BN, Nk, tid, pages, cuda.blockIdx.z, page_size)
-            copy_kv_paged(smem, V_OFF, v, b1, b2, kt0 * BN, Nk, tid, pages, cuda.blockIdx.z, page_size)
-        elif n_kt > kt0:
-            copy_kv(smem, K_OFF, k, b1, b2, k_start + kt0 * BN, k_end, tid)
-            copy_kv(smem, V_OFF, v, b1, b2, k_start + kt0 * BN, k_end, tid)
+        kf = key_tile_at(slopes, b1, b2, qt, n_all, kt0, j0) * BN       # the first tile's first key
+        if n_j > j0 and PAGED:         # a paged cache's rows, through the page table
+            copy_kv_paged(smem, K_OFF, k, b1, b2, kf, Nk, tid, pages, cuda.blockIdx.z, page_size)
+            copy_kv_paged(smem, V_OFF, v, b1, b2, kf, Nk, tid, pages, cuda.blockIdx.z, page_size)
+        elif n_j > j0:
+            copy_kv(smem, K_OFF, k, b1, b2, k_start + kf, k_end, tid)
+            copy_kv(smem, V_OFF, v, b1, b2, k_start + kf, k_end, tid)
         ops.cp_async_commit()
 
-        for kt in range(kt0, n_kt):
-            k0 = kt * BN
-            slot = ((kt - kt0) & 1) * SLOT
+        for jj in range(j0, n_j):
+            k0 = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj) * BN
+            slot = ((jj - j0) & 1) * SLOT
             ops.cp_async_wait(0)
-            cuda.syncthreads()          # tile kt landed for all; every warp is done with kt - 1
-            if kt + 1 < n_kt:           # the other slot held tile kt - 1: refill it
+            cuda.syncthreads()          # tile jj landed for all; every warp is done with jj - 1
+            if jj + 1 < n_j:            # the other slot held tile jj - 1: refill it
+                kn = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj + 1) * BN
                 if PAGED:
-                    copy_kv_paged(smem, K_OFF + SLOT - slot, k, b1, b2, k0 + BN, Nk, tid, pages, cuda.blockIdx.z,
+                    copy_kv_paged(smem, K_OFF + SLOT - slot, k, b1, b2, kn, Nk, tid, pages, cuda.blockIdx.z,
                                   page_size)
-                    copy_kv_paged(smem, V_OFF + SLOT - slot, v, b1, b2, k0 + BN, Nk, tid, pages, cuda.blockIdx.z,
+                    copy_kv_paged(smem, V_OFF + SLOT - slot, v, b1, b2, kn, Nk, tid, pages, cuda.blockIdx.z,
                                   page_size)
                 else:
-                    copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + k0 + BN, k_end, tid)
-                    copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + k0 + BN, k_end, tid)
+                    copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + kn, k_end, tid)
+                    copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + kn, k_end, tid)
                 ops.cp_async_commit()
-            if Q_IN_REGS and kt == kt0:
+            if Q_IN_REGS and jj == j0:
                 for mt in range(MT):
                     for kc in range(KC):
                         qf[mt, kc, 0], qf[mt, kc, 1], qf[mt, kc, 2], qf[mt, kc, 3] = a_frag(

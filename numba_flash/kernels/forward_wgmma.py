@@ -46,7 +46,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .. import ops_hopper as H
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, block_rules, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules
 from .forward import LN2
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
@@ -144,6 +144,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
     block_keys, _ = block_rules(scores)
+    key_tile_count, key_tile_at = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
@@ -285,7 +286,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         kv_begin, kv_end = key_range(q0, BM, geo)
         kv_begin, kv_end = block_keys(slopes, b1, b2, q0 // BM, kv_begin, kv_end)
         kt0 = kv_begin // BN
-        return kt0, max((max(kv_end, 0) + BN - 1) // BN - kt0, 0)
+        n_kt = (geo[0] + BN - 1) // BN
+        return kt0, key_tile_count(slopes, b1, b2, q0 // BM, n_kt, max((max(kv_end, 0) + BN - 1) // BN - kt0, 0))
+
+    @cuda.jit(device=True, inline=True)
+    def key_at(q0, kt0, j, geo, slopes, b1, b2):
+        """The first key of the ``j``-th key tile query tile ``q0`` visits."""
+        return key_tile_at(slopes, b1, b2, q0 // BM, (geo[0] + BN - 1) // BN, kt0, j) * BN
 
     @cuda.jit(device=True, inline=True)
     def load(ring, tmap, full0, empty0, st, phase, count, k0, b2k, b1):
@@ -376,14 +383,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                         b2k = b2 // group
                         # K_0, then K_j with V_{j-1}: the order the consumers use them in
                         ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                          ak, bk, ck, kt0 * BN, b2k, b1)
+                                          ak, bk, ck, key_at(q0, kt0, 0, geo, slopes, b1, b2), b2k, b1)
                         for j in range(1, tiles):
                             ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                              ak, bk, ck, (kt0 + j) * BN, b2k, b1)
+                                              ak, bk, ck, key_at(q0, kt0, j, geo, slopes, b1, b2), b2k, b1)
                             av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                              av, bv, cv, (kt0 + j - 1) * BN, b2k, b1)
+                                              av, bv, cv, key_at(q0, kt0, j - 1, geo, slopes, b1, b2), b2k, b1)
                         av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                          av, bv, cv, (kt0 + tiles - 1) * BN, b2k, b1)
+                                          av, bv, cv, key_at(q0, kt0, tiles - 1, geo, slopes, b1, b2), b2k, b1)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
@@ -431,7 +438,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 release(ct, empty_k + 8 * ak)
                 ak, bk = advance(ak, bk)
                 H.to_array(acc, s)
-                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, kt0 * BN, row0, tq4, r0, m0, m1, l0, l1,
+                k0 = key_at(q0, kt0, 0, geo, slopes, b1, b2)
+                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
                                                          lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2)
                 for k in range(NP):
                     p[k] = pack(s[2 * k], s[2 * k + 1])
@@ -449,7 +457,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     release(ct, empty_k + 8 * ak)
                     ak, bk = advance(ak, bk)
                     H.to_array(acc, s)
-                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, (kt0 + j) * BN, row0, tq4, r0, m0, m1, l0, l1,
+                    k0 = key_at(q0, kt0, j, geo, slopes, b1, b2)
+                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
                                                              lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2)
                     wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
                     release(ct, empty_v + 8 * av)
