@@ -146,15 +146,21 @@ def doc_holes(b, h, i, j, docs):
     return docs[i] == docs[j] and (i - j) % 3 != 1
 
 
+def gap_holes(b, h, i, j, docs):
+    return (j < 128 or j >= 256) and (i + j) % 5 != 0
+
+
 def block_masks(rng, shape, dtypes):
-    """Block masks on one shape: each call against the oracle given the function."""
-    hq, hkv, nq, nk, d = shape
+    """Block masks on one shape: each call against the oracle given the function; the
+    last with 300 keys, of which 128..255 no query sees (whole empty key tiles inside the
+    range: the tile lists)."""
+    hq, hkv, nq, nk0, d = shape
     bad = 0
-    docs = np.sort(rng.integers(0, 3, max(nq, nk))).astype(np.int32)
-    q = rng.standard_normal((2, hq, nq, d))
-    k, v = (rng.standard_normal((2, hkv, nk, d)) for _ in range(2))
-    dout = rng.standard_normal(q.shape)
-    for fn in (doc_causal, doc_holes):
+    for fn, nk in ((doc_causal, nk0), (doc_holes, nk0), (gap_holes, 300)):
+        docs = np.sort(rng.integers(0, 3, max(nq, nk))).astype(np.int32)
+        q = rng.standard_normal((2, hq, nq, d))
+        k, v = (rng.standard_normal((2, hkv, nk, d)) for _ in range(2))
+        dout = rng.standard_normal(q.shape)
         bm = numba_flash.block_mask(fn, 1, 1, nq, nk, mod_args=(docs,))
         opts = {"mask_mod": fn, "mod_args": (docs,)}
         ref_out, _ = reference.attention_fwd(q, k, v, **opts)
