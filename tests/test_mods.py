@@ -438,7 +438,7 @@ def test_block_mask_per_head_with_grouped_heads(dtype):
 
 
 def chunk_pattern(b, h, i, j, table):
-    """Per 16 × 16 chunk (from the table): hidden, visible, or a checkerboard."""
+    """Per 32 × 32 chunk (from the table): hidden, visible, or a checkerboard."""
     kind = table[h, i // 32, j // 32]
     return kind == 1 or (kind == 2 and (i + j) % 2 == 0)
 
