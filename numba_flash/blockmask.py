@@ -8,8 +8,8 @@ pair is visible and whether every pair is, from which :meth:`BlockMask.tile_clas
 says which tiles of any size are empty, partial or full. A call given ``block_mask=``
 narrows each query tile's keys to the union of its rows' ranges: key tiles outside it are
 never loaded or multiplied; for a mask with holes the forward kernels (every family) also
-skip the empty key tiles inside it (the table's per-query-tile lists), and the backward
-computes them, then masks them.
+skip the empty key tiles inside it (the table's per-query-tile lists) and do not call
+``mask_mod`` in its full ones; the backward computes the empty tiles, then masks them.
 
 When every row's visible keys are one run (:attr:`BlockMask.exact`: causal, windows,
 documents, prefix-LM), the forward kernels of every family and the dQ kernels do not call
@@ -27,6 +27,8 @@ import numbers
 
 import numpy as np
 from numba import cuda      # (numba_flash has chosen the simulator or the GPU before this import)
+
+from .scores import LIST_FULL
 
 THREADS = 128
 CHUNK = 32          # the tile classes' grain: groups of 32 query rows by chunks of 32 keys
@@ -186,7 +188,8 @@ class BlockMask:
         (``0, 0`` unless :attr:`exact`), per key tile :meth:`key_tile_ranges`; with ``keys``
         and a mask that is not exact, per query tile the list of the key tiles it does not
         leave empty (:meth:`tile_classes`), ``ceil(Nk / keys) + 1`` columns: the count, then
-        the tiles in order (header column 3: where the lists start; 0 without them)."""
+        the tiles in order, ``scores.LIST_FULL`` added to a full one's (header column 3:
+        where the lists start; 0 without them)."""
         found = self._tables.get((rows, keys))
         if found is None:
             B, H, Nq, Nk = self.shape
@@ -205,10 +208,12 @@ class BlockMask:
             if keys:
                 parts.append(self.key_tile_ranges(keys).reshape(B * H, -1))
             if keys and not self.exact:
-                seen = self.tile_classes(rows, keys) != EMPTY                 # (B, H, n, n_kt)
+                classes = self.tile_classes(rows, keys)                      # (B, H, n, n_kt)
+                seen = classes != EMPTY
                 lists = np.zeros(seen.shape[:3] + (seen.shape[3] + 1,), np.int64)
                 lists[..., 0] = seen.sum(-1)
                 order = np.argsort(~seen, axis=-1, kind="stable")            # the seen tiles first, in order
+                order += np.where(np.take_along_axis(classes, order, -1) == FULL, LIST_FULL, 0)
                 lists[..., 1:] = np.where(np.arange(seen.shape[3]) < lists[..., :1], order, 0)
                 parts.append(lists.reshape(B * H, -1))
             starts = np.cumsum([4] + [p.shape[1] for p in parts])

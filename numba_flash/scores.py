@@ -512,33 +512,53 @@ def block_rules(spec: ScoreSpec):
     return _device((block_keys, block_queries))
 
 
+# In a block mask's list of key tiles (``BlockMask.device_table``): added to the tile's
+# index when every pair of the tile is visible (its scores then skip ``mask_mod``)
+LIST_FULL = 1 << 30     # (above any tile index: keys < 2**31, tiles of 32 keys or more)
+
+
 def block_lists(spec: ScoreSpec):
-    """``(key_tile_count, key_tile_at)`` for kernels that visit a query tile's key tiles
-    from a list: with a block mask that is not exact (``spec.mods.blocks`` and not
-    ``exact``) the table's list of the tiles some pair of the query tile sees
+    """``(key_tile_count, key_tile_at, key_tile_consts)`` for kernels that visit a query
+    tile's key tiles from a list: with a block mask that is not exact (``spec.mods.blocks``
+    and not ``exact``) the table's list of the tiles some pair of the query tile sees
     (``BlockMask.device_table``: its header's column 3 says where the lists start, one of
     ``n_kt + 1`` entries per query tile, the count first), so the empty tiles inside the
-    range are neither loaded nor computed; otherwise the range as it is:
+    range are neither loaded nor computed, and the full ones (:data:`LIST_FULL`) skip
+    ``mask_mod``; otherwise the range as it is:
 
     * ``key_tile_count(slopes, b1, b2, qt, n_kt, count)``: how many tiles (``count``: the
       range's);
-    * ``key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j)``: the ``j``-th (``kt0 + j``)."""
+    * ``key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j)``: the ``j``-th (``kt0 + j``);
+    * ``key_tile_consts(slopes, b1, b2, qt, n_kt, j, sc)``: the score constants ``sc``
+      (``score_consts``') for the ``j``-th tile's scores: told that the tile is full (no
+      ``mask_mod`` to call), or ``sc`` as it is."""
     block_table = _block_table()
     if spec.mods is not None and spec.mods.blocks and not spec.mods.exact:
+        def entry(slopes, b1, b2, qt, n_kt, j):
+            table, t = block_table(slopes, b1, b2)
+            return int(table[t, table[t, 3] + qt * (n_kt + 1) + 1 + j])
+
         def key_tile_count(slopes, b1, b2, qt, n_kt, count):
             table, t = block_table(slopes, b1, b2)
             return int(table[t, table[t, 3] + qt * (n_kt + 1)])
 
         def key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j):
-            table, t = block_table(slopes, b1, b2)
-            return int(table[t, table[t, 3] + qt * (n_kt + 1) + 1 + j])
+            return entry(slopes, b1, b2, qt, n_kt, j) & (LIST_FULL - 1)
+
+        def key_tile_consts(slopes, b1, b2, qt, n_kt, j, sc):
+            full = entry(slopes, b1, b2, qt, n_kt, j) >= LIST_FULL
+            return sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], full
+        (entry,) = _device((entry,))
     else:
         def key_tile_count(slopes, b1, b2, qt, n_kt, count):
             return count
 
         def key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j):
             return kt0 + j
-    return _device((key_tile_count, key_tile_at))
+
+        def key_tile_consts(slopes, b1, b2, qt, n_kt, j, sc):
+            return sc
+    return _device((key_tile_count, key_tile_at, key_tile_consts))
 
 
 def block_row_rules(spec: ScoreSpec):
@@ -578,7 +598,9 @@ def _mod_rules(spec, builtin_score, DT, rows_given=False):
     functions are called for existing (query, key) pairs only: kernels compute scores of
     padding rows and columns too (and mask or drop them), and a user function may index
     a table by position. ``rows_given``: the kernel masks by an exact block mask's rows
-    instead of calling ``mask_mod``."""
+    instead of calling ``mask_mod``. The constants' last item says the scores' tile is
+    full (every pair visible: ``mask_mod`` is not called); False from ``score_consts``
+    (:func:`block_lists`' ``key_tile_consts`` sets it per tile)."""
     alibi = spec.alibi
     mods = spec.mods
     HAS_S, HAS_M, HAS_G = (f is not None for f in (mods.score_mod, mods.mask_mod, mods.score_mod_grad))
@@ -588,7 +610,7 @@ def _mod_rules(spec, builtin_score, DT, rows_given=False):
     ZERO, LN2_T, LOG2E_T, NEG_INF = DT(0), DT(math.log(2)), DT(LOG2E), DT(-math.inf)
 
     def score(x, i, j, diag, sc):
-        scale_log2, cap_in, cap_out, slope_log2, b, h, nq, nk, margs = sc
+        scale_log2, cap_in, cap_out, slope_log2, b, h, nq, nk, margs, full = sc
         y, grad = builtin_score(x, i, j, diag, scale_log2, cap_in, cap_out, slope_log2)
         if i >= nq or j >= nk:
             return y, grad
@@ -598,7 +620,7 @@ def _mod_rules(spec, builtin_score, DT, rows_given=False):
             if HAS_G:
                 grad = grad * DT(gmod(s, b, h, i, j, margs))
         if HAS_M:
-            if not mmod(ZERO, b, h, i, j, margs):
+            if not full and not mmod(ZERO, b, h, i, j, margs):
                 y = NEG_INF
                 grad = ZERO
         return y, grad
@@ -607,7 +629,7 @@ def _mod_rules(spec, builtin_score, DT, rows_given=False):
         ids, margs = slopes[0], slopes[1]
         slope_log2 = ids[b1, b2, 0] * LOG2E_T if alibi else ZERO
         return (scale_log2, cap_in, cap_out, slope_log2, int(ids[b1, b2, 1]), int(ids[b1, b2, 2]),
-                int(ids[b1, b2, 3]), int(ids[b1, b2, 4]), margs)
+                int(ids[b1, b2, 3]), int(ids[b1, b2, 4]), margs, False)
 
     return _device((score, score_consts))
 

@@ -382,12 +382,25 @@ def gap_mask(b, h, i, j):
     return (j < 128 or j >= 256) and (i + j) % 5 != 0
 
 
+def full_gap_mask(b, h, i, j):
+    return j < 128 or (j >= 256 and (i + j) % 5 != 0)
+
+
+# (mask, its classes of 128 x 128 tiles for 100 queries and 400 keys, the keys whose pairs
+# the kernels must ask it about: those of its partial tiles)
+SKIPPING = {"gap": (gap_mask, [1, 0, 1, 1], 400 - 128), "full+gap": (full_gap_mask, [2, 0, 1, 1], 400 - 256)}
+
+
+@pytest.mark.parametrize("mask", sorted(SKIPPING))
 @pytest.mark.parametrize("dtype, hopper", [("bfloat16", True), ("bfloat16", False), ("float32", False)])
-def test_forward_skips_empty_key_tiles(dtype, hopper, monkeypatch):
-    """A mask with holes (not exact) whose keys 128..255 no query sees: every forward
-    family (Hopper, mma.sync, CUDA cores) visits the key tiles of the block mask's lists, the empty ones neither
-    loaded nor computed (in the simulator, which calls the function as Python: for the
-    pairs of the other keys only; without the block mask, of all), with the oracle's result."""
+def test_forward_skips_empty_key_tiles(dtype, hopper, mask, monkeypatch):
+    """Masks with holes (not exact) whose keys 128..255 no query sees, one also seen by
+    every query at keys 0..127: every forward family (Hopper, mma.sync, CUDA cores) visits
+    the key tiles of the block mask's lists, the empty ones neither loaded nor computed,
+    the full ones without calling the function (in the simulator, which calls it as Python:
+    for the pairs of the partial tiles only; without the block mask, of all), with the
+    oracle's result."""
+    fn, classes, asked = SKIPPING[mask]
     if ON_GPU and hopper:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
@@ -397,12 +410,11 @@ def test_forward_skips_empty_key_tiles(dtype, hopper, monkeypatch):
 
     def counted(b, h, i, j):
         calls.append(1)
-        return gap_mask(b, h, i, j)
-    gap = gap_mask if ON_GPU else counted       # (on a GPU Numba compiles it: no Python list)
-    nq = 20                                     # (one query tile; the simulator's time goes as nq · d)
-    rng, q, k, v, _ = _inputs(dtype, (1, 1), nq, 400, 64 if hopper else 16, 14)
-    bm = numba_flash.block_mask(gap, 1, 1, nq, 400)
-    assert not bm.exact and list(bm.tile_classes(128, 128)[0, 0, 0]) == [1, 0, 1, 1]
+        return fn(b, h, i, j)
+    gap = fn if ON_GPU else counted       # (on a GPU Numba compiles it: no Python list)
+    rng, q, k, v, _ = _inputs(dtype, (1, 1), 100, 400, 64, 14)
+    bm = numba_flash.block_mask(gap, 1, 1, 100, 400)
+    assert not bm.exact and list(bm.tile_classes(128, 128)[0, 0, 0]) == classes
     calls.clear()
     out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)
     with_lists = len(calls)
@@ -410,8 +422,8 @@ def test_forward_skips_empty_key_tiles(dtype, hopper, monkeypatch):
     plain, plain_lse = numba_flash.attention_fwd(q, k, v, mask_mod=gap)
     if not ON_GPU:
         # every valid pair the same number of times (the CUDA-core family: once per slice of
-        # the head dim), the keys 128..255 never
-        assert len(calls) % (nq * 400) == 0 and with_lists * 400 == len(calls) * (400 - 128), (with_lists, len(calls))
+        # the head dim), the keys of empty and full tiles never
+        assert len(calls) % (100 * 400) == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
     assert_attention_close(out, q, k, v, lse, mask_mod=gap)
     assert_same_result((out, lse), (plain, plain_lse))
 

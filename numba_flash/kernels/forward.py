@@ -175,7 +175,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(scores, dtype_name,
                                                                                         block_rows=True)
     block_keys, _ = block_rules(scores)
-    key_tile_count, key_tile_at = block_lists(scores)
+    key_tile_count, key_tile_at, key_tile_consts = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 
@@ -314,7 +314,8 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
                     mm_abt(smem, slot + Q_OFF, slot + K_OFF, QS, s, qv, kv, r, c)
                     cuda.syncthreads()         # chunk kc fully read before its slot is refilled
 
-            softmax_update(smem, s, o, m, l, sc, r, c, q0, k0, geo, slopes, b1, b2)
+            softmax_update(smem, s, o, m, l, key_tile_consts(slopes, b1, b2, qt, n_all, jj, sc), r, c, q0, k0, geo,
+                           slopes, b1, b2)
             if NKC == 1:
                 ops.cp_async_wait(0)       # V(jj) has landed
             cuda.syncthreads()             # P and V complete; every thread is done reading K(jj)

@@ -119,7 +119,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
     block_keys, _ = block_rules(scores)
-    key_tile_count, key_tile_at = block_lists(scores)
+    key_tile_count, key_tile_at, key_tile_consts = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 
@@ -205,6 +205,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
 
         for jj in range(j0, n_j):
             k0 = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj) * BN
+            sct = key_tile_consts(slopes, b1, b2, qt, n_all, jj, sc)      # (a full tile: no mask_mod)
             slot = ((jj - j0) & 1) * SLOT
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile jj landed for all; every warp is done with jj - 1
@@ -252,7 +253,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
                 for n in range(NB):
                     for e in range(4):
                         s[mt, n, e], _ = score(s[mt, n, e], q0 + warp_row + 16 * mt + g + 8 * (e >> 1),
-                                               k0 + 8 * n + 2 * tq + (e & 1), diag, sc)
+                                               k0 + 8 * n + 2 * tq + (e & 1), diag, sct)
             if tile_needs_mask(q0, BM, k0, BN, geo) or block_tile(slopes, b1, b2, qt, k0, BN):
                 for h in range(H):
                     mt = h >> 1

@@ -144,7 +144,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
     block_keys, _ = block_rules(scores)
-    key_tile_count, key_tile_at = block_lists(scores)
+    key_tile_count, key_tile_at, key_tile_consts = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
@@ -295,6 +295,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return key_tile_at(slopes, b1, b2, q0 // BM, (geo[0] + BN - 1) // BN, kt0, j) * BN
 
     @cuda.jit(device=True, inline=True)
+    def consts_at(q0, j, geo, slopes, b1, b2, sc):
+        """The score constants of that tile (a full one's scores skip ``mask_mod``)."""
+        return key_tile_consts(slopes, b1, b2, q0 // BM, (geo[0] + BN - 1) // BN, j, sc)
+
+    @cuda.jit(device=True, inline=True)
     def load(ring, tmap, full0, empty0, st, phase, count, k0, b2k, b1):
         """The producer's load of one K or V tile (``ring``: the ring's first byte) into
         stage ``st``, once the consumers released the stage's previous tile (``count``:
@@ -439,8 +444,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 ak, bk = advance(ak, bk)
                 H.to_array(acc, s)
                 k0 = key_at(q0, kt0, 0, geo, slopes, b1, b2)
-                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
-                                                         lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2)
+                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1,
+                                                         geo, diag, consts_at(q0, 0, geo, slopes, b1, b2, sc),
+                                                         slopes, b1, b2)
                 for k in range(NP):
                     p[k] = pack(s[2 * k], s[2 * k + 1])
                 for j in range(1, tiles):
@@ -458,8 +464,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     ak, bk = advance(ak, bk)
                     H.to_array(acc, s)
                     k0 = key_at(q0, kt0, j, geo, slopes, b1, b2)
-                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
-                                                             lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2)
+                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1,
+                                                             hi1, geo, diag, consts_at(q0, j, geo, slopes, b1, b2, sc),
+                                                             slopes, b1, b2)
                     wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
                     release(ct, empty_v + 8 * av)
                     av, bv = advance(av, bv)
