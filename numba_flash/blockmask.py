@@ -9,7 +9,8 @@ says which tiles of any size are empty, partial or full. A call given ``block_ma
 narrows each query tile's keys to the union of its rows' ranges: key tiles outside it are
 never loaded or multiplied; for a mask with holes the forward kernels (every family) also
 skip the empty key tiles inside it (the table's per-query-tile lists) and do not call
-``mask_mod`` in its full ones; the backward computes the empty tiles, then masks them.
+``mask_mod`` in its full ones, as the dQ kernels do; the dK/dV kernels compute the empty
+tiles inside their query ranges, then mask them.
 
 When every row's visible keys are one run (:attr:`BlockMask.exact`: causal, windows,
 documents, prefix-LM), the forward kernels of every family and the dQ kernels do not call
@@ -177,9 +178,11 @@ class BlockMask:
                 out[b, h, :, 1] = np.where(seen, Nq - touch[::-1].argmax(0), 0)
         return out
 
-    def device_table(self, rows: int, keys: int = 0):
+    def device_table(self, rows: int, keys: int = 0, list_keys: int = None):
         """What the kernels read (``scores.block_rules``), for query tiles of ``rows`` rows
-        and (``keys`` > 0) key tiles of ``keys`` keys, on the device (built once per pair):
+        and (``keys`` > 0) key tiles of ``keys`` keys, on the device (built once per pair;
+        ``list_keys``: the lists' key tiles, when not ``keys``, as the backward's dQ and
+        dK/dV kernels' differ):
         int32 ``(B · H, W)``, a row per ``(b, h)`` (``b · H + h``): a header of 4 columns
         (where the rows, the query tiles and the key tiles start), then per row ``i`` of the
         ``n · rows`` padded rows its first visible key and one past its last (``Nk, 0`` for a
@@ -190,7 +193,8 @@ class BlockMask:
         leave empty (:meth:`tile_classes`), ``ceil(Nk / keys) + 1`` columns: the count, then
         the tiles in order, ``scores.LIST_FULL`` added to a full one's (header column 3:
         where the lists start; 0 without them)."""
-        found = self._tables.get((rows, keys))
+        list_keys = keys if list_keys is None else list_keys
+        found = self._tables.get((rows, keys, list_keys))
         if found is None:
             B, H, Nq, Nk = self.shape
             n = -(-Nq // rows)
@@ -207,8 +211,8 @@ class BlockMask:
             parts = [ends.reshape(B * H, -1), tiles.reshape(B * H, -1)]
             if keys:
                 parts.append(self.key_tile_ranges(keys).reshape(B * H, -1))
-            if keys and not self.exact:
-                classes = self.tile_classes(rows, keys)                      # (B, H, n, n_kt)
+            if list_keys and not self.exact:
+                classes = self.tile_classes(rows, list_keys)                 # (B, H, n, n_kt)
                 seen = classes != EMPTY
                 lists = np.zeros(seen.shape[:3] + (seen.shape[3] + 1,), np.int64)
                 lists[..., 0] = seen.sum(-1)
@@ -218,9 +222,9 @@ class BlockMask:
                 parts.append(lists.reshape(B * H, -1))
             starts = np.cumsum([4] + [p.shape[1] for p in parts])
             head = np.broadcast_to(np.array([starts[0], starts[1], starts[2],
-                                             starts[3] if keys and not self.exact else 0]), (B * H, 4))
+                                             starts[3] if list_keys and not self.exact else 0]), (B * H, 4))
             table = np.concatenate([head] + parts, axis=1)
-            found = self._tables[(rows, keys)] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
+            found = self._tables[(rows, keys, list_keys)] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
         return found
 
     def __repr__(self):

@@ -104,6 +104,11 @@ def _list_keys(spec):
     return spec.tiling.BN
 
 
+def _dq_keys(t):
+    """The key tile width of a dQ tiling (the CUDA-core or the tensor-core one)."""
+    return t.BC if hasattr(t, "BC") else t.CG * t.TN
+
+
 def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps, its
     output as pairs of 16-bit values (``_arrays.pairs_view``), on a persistent grid
@@ -232,7 +237,8 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
     t, tq = specs[1].tiling, specs[2].tiling
     rows, rows_q = t.RG * t.TM, tq.RG * tq.TM
     scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
-    score_args, slopes = inp.score_args(lse, rows_q, rows)    # a block mask's: dQ's query, dK/dV's key tiles
+    # a block mask's table: dQ's query tiles, dK/dV's key tiles, dQ's key tiles in its lists
+    score_args, slopes = inp.score_args(lse, rows_q, rows, _dq_keys(tq))
     n_stats = stats_rows(inp.nq) if low else inp.nq
     delta = inp.empty_like(inp.lead + ((2, n_stats) if low else (n_stats,)), inp.acc_dtype)
     scratch.append(delta)

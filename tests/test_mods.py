@@ -14,7 +14,7 @@ from hypothesis import example, given, note, settings
 from hypothesis import strategies as st
 
 import numba_flash  # before numba: it decides whether the simulator is needed
-from numba_flash import registry, scores
+from numba_flash import families, reference, registry, scores
 from numba_flash.testing import assert_attention_close
 from conftest import ON_GPU, ROOT, project_env
 from test_backward import check_backward
@@ -426,6 +426,48 @@ def test_forward_skips_empty_key_tiles(dtype, hopper, mask, monkeypatch):
         assert len(calls) % (100 * 400) == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
     assert_attention_close(out, q, k, v, lse, mask_mod=gap)
     assert_same_result((out, lse), (plain, plain_lse))
+
+
+@pytest.mark.parametrize("mask", sorted(SKIPPING))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_dq_skips_empty_key_tiles(dtype, mask, monkeypatch):
+    """The dQ kernels (tensor cores, CUDA cores) visit the block mask's lists as the
+    forward does, run alone (the dK/dV launch dropped, so that the simulator counts dQ's
+    calls of the function only): the pairs of the partial tiles only (the tensor-core
+    kernel's: of the full ones too), dQ as without the block mask and as the oracle's
+    (tolerance: 2⁻⁶ of the largest element in bfloat16, whose products round to 8 bits;
+    1e-5 in float32)."""
+    fn, classes, asked = SKIPPING[mask]
+    if dtype == "bfloat16":
+        asked = 400 - 128        # (backward_mma: make_column_tiles(..., full_tiles=False))
+    calls = []
+
+    def counted(b, h, i, j):
+        calls.append(1)
+        return fn(b, h, i, j)
+    gap = fn if ON_GPU else counted
+    rng, q, k, v, dout = _inputs(dtype, (1, 1), 100, 400, 16, 15)
+    out, lse = numba_flash.attention_fwd(q, k, v, mask_mod=fn)
+    bm = numba_flash.block_mask(gap, 1, 1, 100, 400)
+    backward = families.backward
+
+    def dq_only(*args, **kwargs):
+        launches = backward(*args, **kwargs)
+        assert len(launches) == 3, launches        # the pre-pass, dK/dV, dQ
+        return [launches[0], launches[2]]
+    monkeypatch.setattr(families, "backward", dq_only)
+    calls.clear()
+    dq = numba_flash.attention_bwd(dout, q, k, v, out, lse, block_mask=bm)[0]
+    with_lists = len(calls)
+    calls.clear()
+    plain = numba_flash.attention_bwd(dout, q, k, v, out, lse, mask_mod=gap)[0]
+    if not ON_GPU:
+        assert len(calls) % (100 * 400) == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
+    assert_same_result([dq], [plain])
+    want = reference.attention_bwd(*(np.asarray(x, np.float64) for x in (dout, q, k, v)), mask_mod=fn)[0]
+    tol = 2.0 ** -6 if dtype == "bfloat16" else 1e-5
+    err = np.abs(dq.astype(np.float64) - want).max()
+    assert err <= tol * np.abs(want).max(), (err, np.abs(want).max())
 
 
 def per_head_window(b, h, i, j):

@@ -39,7 +39,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import LOG2E, ScoreSpec, block_row_rules, block_rules, device_rules
+from ..scores import LOG2E, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules
 from . import tiles
 from .forward import Tiling
 from .tiles import PAD
@@ -85,6 +85,38 @@ def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, scores:
         c_start = c_begin // C
         return b1, (b - b1 * BG) * group, r0, c_start, max((max(c_stop, 0) + C - 1) // C - c_start, 0)
     return place if SIMULATOR else cuda.jit(device=True, inline="always")(place)
+
+
+def make_column_tiles(dkdv: bool, scores: ScoreSpec, full_tiles: bool = True):
+    """``(column_count, column_at, column_consts)``: which column tiles a block visits, of
+    ``place``'s ``c_start`` and ``n_ct`` (each with ``slopes, b1, b2, rt, n_all``: the block's
+    leading index, head, row tile and the column tiles there are). A dQ block with a block
+    mask that is not exact visits its query tile's list (``scores.block_lists``: the
+    empty key tiles skipped, the full ones scored without ``mask_mod``); otherwise, and
+    for dK/dV, the range (``full_tiles`` False: the full tiles call ``mask_mod`` too):
+
+    * ``column_count(slopes, b1, b2, rt, n_all, n_ct)``: how many;
+    * ``column_at(slopes, b1, b2, rt, n_all, c_start, j)``: the ``j``-th;
+    * ``column_consts(slopes, b1, b2, rt, n_all, j, sc)``: the score constants for its scores."""
+    key_tile_count, key_tile_at, key_tile_consts = block_lists(scores)
+
+    def column_count(slopes, b1, b2, rt, n_all, n_ct):
+        if dkdv:
+            return n_ct
+        return key_tile_count(slopes, b1, b2, rt, n_all, n_ct)
+
+    def column_at(slopes, b1, b2, rt, n_all, c_start, j):
+        if dkdv:
+            return c_start + j
+        return key_tile_at(slopes, b1, b2, rt, n_all, c_start, j)
+
+    def column_consts(slopes, b1, b2, rt, n_all, j, sc):
+        if dkdv or not full_tiles:
+            return sc
+        return key_tile_consts(slopes, b1, b2, rt, n_all, j, sc)
+
+    fns = (column_count, column_at, column_consts)
+    return fns if SIMULATOR else tuple(cuda.jit(device=True, inline="always")(f) for f in fns)
 
 
 if not SIMULATOR:
@@ -158,6 +190,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name,
                                                                                     block_rows=not DKDV)
     place = make_block_place(DKDV, R, C, key_range, query_range, scores)
+    column_count, column_at, column_consts = make_column_tiles(DKDV, scores)
     block_rows, _ = block_row_rules(scores)
 
     @cuda.jit(**JIT)
@@ -173,6 +206,8 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo, slopes)
         b2 = b2_first
         d0 = cuda.blockIdx.y * DO
+        n_all = ((Nq if DKDV else Nk) + C - 1) // C
+        n_ct = column_count(slopes, b1, b2, r0 // R, n_all, n_ct)
         # Operand roles (a compile-time choice): rows own the accumulators.
         if DKDV:
             ra, rb, ca, cb = k, v, q, dout
@@ -215,10 +250,11 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         # b2_first + group − 1, in order (group = 1 without grouping, and for dQ).
         for it in range(group * n_ct):
             gi = it // n_ct
-            ct = c_start + it - gi * n_ct
+            ct = column_at(slopes, b1, b2, r0 // R, n_all, c_start, it - gi * n_ct)
             b2 = b2_first + gi
             c0 = ct * C
-            sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+            sc = column_consts(slopes, b1, b2, r0 // R, n_all, it - gi * n_ct,
+                               score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2))
             for i in range(TM):
                 for j in range(TN):
                     s[i, j] = ZERO

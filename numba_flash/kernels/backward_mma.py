@@ -34,7 +34,7 @@ from numba import cuda
 from .. import ops
 from .._runtime import SIMULATOR
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, device_rules
-from .backward import make_block_place
+from .backward import make_block_place, make_column_tiles
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
 KINDS = ("dkdv", "dq")
@@ -127,6 +127,9 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=not DKDV)
     place = make_block_place(DKDV, BR, BC, key_range, query_range, scores)
+    # (the full tiles' flag left the dQ kernel's score loop rolled, its tiles in local
+    # memory: a 256-byte stack, measured offline; its full tiles call mask_mod)
+    column_count, column_at, column_consts = make_column_tiles(DKDV, scores, full_tiles=False)
     block_rows, block_tile = block_row_rules(scores)
     copy_r = make_copy_rows(D, NT, BR)
     copy_c = make_copy_rows(D, NT, BC)
@@ -162,7 +165,10 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
         else:
             ra, rb, ca, cb = q, dout, k, v
             n_rows, n_cols = Nq, Nk
+        rt, n_all = r0 // BR, (n_cols + BC - 1) // BC
+        n_ct = column_count(slopes, b1, b2_first, rt, n_all, n_ct)      # (dQ: a block mask's list)
         total = group * n_ct            # dK, dV of grouped heads: every column tile of each query head
+        ct = column_at(slopes, b1, b2_first, rt, n_all, c_start, 0)
 
         smem = cuda.shared.array(0, numba.uint16, alignment=ALIGN)
         smem_f = cuda.shared.array(0, numba.float32, alignment=ALIGN)    # the same memory, as float32
@@ -186,23 +192,26 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
         copy_r(smem, 0, ra, b1, b2_first, r0, n_rows, tid)
         copy_r(smem, RB_OFF, rb, b1, b2_first, r0, n_rows, tid)
         if total > 0:
-            copy_c(smem, CA_OFF, ca, b1, b2_first, c_start * BC, n_cols, tid)
-            copy_c(smem, CB_OFF, cb, b1, b2_first, c_start * BC, n_cols, tid)
+            copy_c(smem, CA_OFF, ca, b1, b2_first, ct * BC, n_cols, tid)
+            copy_c(smem, CB_OFF, cb, b1, b2_first, ct * BC, n_cols, tid)
             if DKDV:
-                copy_stats(smem_f, ST_OFF, st, b1, b2_first, c_start * BC, tid)
+                copy_stats(smem_f, ST_OFF, st, b1, b2_first, ct * BC, tid)
         ops.cp_async_commit()
 
         b2 = b2_first                   # grouped heads in order: b2_first .. b2_first + group − 1,
-        ct = c_start                    # each over column tiles c_start .. c_start + n_ct − 1
+        jc = 0                          # each over its n_ct column tiles (jc: which, ct: the tile)
         for it in range(total):
             c0 = ct * BC
             slot = (it & 1) * SLOT
             st_slot = ST_OFF + (it & 1) * ST_SLOT
             b2_next = b2
-            ct_next = ct + 1
-            if ct_next == c_start + n_ct:
-                ct_next = c_start
+            jc_next = jc + 1
+            if jc_next == n_ct:
+                jc_next = 0
                 b2_next = b2 + 1
+            ct_next = ct
+            if it + 1 < total:
+                ct_next = column_at(slopes, b1, b2_next, rt, n_all, c_start, jc_next)
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile it landed for all; every warp is done with it − 1
             if it + 1 < total:          # the other slot held tile it − 1: refill it
@@ -211,7 +220,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                 if DKDV:
                     copy_stats(smem_f, 2 * ST_OFF + ST_SLOT - st_slot, st, b1, b2_next, ct_next * BC, tid)
                 ops.cp_async_commit()
-            sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+            sc = column_consts(slopes, b1, b2, rt, n_all, jc, score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2))
 
             # ---- S = RA CAᵀ and dP = RB CBᵀ ---------------------------------------------
             for n in range(NB):
@@ -279,6 +288,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                             mma_pair(acc_b, 0, 2 * d2, p0, p1, p2, p3, c0_, c1_, c2_, c3_)
             b2 = b2_next
             ct = ct_next
+            jc = jc_next
         ops.cp_async_wait(0)                      # nothing left in flight when the loop had no iteration
 
         # ---- epilogue: dK = scale · acc_a, dV = acc_b   |   dQ = scale · acc_a -------------
