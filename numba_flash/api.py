@@ -122,17 +122,18 @@ class _Inputs:
         if self.block_mask is not None:
             _check_block_mask(self.block_mask, self.lead, self.nq, self.nk)
 
-    def score_args(self, lse, rows=None, keys=0, list_keys=None):
+    def score_args(self, lse, rows=None, keys=0, list_keys=None, list_rows=0):
         """The kernels' score arguments: window sides, softcap factors and the ALiBi slopes
         as a ``lead + (1,)`` view (stride 0 on the last axis, as the kernels type it);
         without ALiBi a view of ``lse`` (the right type, never read), so that every
         argument is memory a launch plan knows. With a block mask, ``rows`` and ``keys`` are
         the kernels' query and key tile heights, ``list_keys`` the key tiles of its lists
-        when not ``keys`` (``BlockMask.device_table``)."""
+        when not ``keys``, ``list_rows`` the query tiles of its lists per key tile
+        (``BlockMask.device_table``)."""
         left, right = self.rules.band()
         cap_in, cap_out = (self.acc_dtype.type(x) for x in self.rules.cap_args(self.scale))
         if self.mod_args is not None:
-            return [left, right, cap_in, cap_out], self._mod_ids(rows, keys, list_keys)
+            return [left, right, cap_in, cap_out], self._mod_ids(rows, keys, list_keys, list_rows)
         if self.slopes is not None:
             src = self.device_slopes
             strides = (0,) * (len(self.lead) - len(src.shape)) + tuple(src.strides)
@@ -140,7 +141,7 @@ class _Inputs:
             src, strides = lse, tuple(lse.strides)[:-1]
         return [left, right, cap_in, cap_out], _arrays.strided_view(src, self.lead + (1,), strides + (0,))
 
-    def _mod_ids(self, rows=None, keys=0, list_keys=None):
+    def _mod_ids(self, rows=None, keys=0, list_keys=None, list_rows=0):
         """With user functions: per leading index the ALiBi slope (0 without ALiBi), the
         flattened index ``b`` of the dims before the head axis, the head ``h``, ``Nq`` and
         ``Nk``, shape ``lead + (5,)`` in the accumulator dtype (exact: lengths < 2**24 are
@@ -151,7 +152,7 @@ class _Inputs:
             raise ValueError(f"score_mod/mask_mod take sequences and batches below 2**24 with 16-bit or float32 "
                              f"inputs, got Nq={self.nq}, Nk={self.nk}, {self.batch} leading indices.")
         if self.block_mask is not None:
-            self.block_table = self.block_mask.device_table(rows, keys, list_keys)
+            self.block_table = self.block_mask.device_table(rows, keys, list_keys, list_rows)
             self.mod_tables.append(self.block_table)
         key = (None if SIMULATOR else context_handle(), self.lead, self.nq, self.nk, self.acc_dtype.str,
                None if self.block_mask is None else self.block_mask.shape[:2])

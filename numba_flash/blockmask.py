@@ -178,11 +178,11 @@ class BlockMask:
                 out[b, h, :, 1] = np.where(seen, Nq - touch[::-1].argmax(0), 0)
         return out
 
-    def device_table(self, rows: int, keys: int = 0, list_keys: int = None):
+    def device_table(self, rows: int, keys: int = 0, list_keys: int = None, list_rows: int = 0):
         """What the kernels read (``scores.block_rules``), for query tiles of ``rows`` rows
-        and (``keys`` > 0) key tiles of ``keys`` keys, on the device (built once per pair;
-        ``list_keys``: the lists' key tiles, when not ``keys``, as the backward's dQ and
-        dK/dV kernels' differ):
+        and (``keys`` > 0) key tiles of ``keys`` keys, on the device (built once per
+        combination; ``list_keys``: the lists' key tiles, when not ``keys``, as the
+        backward's dQ and dK/dV kernels' differ; ``list_rows``: see below):
         int32 ``(B · H, W)``, a row per ``(b, h)`` (``b · H + h``): a header of 4 columns
         (where the rows, the query tiles and the key tiles start), then per row ``i`` of the
         ``n · rows`` padded rows its first visible key and one past its last (``Nk, 0`` for a
@@ -192,9 +192,11 @@ class BlockMask:
         and a mask that is not exact, per query tile the list of the key tiles it does not
         leave empty (:meth:`tile_classes`), ``ceil(Nk / keys) + 1`` columns: the count, then
         the tiles in order, ``scores.LIST_FULL`` added to a full one's (header column 3:
-        where the lists start; 0 without them)."""
+        where the lists start; 0 without them); with ``list_rows`` and a mask that is not
+        exact, last, the same per key tile of ``keys`` keys: the query tiles of
+        ``list_rows`` rows it does not leave empty (``scores.block_query_lists``)."""
         list_keys = keys if list_keys is None else list_keys
-        found = self._tables.get((rows, keys, list_keys))
+        found = self._tables.get((rows, keys, list_keys, list_rows))
         if found is None:
             B, H, Nq, Nk = self.shape
             n = -(-Nq // rows)
@@ -212,25 +214,33 @@ class BlockMask:
             if keys:
                 parts.append(self.key_tile_ranges(keys).reshape(B * H, -1))
             if list_keys and not self.exact:
-                classes = self.tile_classes(rows, list_keys)                 # (B, H, n, n_kt)
-                seen = classes != EMPTY
-                lists = np.zeros(seen.shape[:3] + (seen.shape[3] + 1,), np.int64)
-                lists[..., 0] = seen.sum(-1)
-                order = np.argsort(~seen, axis=-1, kind="stable")            # the seen tiles first, in order
-                order += np.where(np.take_along_axis(classes, order, -1) == FULL, LIST_FULL, 0)
-                lists[..., 1:] = np.where(np.arange(seen.shape[3]) < lists[..., :1], order, 0)
-                parts.append(lists.reshape(B * H, -1))
+                parts.append(_tile_lists(self.tile_classes(rows, list_keys)).reshape(B * H, -1))
             starts = np.cumsum([4] + [p.shape[1] for p in parts])
             head = np.broadcast_to(np.array([starts[0], starts[1], starts[2],
                                              starts[3] if list_keys and not self.exact else 0]), (B * H, 4))
+            if keys and list_rows and not self.exact:          # (after the header's starts)
+                parts.append(_tile_lists(np.swapaxes(self.tile_classes(list_rows, keys), 2, 3)).reshape(B * H, -1))
             table = np.concatenate([head] + parts, axis=1)
-            found = self._tables[(rows, keys, list_keys)] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
+            found = self._tables[(rows, keys, list_keys, list_rows)] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
         return found
 
     def __repr__(self):
         B, H, Nq, Nk = self.shape
         name = getattr(self.mask_mod, "__qualname__", repr(self.mask_mod))
         return f"BlockMask({name}, B={B}, H={H}, Nq={Nq}, Nk={Nk}, density={self.density:.3f})"
+
+
+def _tile_lists(classes):
+    """``(B, H, n, m + 1)`` int64 of tile classes ``(B, H, n, m)``: per tile of the third
+    axis how many of the fourth it does not leave empty, then those, in order, each plus
+    ``scores.LIST_FULL`` when full (then zeros)."""
+    seen = classes != EMPTY
+    lists = np.zeros(seen.shape[:3] + (seen.shape[3] + 1,), np.int64)
+    lists[..., 0] = seen.sum(-1)
+    order = np.argsort(~seen, axis=-1, kind="stable")            # the seen tiles first, in order
+    order += np.where(np.take_along_axis(classes, order, -1) == FULL, LIST_FULL, 0)
+    lists[..., 1:] = np.where(np.arange(seen.shape[3]) < lists[..., :1], order, 0)
+    return lists
 
 
 def block_mask(mask_mod, B, H, Nq, Nk, *, mod_args=()):

@@ -104,8 +104,9 @@ def _list_keys(spec):
     return spec.tiling.BN
 
 
-def _dq_keys(t):
-    """The key tile width of a dQ tiling (the CUDA-core or the tensor-core one)."""
+def _columns(t):
+    """The column tile width of a backward tiling (keys for dQ, queries for dK/dV; the
+    CUDA-core or the tensor-core one)."""
     return t.BC if hasattr(t, "BC") else t.CG * t.TN
 
 
@@ -237,8 +238,9 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
     t, tq = specs[1].tiling, specs[2].tiling
     rows, rows_q = t.RG * t.TM, tq.RG * tq.TM
     scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
-    # a block mask's table: dQ's query tiles, dK/dV's key tiles, dQ's key tiles in its lists
-    score_args, slopes = inp.score_args(lse, rows_q, rows, _dq_keys(tq))
+    # a block mask's table: dQ's query tiles, dK/dV's key tiles; its lists: dQ's key tiles,
+    # dK/dV's query tiles
+    score_args, slopes = inp.score_args(lse, rows_q, rows, _columns(tq), _columns(t))
     n_stats = stats_rows(inp.nq) if low else inp.nq
     delta = inp.empty_like(inp.lead + ((2, n_stats) if low else (n_stats,)), inp.acc_dtype)
     scratch.append(delta)

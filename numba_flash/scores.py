@@ -532,33 +532,70 @@ def block_lists(spec: ScoreSpec):
     * ``key_tile_consts(slopes, b1, b2, qt, n_kt, j, sc)``: the score constants ``sc``
       (``score_consts``') for the ``j``-th tile's scores: told that the tile is full (no
       ``mask_mod`` to call), or ``sc`` as it is."""
+    count, at, consts = block_key_lists(spec)
+
+    def key_tile_count(slopes, b1, b2, qt, n_kt, n):
+        return count(slopes, b1, b2, qt, 0, n_kt, n)
+
+    def key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j):
+        return at(slopes, b1, b2, qt, 0, n_kt, kt0, j)
+
+    def key_tile_consts(slopes, b1, b2, qt, n_kt, j, sc):
+        return consts(slopes, b1, b2, qt, 0, n_kt, j, sc)
+    return _device((key_tile_count, key_tile_at, key_tile_consts))
+
+
+def block_key_lists(spec: ScoreSpec):
+    """:func:`block_lists`' functions as :func:`block_query_lists` takes its arguments
+    (``qt, n_qt, n_kt``: the query tile, how many query and key tiles there are)."""
+    def start(table, t, qt, n_qt, n_kt):
+        return table[t, 3] + qt * (n_kt + 1)
+    return _tile_lists(spec, start)
+
+
+def block_query_lists(spec: ScoreSpec):
+    """``(query_tile_count, query_tile_at, query_tile_consts)``: as :func:`block_lists`
+    for the dK/dV kernels, which visit a key tile's query tiles: the table's lists per key
+    tile (its last ``n_kt · (n_qt + 1)`` columns, ``BlockMask.device_table``'s
+    ``list_rows``), each function taking ``kt, n_kt, n_qt`` (the key tile, how many key
+    and query tiles there are) where :func:`block_lists`' take ``qt, n_kt``."""
+    def start(table, t, kt, n_kt, n_qt):
+        return table.shape[1] - (n_kt - kt) * (n_qt + 1)
+    return _tile_lists(spec, start)
+
+
+def _tile_lists(spec, start):
+    """``(count, at, consts)`` over a block mask's lists, the list of ``tile`` (of
+    ``n_tiles``, each listing some of ``n_other`` tiles) at column ``start(table, t, tile,
+    n_tiles, n_other)`` of the table's row ``t``; stand-ins for the range without lists."""
     block_table = _block_table()
     if spec.mods is not None and spec.mods.blocks and not spec.mods.exact:
-        def entry(slopes, b1, b2, qt, n_kt, j):
+        (start,) = _device((start,))
+
+        def entry(slopes, b1, b2, tile, n_tiles, n_other, j):
             table, t = block_table(slopes, b1, b2)
-            return int(table[t, table[t, 3] + qt * (n_kt + 1) + 1 + j])
+            return int(table[t, start(table, t, tile, n_tiles, n_other) + j])
 
-        def key_tile_count(slopes, b1, b2, qt, n_kt, count):
-            table, t = block_table(slopes, b1, b2)
-            return int(table[t, table[t, 3] + qt * (n_kt + 1)])
+        def count(slopes, b1, b2, tile, n_tiles, n_other, n):
+            return entry(slopes, b1, b2, tile, n_tiles, n_other, 0)
 
-        def key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j):
-            return entry(slopes, b1, b2, qt, n_kt, j) & (LIST_FULL - 1)
+        def at(slopes, b1, b2, tile, n_tiles, n_other, first, j):
+            return entry(slopes, b1, b2, tile, n_tiles, n_other, 1 + j) & (LIST_FULL - 1)
 
-        def key_tile_consts(slopes, b1, b2, qt, n_kt, j, sc):
-            full = entry(slopes, b1, b2, qt, n_kt, j) >= LIST_FULL
+        def consts(slopes, b1, b2, tile, n_tiles, n_other, j, sc):
+            full = entry(slopes, b1, b2, tile, n_tiles, n_other, 1 + j) >= LIST_FULL
             return sc[0], sc[1], sc[2], sc[3], sc[4], sc[5], sc[6], sc[7], sc[8], full
         (entry,) = _device((entry,))
     else:
-        def key_tile_count(slopes, b1, b2, qt, n_kt, count):
-            return count
+        def count(slopes, b1, b2, tile, n_tiles, n_other, n):
+            return n
 
-        def key_tile_at(slopes, b1, b2, qt, n_kt, kt0, j):
-            return kt0 + j
+        def at(slopes, b1, b2, tile, n_tiles, n_other, first, j):
+            return first + j
 
-        def key_tile_consts(slopes, b1, b2, qt, n_kt, j, sc):
+        def consts(slopes, b1, b2, tile, n_tiles, n_other, j, sc):
             return sc
-    return _device((key_tile_count, key_tile_at, key_tile_consts))
+    return _device((count, at, consts))
 
 
 def block_row_rules(spec: ScoreSpec):

@@ -386,9 +386,18 @@ def full_gap_mask(b, h, i, j):
     return j < 128 or (j >= 256 and (i + j) % 5 != 0)
 
 
-# (mask, its classes of 128 x 128 tiles for 100 queries and 400 keys, the keys whose pairs
-# the kernels must ask it about: those of its partial tiles)
-SKIPPING = {"gap": (gap_mask, [1, 0, 1, 1], 400 - 128), "full+gap": (full_gap_mask, [2, 0, 1, 1], 400 - 256)}
+def gap_mask_t(b, h, i, j):                   # the two transposed (for dK/dV's lists)
+    return (i < 128 or i >= 256) and (i + j) % 5 != 0
+
+
+def full_gap_mask_t(b, h, i, j):
+    return i < 128 or (i >= 256 and (i + j) % 5 != 0)
+
+
+# (mask, transposed, its classes of 128 x 128 tiles for 20 queries and 400 keys, the keys
+# whose pairs the kernels must ask it about: those of its partial tiles)
+SKIPPING = {"gap": (gap_mask, gap_mask_t, [1, 0, 1, 1], 400 - 128),
+            "full+gap": (full_gap_mask, full_gap_mask_t, [2, 0, 1, 1], 400 - 256)}
 
 
 @pytest.mark.parametrize("mask", sorted(SKIPPING))
@@ -400,7 +409,7 @@ def test_forward_skips_empty_key_tiles(dtype, hopper, mask, monkeypatch):
     the full ones without calling the function (in the simulator, which calls it as Python:
     for the pairs of the partial tiles only; without the block mask, of all), with the
     oracle's result."""
-    fn, classes, asked = SKIPPING[mask]
+    fn, _, classes, asked = SKIPPING[mask]
     if ON_GPU and hopper:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
@@ -412,8 +421,9 @@ def test_forward_skips_empty_key_tiles(dtype, hopper, mask, monkeypatch):
         calls.append(1)
         return fn(b, h, i, j)
     gap = fn if ON_GPU else counted       # (on a GPU Numba compiles it: no Python list)
-    rng, q, k, v, _ = _inputs(dtype, (1, 1), 100, 400, 64, 14)
-    bm = numba_flash.block_mask(gap, 1, 1, 100, 400)
+    nq = 20                                     # (one query tile; the simulator's time goes as nq · d)
+    rng, q, k, v, _ = _inputs(dtype, (1, 1), nq, 400, 64 if hopper else 16, 14)
+    bm = numba_flash.block_mask(gap, 1, 1, nq, 400)
     assert not bm.exact and list(bm.tile_classes(128, 128)[0, 0, 0]) == classes
     calls.clear()
     out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)
@@ -423,51 +433,63 @@ def test_forward_skips_empty_key_tiles(dtype, hopper, mask, monkeypatch):
     if not ON_GPU:
         # every valid pair the same number of times (the CUDA-core family: once per slice of
         # the head dim), the keys of empty and full tiles never
-        assert len(calls) % (100 * 400) == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
+        assert len(calls) % (nq * 400) == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
     assert_attention_close(out, q, k, v, lse, mask_mod=gap)
     assert_same_result((out, lse), (plain, plain_lse))
 
 
 @pytest.mark.parametrize("mask", sorted(SKIPPING))
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_dq_skips_empty_key_tiles(dtype, mask, monkeypatch):
-    """The dQ kernels (tensor cores, CUDA cores) visit the block mask's lists as the
-    forward does, run alone (the dK/dV launch dropped, so that the simulator counts dQ's
-    calls of the function only): the pairs of the partial tiles only (the tensor-core
-    kernel's: of the full ones too), dQ as without the block mask and as the oracle's
-    (tolerance: 2⁻⁶ of the largest element in bfloat16, whose products round to 8 bits;
-    1e-5 in float32)."""
-    fn, classes, asked = SKIPPING[mask]
-    if dtype == "bfloat16":
-        asked = 400 - 128        # (backward_mma: make_column_tiles(..., full_tiles=False))
+@pytest.mark.parametrize("kind, dtype", [("dq", "bfloat16"), ("dq", "float32"), ("dkdv", "bfloat16"),
+                                         ("dkdv", "float32")])
+def test_backward_skips_empty_tiles(kind, dtype, mask, monkeypatch):
+    """The backward kernels (tensor cores, CUDA cores) visit the block mask's lists as the
+    forward does: dQ a query tile's key tiles, dK/dV a key tile's query tiles (the masks
+    transposed, for query heads two to a K/V head). Each kernel runs alone (the other's
+    launch dropped, so that the simulator counts its calls of the function only): the
+    pairs of the partial tiles only (the tensor-core dQ kernel's: of the full ones too), its
+    gradients as without the block mask and as the oracle's (tolerance: 2⁻⁶ of the
+    largest element in bfloat16, whose products round to 8 bits; 1e-5 in float32)."""
+    fn, fn_t, _, asked = SKIPPING[mask]
+    if kind == "dq" and dtype == "bfloat16":
+        asked = 400 - 128        # (backward_mma's dQ: make_column_tiles(..., full_tiles=False))
     calls = []
+    fn = fn if kind == "dq" else fn_t
 
     def counted(b, h, i, j):
         calls.append(1)
         return fn(b, h, i, j)
     gap = fn if ON_GPU else counted
-    rng, q, k, v, dout = _inputs(dtype, (1, 1), 100, 400, 16, 15)
+    n = 20                                      # the other side: one tile
+    nq, nk, heads, kv_heads = (n, 400, (1, 1), None) if kind == "dq" else (400, n, (1, 2), (1, 1))
+    rng, q, k, v, dout = _inputs(dtype, heads, nq, nk, 16, 15, kv_heads)
     out, lse = numba_flash.attention_fwd(q, k, v, mask_mod=fn)
-    bm = numba_flash.block_mask(gap, 1, 1, 100, 400)
+    bm = numba_flash.block_mask(gap, 1, 1, nq, nk)
     backward = families.backward
 
-    def dq_only(*args, **kwargs):
+    def alone(*args, **kwargs):
         launches = backward(*args, **kwargs)
         assert len(launches) == 3, launches        # the pre-pass, dK/dV, dQ
-        return [launches[0], launches[2]]
-    monkeypatch.setattr(families, "backward", dq_only)
+        return [launches[0], launches[1 if kind == "dkdv" else 2]]
+    monkeypatch.setattr(families, "backward", alone)
+    grads = slice(0, 1) if kind == "dq" else slice(1, 3)
     calls.clear()
-    dq = numba_flash.attention_bwd(dout, q, k, v, out, lse, block_mask=bm)[0]
+    got = numba_flash.attention_bwd(dout, q, k, v, out, lse, block_mask=bm)[grads]
     with_lists = len(calls)
     calls.clear()
-    plain = numba_flash.attention_bwd(dout, q, k, v, out, lse, mask_mod=gap)[0]
+    plain = numba_flash.attention_bwd(dout, q, k, v, out, lse, mask_mod=gap)[grads]
     if not ON_GPU:
-        assert len(calls) % (100 * 400) == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
-    assert_same_result([dq], [plain])
-    want = reference.attention_bwd(*(np.asarray(x, np.float64) for x in (dout, q, k, v)), mask_mod=fn)[0]
+        pairs = nq * nk * (1 if kind == "dq" else 2)
+        assert len(calls) % pairs == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
+    assert_same_result(got, plain)
+    if kv_heads:
+        k, v = (np.repeat(x, 2, axis=-3) for x in (k, v))
+    want = reference.attention_bwd(*(np.asarray(x, np.float64) for x in (dout, q, k, v)), mask_mod=fn)[grads]
+    if kv_heads:
+        want = [w.reshape(1, 1, 2, nk, 16).sum(2) for w in want]     # dK, dV of the shared head
     tol = 2.0 ** -6 if dtype == "bfloat16" else 1e-5
-    err = np.abs(dq.astype(np.float64) - want).max()
-    assert err <= tol * np.abs(want).max(), (err, np.abs(want).max())
+    for g, w in zip(got, want):
+        err = np.abs(g.astype(np.float64) - w).max()
+        assert err <= tol * np.abs(w).max(), (err, np.abs(w).max())
 
 
 def per_head_window(b, h, i, j):

@@ -39,7 +39,8 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import LOG2E, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules
+from ..scores import (LOG2E, ScoreSpec, block_key_lists, block_query_lists, block_row_rules, block_rules,
+                      device_rules)
 from . import tiles
 from .forward import Tiling
 from .tiles import PAD
@@ -88,34 +89,45 @@ def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, scores:
 
 
 def make_column_tiles(dkdv: bool, scores: ScoreSpec, full_tiles: bool = True):
-    """``(column_count, column_at, column_consts)``: which column tiles a block visits, of
-    ``place``'s ``c_start`` and ``n_ct`` (each with ``slopes, b1, b2, rt, n_all``: the block's
-    leading index, head, row tile and the column tiles there are). A dQ block with a block
-    mask that is not exact visits its query tile's list (``scores.block_lists``: the
-    empty key tiles skipped, the full ones scored without ``mask_mod``); otherwise, and
-    for dK/dV, the range (``full_tiles`` False: the full tiles call ``mask_mod`` too):
+    """``(column_total, column_next, column_at, column_consts)``: the column tiles a
+    block visits, per query head ``b2_first + gi`` of its group (one head but for the dK/dV
+    of grouped heads): ``place``'s range ``c_start .. c_start + n_ct − 1``, or with a block
+    mask that is not exact its list for the block's row tile (dQ: the query tile's key
+    tiles, ``scores.block_key_lists``; dK/dV: the key tile's query tiles,
+    ``scores.block_query_lists``), the empty tiles skipped and the full ones scored without
+    ``mask_mod`` (``full_tiles`` False: they call it too). Each function takes ``slopes,
+    b1, b2_first, rt, n_rt, n_all``: the block's leading index, first head and row tile,
+    how many row and column tiles there are; ``(gi, jc)`` is head ``gi``'s ``jc``-th tile:
 
-    * ``column_count(slopes, b1, b2, rt, n_all, n_ct)``: how many;
-    * ``column_at(slopes, b1, b2, rt, n_all, c_start, j)``: the ``j``-th;
-    * ``column_consts(slopes, b1, b2, rt, n_all, j, sc)``: the score constants for its scores."""
-    key_tile_count, key_tile_at, key_tile_consts = block_lists(scores)
+    * ``column_total(..., n_ct, group)``: how many tiles the block visits;
+    * ``column_next(..., n_ct, group, gi, jc)``: the one after ``(gi, jc)`` (after ``(0, −1)``:
+      the first);
+    * ``column_at(..., c_start, gi, jc)``: its index;
+    * ``column_consts(..., gi, jc, sc)``: the score constants ``sc`` for its scores."""
+    count, at, consts = (block_query_lists if dkdv else block_key_lists)(scores)
 
-    def column_count(slopes, b1, b2, rt, n_all, n_ct):
-        if dkdv:
-            return n_ct
-        return key_tile_count(slopes, b1, b2, rt, n_all, n_ct)
+    def column_total(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group):
+        total = 0
+        for gi in range(group):
+            total += count(slopes, b1, b2_first + gi, rt, n_rt, n_all, n_ct)
+        return total
 
-    def column_at(slopes, b1, b2, rt, n_all, c_start, j):
-        if dkdv:
-            return c_start + j
-        return key_tile_at(slopes, b1, b2, rt, n_all, c_start, j)
+    def column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, gi, jc):
+        jc += 1
+        while gi < group and jc >= count(slopes, b1, b2_first + gi, rt, n_rt, n_all, n_ct):
+            gi += 1
+            jc = 0
+        return gi, jc
 
-    def column_consts(slopes, b1, b2, rt, n_all, j, sc):
-        if dkdv or not full_tiles:
+    def column_at(slopes, b1, b2_first, rt, n_rt, n_all, c_start, gi, jc):
+        return at(slopes, b1, b2_first + gi, rt, n_rt, n_all, c_start, jc)
+
+    def column_consts(slopes, b1, b2_first, rt, n_rt, n_all, gi, jc, sc):
+        if not full_tiles:
             return sc
-        return key_tile_consts(slopes, b1, b2, rt, n_all, j, sc)
+        return consts(slopes, b1, b2_first + gi, rt, n_rt, n_all, jc, sc)
 
-    fns = (column_count, column_at, column_consts)
+    fns = (column_total, column_next, column_at, column_consts)
     return fns if SIMULATOR else tuple(cuda.jit(device=True, inline="always")(f) for f in fns)
 
 
@@ -190,7 +202,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     row_keys, in_row, key_range, query_range, _, score, score_consts = device_rules(scores, dtype_name,
                                                                                     block_rows=not DKDV)
     place = make_block_place(DKDV, R, C, key_range, query_range, scores)
-    column_count, column_at, column_consts = make_column_tiles(DKDV, scores)
+    column_total, column_next, column_at, column_consts = make_column_tiles(DKDV, scores)
     block_rows, _ = block_row_rules(scores)
 
     @cuda.jit(**JIT)
@@ -206,8 +218,6 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         b1, b2_first, r0, c_start, n_ct = place(cuda.blockIdx.x, q.shape[0], q.shape[1], Nq, group, geo, slopes)
         b2 = b2_first
         d0 = cuda.blockIdx.y * DO
-        n_all = ((Nq if DKDV else Nk) + C - 1) // C
-        n_ct = column_count(slopes, b1, b2, r0 // R, n_all, n_ct)
         # Operand roles (a compile-time choice): rows own the accumulators.
         if DKDV:
             ra, rb, ca, cb = k, v, q, dout
@@ -215,6 +225,9 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         else:
             ra, rb, ca, cb = q, dout, k, v
             n_rows, n_cols = Nq, Nk
+        rt, n_rt, n_all = r0 // R, (n_rows + R - 1) // R, (n_cols + C - 1) // C   # (row, column tiles)
+        total = column_total(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group)
+        gi, jc = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, 0, -1)
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
         s = cuda.local.array((TM, TN), nb_dt)
@@ -248,12 +261,11 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
 
         # dK, dV of grouped K/V heads sum over the group's query heads b2_first ..
         # b2_first + group − 1, in order (group = 1 without grouping, and for dQ).
-        for it in range(group * n_ct):
-            gi = it // n_ct
-            ct = column_at(slopes, b1, b2, r0 // R, n_all, c_start, it - gi * n_ct)
+        for it in range(total):
+            ct = column_at(slopes, b1, b2_first, rt, n_rt, n_all, c_start, gi, jc)
             b2 = b2_first + gi
             c0 = ct * C
-            sc = column_consts(slopes, b1, b2, r0 // R, n_all, it - gi * n_ct,
+            sc = column_consts(slopes, b1, b2_first, rt, n_rt, n_all, gi, jc,
                                score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2))
             for i in range(TM):
                 for j in range(TN):
@@ -326,6 +338,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
             else:
                 mm_pv(smem, P1_OFF, PS, SA_OFF, S_STRIDE, acc_a, av, vv, r, c)
             cuda.syncthreads()          # all reads done before the next tile overwrites them
+            gi, jc = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, gi, jc)
         ops.cp_async_wait(0)            # nothing left in flight when the loop had no iteration
 
         # ---- epilogue: dK = scale · acc_a, dV = acc_b   |   dQ = scale · acc_a -----------

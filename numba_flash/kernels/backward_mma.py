@@ -129,7 +129,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     place = make_block_place(DKDV, BR, BC, key_range, query_range, scores)
     # (the full tiles' flag left the dQ kernel's score loop rolled, its tiles in local
     # memory: a 256-byte stack, measured offline; its full tiles call mask_mod)
-    column_count, column_at, column_consts = make_column_tiles(DKDV, scores, full_tiles=False)
+    column_total, column_next, column_at, column_consts = make_column_tiles(DKDV, scores, full_tiles=DKDV)
     block_rows, block_tile = block_row_rules(scores)
     copy_r = make_copy_rows(D, NT, BR)
     copy_c = make_copy_rows(D, NT, BC)
@@ -165,10 +165,14 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
         else:
             ra, rb, ca, cb = q, dout, k, v
             n_rows, n_cols = Nq, Nk
-        rt, n_all = r0 // BR, (n_cols + BC - 1) // BC
-        n_ct = column_count(slopes, b1, b2_first, rt, n_all, n_ct)      # (dQ: a block mask's list)
-        total = group * n_ct            # dK, dV of grouped heads: every column tile of each query head
-        ct = column_at(slopes, b1, b2_first, rt, n_all, c_start, 0)
+        # dK, dV of grouped heads: the column tiles of each query head in turn (make_column_tiles)
+        rt, n_rt, n_all = r0 // BR, (n_rows + BR - 1) // BR, (n_cols + BC - 1) // BC   # (row, column tiles)
+        total = column_total(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group)
+        gi, jc = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, 0, -1)
+        ct = c_start
+        if total > 0:
+            ct = column_at(slopes, b1, b2_first, rt, n_rt, n_all, c_start, gi, jc)
+        b2 = b2_first + gi
 
         smem = cuda.shared.array(0, numba.uint16, alignment=ALIGN)
         smem_f = cuda.shared.array(0, numba.float32, alignment=ALIGN)    # the same memory, as float32
@@ -192,26 +196,21 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
         copy_r(smem, 0, ra, b1, b2_first, r0, n_rows, tid)
         copy_r(smem, RB_OFF, rb, b1, b2_first, r0, n_rows, tid)
         if total > 0:
-            copy_c(smem, CA_OFF, ca, b1, b2_first, ct * BC, n_cols, tid)
-            copy_c(smem, CB_OFF, cb, b1, b2_first, ct * BC, n_cols, tid)
+            copy_c(smem, CA_OFF, ca, b1, b2, ct * BC, n_cols, tid)
+            copy_c(smem, CB_OFF, cb, b1, b2, ct * BC, n_cols, tid)
             if DKDV:
-                copy_stats(smem_f, ST_OFF, st, b1, b2_first, ct * BC, tid)
+                copy_stats(smem_f, ST_OFF, st, b1, b2, ct * BC, tid)
         ops.cp_async_commit()
 
-        b2 = b2_first                   # grouped heads in order: b2_first .. b2_first + group − 1,
-        jc = 0                          # each over its n_ct column tiles (jc: which, ct: the tile)
         for it in range(total):
             c0 = ct * BC
             slot = (it & 1) * SLOT
             st_slot = ST_OFF + (it & 1) * ST_SLOT
-            b2_next = b2
-            jc_next = jc + 1
-            if jc_next == n_ct:
-                jc_next = 0
-                b2_next = b2 + 1
+            gi_next, jc_next = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, gi, jc)
+            b2_next = b2_first + gi_next
             ct_next = ct
             if it + 1 < total:
-                ct_next = column_at(slopes, b1, b2_next, rt, n_all, c_start, jc_next)
+                ct_next = column_at(slopes, b1, b2_first, rt, n_rt, n_all, c_start, gi_next, jc_next)
             ops.cp_async_wait(0)
             cuda.syncthreads()          # tile it landed for all; every warp is done with it − 1
             if it + 1 < total:          # the other slot held tile it − 1: refill it
@@ -220,7 +219,8 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                 if DKDV:
                     copy_stats(smem_f, 2 * ST_OFF + ST_SLOT - st_slot, st, b1, b2_next, ct_next * BC, tid)
                 ops.cp_async_commit()
-            sc = column_consts(slopes, b1, b2, rt, n_all, jc, score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2))
+            sc = column_consts(slopes, b1, b2_first, rt, n_rt, n_all, gi, jc,
+                               score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2))
 
             # ---- S = RA CAᵀ and dP = RB CBᵀ ---------------------------------------------
             for n in range(NB):
@@ -288,6 +288,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                             mma_pair(acc_b, 0, 2 * d2, p0, p1, p2, p3, c0_, c1_, c2_, c3_)
             b2 = b2_next
             ct = ct_next
+            gi = gi_next
             jc = jc_next
         ops.cp_async_wait(0)                      # nothing left in flight when the loop had no iteration
 
