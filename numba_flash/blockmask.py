@@ -9,8 +9,8 @@ says which tiles of any size are empty, partial or full. A call given ``block_ma
 narrows each query tile's keys to the union of its rows' ranges: key tiles outside it are
 never loaded or multiplied; for a mask with holes the forward kernels (every family) also
 skip the empty key tiles inside it (the table's per-query-tile lists) and do not call
-``mask_mod`` in its full ones, as the dQ kernels do; the dK/dV kernels compute the empty
-tiles inside their query ranges, then mask them.
+``mask_mod`` in its full ones, as the dQ kernels do, and the dK/dV kernels with each key
+tile's list of query tiles.
 
 When every row's visible keys are one run (:attr:`BlockMask.exact`: causal, windows,
 documents, prefix-LM), the forward kernels of every family and the dQ kernels do not call
