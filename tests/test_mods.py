@@ -378,63 +378,68 @@ def test_forward_masks_exact_block_masks_without_the_function(dtype, hopper, mon
         assert_attention_close(out, q, k, v, lse, mask_mod=fn, mod_args=(docs,))
 
 
-def gap_mask(b, h, i, j):
-    return (j < 128 or j >= 256) and (i + j) % 5 != 0
+def gap_mask(b, h, i, j, lo, hi):
+    return (j < lo or j >= hi) and (i + j) % 5 != 0
 
 
-def full_gap_mask(b, h, i, j):
-    return j < 128 or (j >= 256 and (i + j) % 5 != 0)
+def full_gap_mask(b, h, i, j, lo, hi):
+    return j < lo or (j >= hi and (i + j) % 5 != 0)
 
 
-def gap_mask_t(b, h, i, j):                   # the two transposed (for dK/dV's lists)
-    return (i < 128 or i >= 256) and (i + j) % 5 != 0
+def gap_mask_t(b, h, i, j, lo, hi):           # the two transposed (for dK/dV's lists)
+    return (i < lo or i >= hi) and (i + j) % 5 != 0
 
 
-def full_gap_mask_t(b, h, i, j):
-    return i < 128 or (i >= 256 and (i + j) % 5 != 0)
+def full_gap_mask_t(b, h, i, j, lo, hi):
+    return i < lo or (i >= hi and (i + j) % 5 != 0)
 
 
-# (mask, transposed, its classes of 128 x 128 tiles for 20 queries and 400 keys, the keys
-# whose pairs the kernels must ask it about: those of its partial tiles)
-SKIPPING = {"gap": (gap_mask, gap_mask_t, [1, 0, 1, 1], 400 - 128),
-            "full+gap": (full_gap_mask, full_gap_mask_t, [2, 0, 1, 1], 400 - 256)}
+# Masks with holes (not exact) that hide keys lo .. hi - 1 from every query (empty tiles
+# inside the range), one also showing keys 0 .. lo - 1 to every query (full tiles): (mask,
+# transposed, True where the full tiles are the keys below lo)
+SKIPPING = {"gap": (gap_mask, gap_mask_t, False), "full+gap": (full_gap_mask, full_gap_mask_t, True)}
+
+
+def _counting(fn, calls):
+    """``fn`` on a GPU (Numba compiles it); in the simulator, which calls it as Python, ``fn``
+    counting its calls in ``calls``."""
+    def counted(b, h, i, j, lo, hi):
+        calls.append(1)
+        return fn(b, h, i, j, lo, hi)
+    return fn if ON_GPU else counted
 
 
 @pytest.mark.parametrize("mask", sorted(SKIPPING))
 @pytest.mark.parametrize("dtype, hopper", [("bfloat16", True), ("bfloat16", False), ("float32", False)])
 def test_forward_skips_empty_key_tiles(dtype, hopper, mask, monkeypatch):
-    """Masks with holes (not exact) whose keys 128..255 no query sees, one also seen by
-    every query at keys 0..127: every forward family (Hopper, mma.sync, CUDA cores) visits
-    the key tiles of the block mask's lists, the empty ones neither loaded nor computed,
-    the full ones without calling the function (in the simulator, which calls it as Python:
-    for the pairs of the partial tiles only; without the block mask, of all), with the
-    oracle's result."""
-    fn, _, classes, asked = SKIPPING[mask]
+    """Every forward family (Hopper, mma.sync, CUDA cores) with the masks of
+    :data:`SKIPPING` (keys 128..255 hidden, of 400) visits the key tiles of the block
+    mask's lists, the empty ones neither loaded nor computed, the full ones without calling
+    the function (the simulator counts its calls: for the pairs of the partial tiles only;
+    without the block mask, of all), with the oracle's result."""
+    fn, _, full = SKIPPING[mask]
     if ON_GPU and hopper:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
             pytest.skip("the Hopper family runs on compute capability 9.0 only")
     monkeypatch.setenv(registry.HOPPER_ENV, "1" if hopper else "0")
     calls = []
-
-    def counted(b, h, i, j):
-        calls.append(1)
-        return fn(b, h, i, j)
-    gap = fn if ON_GPU else counted       # (on a GPU Numba compiles it: no Python list)
-    nq = 20                                     # (one query tile; the simulator's time goes as nq · d)
-    rng, q, k, v, _ = _inputs(dtype, (1, 1), nq, 400, 64 if hopper else 16, 14)
-    bm = numba_flash.block_mask(gap, 1, 1, nq, 400)
-    assert not bm.exact and list(bm.tile_classes(128, 128)[0, 0, 0]) == classes
+    gap, bounds = _counting(fn, calls), (128, 256)
+    nq, nk = 20, 400                            # (one query tile; the simulator's time goes as nq · d)
+    rng, q, k, v, _ = _inputs(dtype, (1, 1), nq, nk, 64 if hopper else 16, 14)
+    bm = numba_flash.block_mask(gap, 1, 1, nq, nk, mod_args=bounds)
+    assert not bm.exact and list(bm.tile_classes(128, 128)[0, 0, 0]) == [2 if full else 1, 0, 1, 1]
     calls.clear()
     out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm)
     with_lists = len(calls)
     calls.clear()
-    plain, plain_lse = numba_flash.attention_fwd(q, k, v, mask_mod=gap)
+    plain, plain_lse = numba_flash.attention_fwd(q, k, v, mask_mod=gap, mod_args=bounds)
     if not ON_GPU:
         # every valid pair the same number of times (the CUDA-core family: once per slice of
         # the head dim), the keys of empty and full tiles never
-        assert len(calls) % (nq * 400) == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
-    assert_attention_close(out, q, k, v, lse, mask_mod=gap)
+        asked = nk - (256 if full else 128)
+        assert len(calls) % (nq * nk) == 0 and with_lists * nk == len(calls) * asked, (with_lists, len(calls))
+    assert_attention_close(out, q, k, v, lse, mask_mod=gap, mod_args=bounds)
     assert_same_result((out, lse), (plain, plain_lse))
 
 
@@ -443,27 +448,23 @@ def test_forward_skips_empty_key_tiles(dtype, hopper, mask, monkeypatch):
                                          ("dkdv", "float32")])
 def test_backward_skips_empty_tiles(kind, dtype, mask, monkeypatch):
     """The backward kernels (tensor cores, CUDA cores) visit the block mask's lists as the
-    forward does: dQ a query tile's key tiles, dK/dV a key tile's query tiles (the masks
-    transposed, for query heads two to a K/V head). Each kernel runs alone (the other's
-    launch dropped, so that the simulator counts its calls of the function only): the
-    pairs of the partial tiles only (the tensor-core dQ kernel's: of the full ones too), its
-    gradients as without the block mask and as the oracle's (tolerance: 2⁻⁶ of the
-    largest element in bfloat16, whose products round to 8 bits; 1e-5 in float32)."""
-    fn, fn_t, _, asked = SKIPPING[mask]
-    if kind == "dq" and dtype == "bfloat16":
-        asked = 400 - 128        # (backward_mma's dQ: make_column_tiles(..., full_tiles=False))
+    forward does: dQ a query tile's key tiles, dK/dV a key tile's query tiles (the masks of
+    :data:`SKIPPING` transposed, for query heads two to a K/V head), with keys (or queries)
+    64..127 hidden, of 160. Each kernel runs alone (the other's launch dropped, so that the
+    simulator counts its calls of the function only): the pairs of the partial tiles only
+    (the tensor-core dQ kernel's: of the full ones too), its gradients as without the block
+    mask and as the oracle's (tolerance: 2⁻⁶ of the largest element in bfloat16, whose
+    products round to 8 bits; 1e-5 in float32)."""
+    fn, fn_t, full = SKIPPING[mask]
+    full = full and not (kind == "dq" and dtype == "bfloat16")   # (backward_mma's dQ: full_tiles=False)
     calls = []
     fn = fn if kind == "dq" else fn_t
-
-    def counted(b, h, i, j):
-        calls.append(1)
-        return fn(b, h, i, j)
-    gap = fn if ON_GPU else counted
-    n = 20                                      # the other side: one tile
-    nq, nk, heads, kv_heads = (n, 400, (1, 1), None) if kind == "dq" else (400, n, (1, 2), (1, 1))
+    gap, bounds = _counting(fn, calls), (64, 128)
+    n, m = 20, 160                              # one tile of the other side; the listed side
+    nq, nk, heads, kv_heads = (n, m, (1, 1), None) if kind == "dq" else (m, n, (1, 2), (1, 1))
     rng, q, k, v, dout = _inputs(dtype, heads, nq, nk, 16, 15, kv_heads)
-    out, lse = numba_flash.attention_fwd(q, k, v, mask_mod=fn)
-    bm = numba_flash.block_mask(gap, 1, 1, nq, nk)
+    out, lse = numba_flash.attention_fwd(q, k, v, mask_mod=fn, mod_args=bounds)
+    bm = numba_flash.block_mask(gap, 1, 1, nq, nk, mod_args=bounds)
     backward = families.backward
 
     def alone(*args, **kwargs):
@@ -476,14 +477,15 @@ def test_backward_skips_empty_tiles(kind, dtype, mask, monkeypatch):
     got = numba_flash.attention_bwd(dout, q, k, v, out, lse, block_mask=bm)[grads]
     with_lists = len(calls)
     calls.clear()
-    plain = numba_flash.attention_bwd(dout, q, k, v, out, lse, mask_mod=gap)[grads]
+    plain = numba_flash.attention_bwd(dout, q, k, v, out, lse, mask_mod=gap, mod_args=bounds)[grads]
     if not ON_GPU:
-        pairs = nq * nk * (1 if kind == "dq" else 2)
-        assert len(calls) % pairs == 0 and with_lists * 400 == len(calls) * asked, (with_lists, len(calls))
+        pairs, asked = nq * nk * (1 if kind == "dq" else 2), m - (128 if full else 64)
+        assert len(calls) % pairs == 0 and with_lists * m == len(calls) * asked, (with_lists, len(calls))
     assert_same_result(got, plain)
     if kv_heads:
         k, v = (np.repeat(x, 2, axis=-3) for x in (k, v))
-    want = reference.attention_bwd(*(np.asarray(x, np.float64) for x in (dout, q, k, v)), mask_mod=fn)[grads]
+    want = reference.attention_bwd(*(np.asarray(x, np.float64) for x in (dout, q, k, v)), mask_mod=fn,
+                                   mod_args=bounds)[grads]
     if kv_heads:
         want = [w.reshape(1, 1, 2, nk, 16).sum(2) for w in want]     # dK, dV of the shared head
     tol = 2.0 ** -6 if dtype == "bfloat16" else 1e-5
