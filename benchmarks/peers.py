@@ -111,9 +111,10 @@ def _mask_peers(r, q, k, v, torch, flex, sdpa, i, j):
         mask_fn = lambda b, h, qi, kj: qi >= kj  # noqa: E731
     else:
         docs = (torch.arange(n, device="cuda") * r.docs) // n
-        dense = docs[:, None] == docs[None, :]
+        shared = r.mask == "shared"          # every query also sees the first document
+        dense = (docs[:, None] == docs[None, :]) | ((docs[None, :] == 0) & shared)
         peers["sdpa mask"] = lambda: sdpa(q, k, v, attn_mask=dense)
-        mask_fn = lambda b, h, qi, kj: docs[qi] == docs[kj]  # noqa: E731
+        mask_fn = lambda b, h, qi, kj: (docs[qi] == docs[kj]) | ((docs[kj] == 0) & shared)  # noqa: E731
     if flex is not None:
         fa, create_block_mask = flex
         block_mask = create_block_mask(mask_fn, None, None, n, n)

@@ -38,8 +38,8 @@ class VariantRow:
     softcap: float = None
     alibi: bool = False
     base: str = None
-    mask: str = None        # a mask_mod with its block mask: "causal" or "documents"
-    docs: int = 0           # equal documents of the "documents" mask
+    mask: str = None        # a mask_mod with its block mask: "causal", "documents" or "shared"
+    docs: int = 0           # equal documents of the "documents" and "shared" masks
 
     def options(self, slopes=None, n=None):
         found = {"causal": self.causal, "window": self.window, "softcap": self.softcap,
@@ -57,6 +57,10 @@ def same_document(b, h, i, j, docs):
     return docs[i] == docs[j]
 
 
+def shared_first(b, h, i, j, docs):
+    return docs[i] == docs[j] or docs[j] == 0
+
+
 def document_ids(n, docs):
     """Position -> document of ``docs`` equal documents (int32)."""
     return (np.arange(n) * docs // n).astype(np.int32)
@@ -72,8 +76,8 @@ def row_block_mask(r, n):
         if r.mask == "causal":
             _BLOCK_MASKS[key] = numba_flash.block_mask(causal_mod, 1, 1, n, n)
         else:
-            _BLOCK_MASKS[key] = numba_flash.block_mask(same_document, 1, 1, n, n,
-                                                       mod_args=(document_ids(n, r.docs),))
+            fn = same_document if r.mask == "documents" else shared_first
+            _BLOCK_MASKS[key] = numba_flash.block_mask(fn, 1, 1, n, n, mod_args=(document_ids(n, r.docs),))
     return _BLOCK_MASKS[key]
 
 
@@ -90,7 +94,11 @@ def _variant_rows(dtypes, B, H, N, d, long_n, left):
                  VariantRow(f"window {left}", 1, H, H, long_n, d, dt, causal=True, window=(left, 0), base="causal"),
                  VariantRow("mask_mod causal", 1, H, H, long_n, d, dt, mask="causal", base="causal"),
                  VariantRow("full", 1, H, H, long_n, d, dt),
-                 VariantRow("8 documents", 1, H, H, long_n, d, dt, mask="documents", docs=8, base="full")]
+                 VariantRow("8 documents", 1, H, H, long_n, d, dt, mask="documents", docs=8, base="full"),
+                 # every query also sees the first document (a shared prompt): two runs of keys
+                 # per row, a mask with holes (not exact), whose block mask's lists skip the
+                 # documents in between
+                 VariantRow("8 docs + shared first", 1, H, H, long_n, d, dt, mask="shared", docs=8, base="full")]
     return rows
 
 
