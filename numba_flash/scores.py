@@ -564,12 +564,18 @@ def block_query_lists(spec: ScoreSpec):
     return _tile_lists(spec, start)
 
 
+def has_lists(spec: ScoreSpec) -> bool:
+    """Whether the kernels of ``spec`` visit a block mask's lists of tiles (one that is
+    not exact) rather than ranges."""
+    return spec.mods is not None and spec.mods.blocks and not spec.mods.exact
+
+
 def _tile_lists(spec, start):
     """``(count, at, consts)`` over a block mask's lists, the list of ``tile`` (of
     ``n_tiles``, each listing some of ``n_other`` tiles) at column ``start(table, t, tile,
     n_tiles, n_other)`` of the table's row ``t``; stand-ins for the range without lists."""
     block_table = _block_table()
-    if spec.mods is not None and spec.mods.blocks and not spec.mods.exact:
+    if has_lists(spec):
         (start,) = _device((start,))
 
         def entry(slopes, b1, b2, tile, n_tiles, n_other, j):

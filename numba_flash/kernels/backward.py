@@ -40,7 +40,7 @@ from numba import cuda
 from .. import ops, warp
 from .._runtime import SIMULATOR
 from ..scores import (LOG2E, ScoreSpec, block_key_lists, block_query_lists, block_row_rules, block_rules,
-                      device_rules)
+                      device_rules, has_lists)
 from . import tiles
 from .forward import Tiling
 from .tiles import PAD
@@ -105,6 +105,7 @@ def make_column_tiles(dkdv: bool, scores: ScoreSpec, full_tiles: bool = True):
     * ``column_at(..., c_start, gi, jc)``: its index;
     * ``column_consts(..., gi, jc, sc)``: the score constants ``sc`` for its scores."""
     count, at, consts = (block_query_lists if dkdv else block_key_lists)(scores)
+    LISTS = has_lists(scores)           # (else every head has the n_ct tiles of the range)
 
     def column_total(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group):
         total = 0
@@ -114,6 +115,10 @@ def make_column_tiles(dkdv: bool, scores: ScoreSpec, full_tiles: bool = True):
 
     def column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, gi, jc):
         jc += 1
+        if not LISTS:
+            if jc >= n_ct:
+                return gi + 1, 0
+            return gi, jc
         while gi < group and jc >= count(slopes, b1, b2_first + gi, rt, n_rt, n_all, n_ct):
             gi += 1
             jc = 0
@@ -204,6 +209,7 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
     place = make_block_place(DKDV, R, C, key_range, query_range, scores)
     column_total, column_next, column_at, column_consts = make_column_tiles(DKDV, scores)
     block_rows, _ = block_row_rules(scores)
+    LISTS = has_lists(scores)
 
     @cuda.jit(**JIT)
     def backward(q, k, v, dout, lse, delta, ga, gb, scale_log2, scale, left, right, cap_in, cap_out, slopes,
@@ -262,6 +268,9 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
         # dK, dV of grouped K/V heads sum over the group's query heads b2_first ..
         # b2_first + group − 1, in order (group = 1 without grouping, and for dQ).
         for it in range(total):
+            if not LISTS:
+                gi = it // n_ct
+                jc = it - gi * n_ct
             ct = column_at(slopes, b1, b2_first, rt, n_rt, n_all, c_start, gi, jc)
             b2 = b2_first + gi
             c0 = ct * C
@@ -338,7 +347,8 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
             else:
                 mm_pv(smem, P1_OFF, PS, SA_OFF, S_STRIDE, acc_a, av, vv, r, c)
             cuda.syncthreads()          # all reads done before the next tile overwrites them
-            gi, jc = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, gi, jc)
+            if LISTS:
+                gi, jc = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, gi, jc)
         ops.cp_async_wait(0)            # nothing left in flight when the loop had no iteration
 
         # ---- epilogue: dK = scale · acc_a, dV = acc_b   |   dQ = scale · acc_a -----------
