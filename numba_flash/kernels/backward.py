@@ -232,8 +232,11 @@ def make_backward(kind: str, dtype_name: str, D: int, t: Tiling, scores: ScoreSp
             ra, rb, ca, cb = q, dout, k, v
             n_rows, n_cols = Nq, Nk
         rt, n_rt, n_all = r0 // R, (n_rows + R - 1) // R, (n_cols + C - 1) // C   # (row, column tiles)
-        total = column_total(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group)
-        gi, jc = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, 0, -1)
+        total = group * n_ct                # (without lists: every head's n_ct tiles of the range)
+        gi, jc = 0, 0
+        if LISTS:
+            total = column_total(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group)
+            gi, jc = column_next(slopes, b1, b2_first, rt, n_rt, n_all, n_ct, group, 0, -1)
 
         smem = cuda.shared.array(0, nb_dt, alignment=ALIGN)
         s = cuda.local.array((TM, TN), nb_dt)
