@@ -463,7 +463,11 @@ def test_backward_skips_empty_tiles(kind, dtype, mask, monkeypatch):
     n, m = 20, 160                              # one tile of the other side; the listed side
     nq, nk, heads, kv_heads = (n, m, (1, 1), None) if kind == "dq" else (m, n, (1, 2), (1, 1))
     rng, q, k, v, dout = _inputs(dtype, heads, nq, nk, 16, 15, kv_heads)
-    out, lse = numba_flash.attention_fwd(q, k, v, mask_mod=fn, mod_args=bounds)
+    wide = [np.asarray(x, np.float64) for x in (dout, q, k, v)]
+    if kv_heads:
+        wide[2:] = (np.repeat(x, 2, axis=-3) for x in wide[2:])
+    out, lse = reference.attention_fwd(*wide[1:], mask_mod=fn, mod_args=bounds)     # (the simulator's time)
+    out, lse = out.astype(q.dtype), lse.astype(np.float32)
     bm = numba_flash.block_mask(gap, 1, 1, nq, nk, mod_args=bounds)
     backward = families.backward
 
@@ -482,10 +486,7 @@ def test_backward_skips_empty_tiles(kind, dtype, mask, monkeypatch):
         pairs, asked = nq * nk * (1 if kind == "dq" else 2), m - (128 if full else 64)
         assert len(calls) % pairs == 0 and with_lists * m == len(calls) * asked, (with_lists, len(calls))
     assert_same_result(got, plain)
-    if kv_heads:
-        k, v = (np.repeat(x, 2, axis=-3) for x in (k, v))
-    want = reference.attention_bwd(*(np.asarray(x, np.float64) for x in (dout, q, k, v)), mask_mod=fn,
-                                   mod_args=bounds)[grads]
+    want = reference.attention_bwd(*wide, mask_mod=fn, mod_args=bounds)[grads]
     if kv_heads:
         want = [w.reshape(1, 1, 2, nk, 16).sum(2) for w in want]     # dK, dV of the shared head
     tol = 2.0 ** -6 if dtype == "bfloat16" else 1e-5
