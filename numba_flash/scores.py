@@ -343,7 +343,8 @@ def band_tiles(scores, rows: int, cols: int, nq: int, nk: int) -> int:
 SOFTCAP_TANH = {"float64": "exact", "float32": "rcp", "float16": "approx", "bfloat16": "approx"}
 
 
-def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None, block_rows: bool = False):
+def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None, block_rows: bool = False,
+                 mask_apart: bool = False):
     """``(row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts)`` for kernels,
     specialised on ``spec``; ``dtype_name`` is the kernel's accumulator dtype. ``geo`` is
     the tuple ``(Nk, diag, left, right)`` (int64; ``left``, ``right`` the window's sides,
@@ -378,6 +379,10 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None,
     (``block_row_rules``) and masks the tiles it marks partial: with such a mask
     (``spec.mods.exact``) ``in_row`` then tests both ends and ``score`` leaves ``mask_mod``
     out.
+
+    ``mask_apart``: the kernel applies ``mask_mod`` itself, through :func:`mask_rule`'s
+    ``pair_visible`` (a set of bits per tile, so that a score loop without calls stays
+    unrolled in registers): ``score`` leaves it out.
     """
     tanh = tanh or SOFTCAP_TANH[dtype_name]
     rows_given = block_rows and spec.mods is not None and spec.mods.exact
@@ -466,7 +471,7 @@ def device_rules(spec: ScoreSpec, dtype_name: str = "float32", tanh: str = None,
     (builtin_score,) = _device((builtin_score,))     # score's closure sees the device function
     if spec.mods is None:
         return _device((row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts))
-    score, score_consts = _mod_rules(spec, builtin_score, DT, rows_given)
+    score, score_consts = _mod_rules(spec, builtin_score, DT, rows_given or mask_apart)
     return _device((row_keys, in_row, key_range, query_range, tile_needs_mask)) + (score, score_consts)
 
 
@@ -633,6 +638,26 @@ def block_row_rules(spec: ScoreSpec):
     return _device((block_rows, block_tile))
 
 
+def mask_rule(spec: ScoreSpec, dtype_name: str = "float32"):
+    """``pair_visible(i, j, sc)`` for kernels that apply ``mask_mod`` apart from the scores
+    (``device_rules(..., mask_apart=True)``): whether query ``i`` sees key ``j`` by the
+    user's ``mask_mod``, with ``sc`` the score constants of the pair's tile (``_mod_rules``'
+    ``score_consts``, its last item set by :func:`block_lists`). True without asking the
+    function in a full tile and for padding rows and columns (``i >= Nq`` or ``j >= Nk``:
+    the kernels mask or drop those themselves, and the function may index a table by
+    position)."""
+    mods = spec.mods
+    mmod = _call_with_args(mods.mask_mod, False, mods.nargs)
+    ZERO = np.dtype(dtype_name).type(0)
+
+    def pair_visible(i, j, sc):
+        scale_log2, cap_in, cap_out, slope_log2, b, h, nq, nk, margs, full = sc
+        if full or i >= nq or j >= nk:
+            return True
+        return bool(mmod(ZERO, b, h, i, j, margs))
+    return _device((pair_visible,))[0]
+
+
 def _mod_rules(spec, builtin_score, DT, rows_given=False):
     """``score`` and ``score_consts`` with the user's functions (:class:`Mods`): ``slopes``
     is then the pair ``(ids, mod_args)``, ``ids (B1, B2, 5)`` holding per leading index the
@@ -641,7 +666,7 @@ def _mod_rules(spec, builtin_score, DT, rows_given=False):
     functions are called for existing (query, key) pairs only: kernels compute scores of
     padding rows and columns too (and mask or drop them), and a user function may index
     a table by position. ``rows_given``: the kernel masks by an exact block mask's rows
-    instead of calling ``mask_mod``. The constants' last item says the scores' tile is
+    instead of calling ``mask_mod``, or calls it apart (:func:`mask_rule`). The constants' last item says the scores' tile is
     full (every pair visible: ``mask_mod`` is not called); False from ``score_consts``
     (:func:`block_lists`' ``key_tile_consts`` sets it per tile)."""
     alibi = spec.alibi

@@ -46,7 +46,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .. import ops_hopper as H
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules
+from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules, mask_rule
 from .forward import LN2
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
@@ -117,9 +117,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     PINGPONG = pingpong
     mods = scores.mods
     LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks)   # rows see different numbers of keys
-    # scores are scale · q·k (an exact block mask's rows are masked like a window's): the
-    # scale joins exp2's FMA
-    RAW = not (scores.softcap or scores.alibi or (mods is not None and (mods.score_mod is not None or not mods.exact)))
+    # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
+    # bits, then masked (one loop calling the function per score kept the scores in local
+    # memory: a 416-byte stack)
+    MASK_APART = mods is not None and mods.mask_mod is not None and not mods.exact
+    # scores are scale · q·k (an exact block mask's rows are masked like a window's, a
+    # holed one's pairs apart): the scale joins exp2's FMA
+    RAW = not (scores.softcap or scores.alibi or (mods is not None and mods.score_mod is not None))
     # a softcap alone: the scores are cap_out · tanh(cap_in · q·k); the tanh is taken first
     # and cap_out (positive, the scale's log2 units included) joins exp2's FMA as the scale does
     TANH_RAW = scores.softcap and not scores.alibi and mods is None
@@ -142,7 +146,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
-        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True)
+        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
+    pair_visible = mask_rule(scores) if MASK_APART else None
     block_keys, _ = block_rules(scores)
     key_tile_count, key_tile_at, key_tile_consts = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
@@ -228,6 +233,15 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 seen = in_row(col, lo1, hi1) if (i >> 1) & 1 else in_row(col, lo0, hi0)
                 if not seen:
                     s[i] = NEG_INF
+        if MASK_APART:
+            if not sc[9]:                    # a partial tile of the block mask
+                bits = numba.uint64(0)
+                for i in range(NS):
+                    if pair_visible(row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), sc):
+                        bits |= numba.uint64(1) << numba.uint64(i)
+                for i in range(NS):
+                    if (bits >> numba.uint64(i)) & numba.uint64(1) == 0:
+                        s[i] = NEG_INF
         mx0, mx1 = NEG_INF, NEG_INF
         for i in range(NS):
             if (i >> 1) & 1:
