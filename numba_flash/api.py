@@ -152,7 +152,7 @@ class _Inputs:
             raise ValueError(f"score_mod/mask_mod take sequences and batches below 2**24 with 16-bit or float32 "
                              f"inputs, got Nq={self.nq}, Nk={self.nk}, {self.batch} leading indices.")
         if self.block_mask is not None:
-            self.block_table = self.block_mask.device_table(rows, keys, list_keys, list_rows)
+            self.block_table = self.block_mask.device_table(rows, keys, list_keys, list_rows, self.rules)
             self.mod_tables.append(self.block_table)
         key = (None if SIMULATOR else context_handle(), self.lead, self.nq, self.nk, self.acc_dtype.str,
                None if self.block_mask is None else self.block_mask.shape[:2])

@@ -29,6 +29,7 @@ import numbers
 import numpy as np
 from numba import cuda      # (numba_flash has chosen the simulator or the GPU before this import)
 
+from . import scores as _scores
 from .scores import LIST_FULL
 
 THREADS = 128
@@ -178,7 +179,7 @@ class BlockMask:
                 out[b, h, :, 1] = np.where(seen, Nq - touch[::-1].argmax(0), 0)
         return out
 
-    def device_table(self, rows: int, keys: int = 0, list_keys: int = None, list_rows: int = 0):
+    def device_table(self, rows: int, keys: int = 0, list_keys: int = None, list_rows: int = 0, rules=None):
         """What the kernels read (``scores.block_rules``), for query tiles of ``rows`` rows
         and (``keys`` > 0) key tiles of ``keys`` keys, on the device (built once per
         combination; ``list_keys``: the lists' key tiles, when not ``keys``, as the
@@ -194,9 +195,12 @@ class BlockMask:
         the tiles in order, ``scores.LIST_FULL`` added to a full one's (header column 3:
         where the lists start; 0 without them); with ``list_rows`` and a mask that is not
         exact, last, the same per key tile of ``keys`` keys: the query tiles of
-        ``list_rows`` rows it does not leave empty (``scores.block_query_lists``)."""
+        ``list_rows`` rows it does not leave empty (``scores.block_query_lists``). ``rules``:
+        the call's built-in rules (``scores.Scores``): the lists leave out the tiles a
+        causal mask or a window hides whole, as the kernels' ranges do without lists."""
         list_keys = keys if list_keys is None else list_keys
-        found = self._tables.get((rows, keys, list_keys, list_rows))
+        band = None if rules is None or (rules.left is None and rules.right is None) else (rules.left, rules.right)
+        found = self._tables.get((rows, keys, list_keys, list_rows, band))
         if found is None:
             B, H, Nq, Nk = self.shape
             n = -(-Nq // rows)
@@ -214,20 +218,40 @@ class BlockMask:
             if keys:
                 parts.append(self.key_tile_ranges(keys).reshape(B * H, -1))
             if list_keys and not self.exact:
-                parts.append(_tile_lists(self.tile_classes(rows, list_keys)).reshape(B * H, -1))
+                classes = self.tile_classes(rows, list_keys)
+                if band is not None:
+                    classes = np.where(_rule_tiles(rules, rows, list_keys, Nq, Nk), classes, EMPTY)
+                parts.append(_tile_lists(classes).reshape(B * H, -1))
             starts = np.cumsum([4] + [p.shape[1] for p in parts])
             head = np.broadcast_to(np.array([starts[0], starts[1], starts[2],
                                              starts[3] if list_keys and not self.exact else 0]), (B * H, 4))
             if keys and list_rows and not self.exact:          # (after the header's starts)
-                parts.append(_tile_lists(np.swapaxes(self.tile_classes(list_rows, keys), 2, 3)).reshape(B * H, -1))
+                classes = self.tile_classes(list_rows, keys)
+                if band is not None:
+                    classes = np.where(_rule_tiles(rules, list_rows, keys, Nq, Nk), classes, EMPTY)
+                parts.append(_tile_lists(np.swapaxes(classes, 2, 3)).reshape(B * H, -1))
             table = np.concatenate([head] + parts, axis=1)
-            found = self._tables[(rows, keys, list_keys, list_rows)] = cuda.to_device(np.ascontiguousarray(table, dtype=np.int32))
+            found = self._tables[(rows, keys, list_keys, list_rows, band)] = cuda.to_device(
+                np.ascontiguousarray(table, dtype=np.int32))
         return found
 
     def __repr__(self):
         B, H, Nq, Nk = self.shape
         name = getattr(self.mask_mod, "__qualname__", repr(self.mask_mod))
         return f"BlockMask({name}, B={B}, H={H}, Nq={Nq}, Nk={Nk}, density={self.density:.3f})"
+
+
+def _rule_tiles(rules, rows, keys, nq, nk):
+    """``(n, m)`` bool: whether the built-in ``rules`` (causal, window) let some pair of query
+    tile ``i`` (``rows`` rows) and key tile ``j`` (``keys`` keys) through: the tile range of
+    ``scores.key_range``, the ranges the kernels visit without lists."""
+    n, m = -(-nq // rows), -(-nk // keys)
+    seen = np.zeros((n, m), bool)
+    for i in range(n):
+        begin, end = _scores.key_range(rules, i * rows, rows, nq, nk)
+        if end > begin:
+            seen[i, begin // keys:-(-end // keys)] = True
+    return seen
 
 
 def _tile_lists(classes):

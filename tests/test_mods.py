@@ -495,6 +495,40 @@ def test_backward_skips_empty_tiles(kind, dtype, mask, monkeypatch):
         assert err <= tol * np.abs(w).max(), (err, np.abs(w).max())
 
 
+@pytest.mark.parametrize("options", [{"causal": True}, {"window": (70, 10)}], ids=["causal", "window"])
+def test_lists_leave_out_what_the_rules_hide(options):
+    """A holed block mask with a built-in rule as well: its lists (each query tile's key
+    tiles, each key tile's query tiles) hold only the tiles the rule lets some pair
+    through, as the ranges the kernels visit without lists, and the forward gives the
+    oracle's result (CUDA-core family, float32, 32-row tiles: the window's band crosses
+    the gap)."""
+    nq = nk = 200
+    bounds = (64, 128)
+    bm = numba_flash.block_mask(gap_mask, 1, 1, nq, nk, mod_args=bounds)
+    assert not bm.exact
+    rules = scores.parse(**options)
+    rows = keys = 32
+    table = np.asarray(bm.device_table(rows, keys, None, rows, rules).copy_to_host())
+    n, m = -(-nq // rows), -(-nk // keys)
+    classes = bm.tile_classes(rows, keys)[0, 0]
+    for i in range(n):               # each query tile's key tiles
+        begin, end = scores.key_range(rules, i * rows, rows, nq, nk)
+        want = [j for j in range(m) if classes[i, j] != 0 and j * keys < end and (j + 1) * keys > begin]
+        at = table[0, 3] + i * (m + 1)
+        got = [int(x) & (scores.LIST_FULL - 1) for x in table[0, at + 1:at + 1 + table[0, at]]]
+        assert got == want, (i, got, want)
+    for j in range(m):               # each key tile's query tiles
+        at = table.shape[1] - (m - j) * (n + 1)
+        got = [int(x) & (scores.LIST_FULL - 1) for x in table[0, at + 1:at + 1 + table[0, at]]]
+        want = [i for i in range(n) if classes[i, j] != 0
+                and scores.key_range(rules, i * rows, rows, nq, nk)[0] < (j + 1) * keys
+                and scores.key_range(rules, i * rows, rows, nq, nk)[1] > j * keys]
+        assert got == want, (j, got, want)
+    rng, q, k, v, _ = _inputs("float32", (1, 1), nq, nk, 16, 16)
+    out, lse = numba_flash.attention_fwd(q, k, v, block_mask=bm, **options)
+    assert_attention_close(out, q, k, v, lse, mask_mod=gap_mask, mod_args=bounds, **options)
+
+
 def per_head_window(b, h, i, j):
     return abs(i - j) <= 3 + 9 * h
 
