@@ -218,22 +218,25 @@ class BlockMask:
             if keys:
                 parts.append(self.key_tile_ranges(keys).reshape(B * H, -1))
             if list_keys and not self.exact:
-                classes = self.tile_classes(rows, list_keys)
-                if band is not None:
-                    classes = np.where(_rule_tiles(rules, rows, list_keys, Nq, Nk), classes, EMPTY)
-                parts.append(_tile_lists(classes).reshape(B * H, -1))
+                parts.append(_tile_lists(self._listed_classes(rows, list_keys, rules, band)).reshape(B * H, -1))
             starts = np.cumsum([4] + [p.shape[1] for p in parts])
             head = np.broadcast_to(np.array([starts[0], starts[1], starts[2],
                                              starts[3] if list_keys and not self.exact else 0]), (B * H, 4))
             if keys and list_rows and not self.exact:          # (after the header's starts)
-                classes = self.tile_classes(list_rows, keys)
-                if band is not None:
-                    classes = np.where(_rule_tiles(rules, list_rows, keys, Nq, Nk), classes, EMPTY)
+                classes = self._listed_classes(list_rows, keys, rules, band)
                 parts.append(_tile_lists(np.swapaxes(classes, 2, 3)).reshape(B * H, -1))
             table = np.concatenate([head] + parts, axis=1)
             found = self._tables[(rows, keys, list_keys, list_rows, band)] = cuda.to_device(
                 np.ascontiguousarray(table, dtype=np.int32))
         return found
+
+    def _listed_classes(self, rows, keys, rules, band):
+        """:meth:`tile_classes`, the tiles the built-in ``rules`` hide whole (``band`` not
+        None: a causal mask or a window) made empty."""
+        classes = self.tile_classes(rows, keys)
+        if band is None:
+            return classes
+        return np.where(_rule_tiles(rules, rows, keys, *self.shape[2:]), classes, EMPTY)
 
     def __repr__(self):
         B, H, Nq, Nk = self.shape
