@@ -277,6 +277,17 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
 
     @cuda.jit(device=True, inline=True)
+    def store_row(orow, o, h, inv, tq4, c0):
+        """The thread's 16 columns of one of its rows (``h``: row0 or row0 + 8) of a 64-column
+        accumulator ``o`` times ``inv``, in pairs (columns ``c0 + 2 (4 t + tq4)`` and the next
+        one: one 4-byte store each) into the output row ``orow``. A short loop with constant
+        bounds, so that it unrolls and every accumulator index is a constant (one loop over
+        both rows and both sub-tiles stayed rolled and picked the registers by branching:
+        31 % of a short-row kernel's stall samples)."""
+        for t in range(8):
+            orow[c0 + 4 * t + tq4] = pack(o[4 * t + 2 * h] * inv, o[4 * t + 2 * h + 1] * inv)
+
+    @cuda.jit(device=True, inline=True)
     def work_item(i, G, n_qt, B):
         """The work item at place ``i`` of the persistent schedule (block ``i % G``'s
         ``i // G``-th): ``(query tile, leading index)``. Without a mask that shortens rows
@@ -505,15 +516,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
             inv0 = ZERO if l0 == ZERO else F32(1) / l0   # no visible key: 0, lse -inf
             inv1 = ZERO if l1 == ZERO else F32(1) / l1
-            for k in range(0, 32, 2):                   # elements k, k + 1: one row, two columns
-                h = (k >> 1) & 1
-                row = row0 + 8 * h
-                inv = inv1 if h else inv0
-                if row < Nq:
-                    col = 4 * (k >> 2) + tq4            # a pair of columns: 2 col, 2 col + 1
-                    out[b1, b2, row, col] = pack(o0[k] * inv, o0[k + 1] * inv)
-                    if NSUB == 2:
-                        out[b1, b2, row, 32 + col] = pack(o1[k] * inv, o1[k + 1] * inv)
+            if row0 < Nq:
+                store_row(out[b1, b2, row0], o0, 0, inv0, tq4, 0)
+                if NSUB == 2:
+                    store_row(out[b1, b2, row0], o1, 0, inv0, tq4, 32)
+            if row0 + 8 < Nq:
+                store_row(out[b1, b2, row0 + 8], o0, 1, inv1, tq4, 0)
+                if NSUB == 2:
+                    store_row(out[b1, b2, row0 + 8], o1, 1, inv1, tq4, 32)
             if tq4 == 0:
                 if row0 < Nq:
                     lse[b1, b2, row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
