@@ -45,6 +45,7 @@ def features(ptx: str) -> dict:
         "shfl.sync": ptx.count("shfl.sync"),
         "ld.shared.v4": ptx.count("ld.shared.v4"),
         "ld.global.v4": ptx.count("ld.global.v4"),
+        "st.global": ptx.count("st.global"),
         "st.shared.v4": ptx.count("st.shared.v4"),
         "local": ptx.count(".local"),
         "f64": ptx.count(".f64"),

@@ -140,6 +140,13 @@ def _check_row(r):
             bad.append("a float32 softcap kernel without rcp.approx.f32")
         if tanh == "exact" and r["tanh.approx.f32"] + r["rcp.approx.f32"]:
             bad.append("a float32 special-function tanh or reciprocal in a float64 kernel")
+    # the Hopper forward's output written by straight-line stores (forward_wgmma.store_row):
+    # per thread two rows of 8 column pairs per 64 columns of d, and two lse values; a rolled
+    # loop there picked the accumulator's registers by branching (docs/performance.md item 34)
+    if name in HOPPER and name.startswith("forward_wgmma/"):
+        d = int(name.split("/")[2][1:])
+        if r["st.global"] != 16 * (d // 64) + 2:
+            bad.append(f"{r['st.global']} st.global, not {16 * (d // 64) + 2}: the output stores are not unrolled")
     # exponentials on the FMA units (forward_wgmma.EXP2_FMA_SOFTCAP, measured slower) in
     # no Hopper forward of the registry
     if name in HOPPER and name.startswith("forward_wgmma/") and r["exp2_fma"]:
