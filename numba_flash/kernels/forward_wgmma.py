@@ -48,6 +48,7 @@ from .. import ops, warp
 from .. import ops_hopper as H
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules, mask_rule
 from .forward import LN2
+from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_row, wait_phase
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
@@ -58,7 +59,6 @@ HEAD_DIMS = (64, 128)
 # factory's ``exp2_fma`` keeps the option, tested.
 EXP2_FMA_SOFTCAP = 0
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
-SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,13 +138,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
-    s_mma = H.wgmma(BN, dtype_name)
-    o_mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
-    zeros_s, zeros_o = H.accumulator(BN), H.accumulator(64)
-    desc = H.smem_descriptor(16, 1024, 1)
+    qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K)        # S = Q Kᵀ of one key tile
+    pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
+    zeros_o = H.accumulator(64)
     give, take = H.setmaxnreg(24, False), H.setmaxnreg(240, True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
+    store_row = make_store_row(dtype_name)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None
@@ -154,39 +154,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     F32 = numba.float32
     ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
     TILE_BYTES = NSUB * SUB_K             # K or V of one stage
-
-    @cuda.jit(device=True, inline=True)
-    def wait_phase(bar, parity):
-        while H.mbarrier_try_wait(bar, parity) == 0:
-            pass
-
-    @cuda.jit(device=True, inline=True)
-    def qk_sub(acc, q_at, k_at, accumulate):
-        """Issue the four products of one 64-column sub-tile of d (16 columns, 32 bytes,
-        each), written out: a loop of these large instructions is not unrolled."""
-        acc = s_mma(acc, desc(q_at), desc(k_at), accumulate)
-        acc = s_mma(acc, desc(q_at + 32), desc(k_at + 32), 1)
-        acc = s_mma(acc, desc(q_at + 64), desc(k_at + 64), 1)
-        return s_mma(acc, desc(q_at + 96), desc(k_at + 96), 1)
-
-    @cuda.jit(device=True, inline=True)
-    def qk(q_at, k_at):
-        """Issue S = Q Kᵀ for one key tile."""
-        acc = qk_sub(zeros_s(), q_at, k_at, 0)
-        if NSUB == 2:
-            acc = qk_sub(acc, q_at + SUB_Q, k_at + SUB_K, 1)
-        return acc
-
-    @cuda.jit(device=True, inline=True)
-    def pv(o0, o1, p, v_at):
-        """Issue O += P V for one key tile: P's packed registers 4t .. 4t+3 are the A operand
-        of keys 16t .. 16t+15; one product per 64-column sub-tile of V."""
-        for t in range(BN // 16):
-            o0 = o_mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(v_at + 2048 * t), 1)
-            if NSUB == 2:
-                o1 = o_mma(o1, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3],
-                           desc(v_at + SUB_K + 2048 * t), 1)
-        return o0, o1
 
     @cuda.jit(device=True, inline=True)
     def release(ct, empty):
@@ -275,17 +242,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 rs0 += e
             s[i] = e
         return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
-
-    @cuda.jit(device=True, inline=True)
-    def store_row(orow, o, h, inv, tq4, c0):
-        """The thread's 16 columns of one of its rows (``h``: row0 or row0 + 8) of a 64-column
-        accumulator ``o`` times ``inv``, in pairs (columns ``c0 + 2 (4 t + tq4)`` and the next
-        one: one 4-byte store each) into the output row ``orow``. A short loop with constant
-        bounds, so that it unrolls and every accumulator index is a constant (one loop over
-        both rows and both sub-tiles stayed rolled and picked the registers by branching:
-        31 % of a short-row kernel's stall samples)."""
-        for t in range(8):
-            orow[c0 + 4 * t + tq4] = pack(o[4 * t + 2 * h] * inv, o[4 * t + 2 * h + 1] * inv)
 
     @cuda.jit(device=True, inline=True)
     def work_item(i, G, n_qt, B):

@@ -1,0 +1,91 @@
+"""Pieces the Hopper kernels share (``forward_wgmma``, ``backward_wgmma``).
+
+Operand tiles live in shared memory as 64-column sub-tiles of 128-byte rows with the
+128-byte swizzle the TMA writes (``ops_hopper.tensor_map_4d``): sub-tile ``s`` of a tile
+of ``rows`` rows starts ``s · rows · 128`` bytes after the first, and a 16-column k-step
+is 32 bytes along a row. Products are issued here and completed by the caller
+(``wgmma_commit``, ``wgmma_wait``).
+"""
+import functools
+
+from numba import cuda
+
+from .. import ops
+from .. import ops_hopper as H
+
+SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
+DESC = H.smem_descriptor(16, 1024, 1)   # 128-byte swizzle, 8-row groups 1024 bytes apart
+
+
+@cuda.jit(device=True, inline=True)
+def wait_phase(bar, parity):
+    """Wait until the mbarrier at shared address ``bar`` has completed phase ``parity``."""
+    while H.mbarrier_try_wait(bar, parity) == 0:
+        pass
+
+
+@functools.lru_cache(maxsize=None)
+def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int):
+    """``product(a_at, b_at)``: issue the 64 × ``n`` float32 accumulator of ``A Bᵀ`` over the
+    head dim ``D`` (64 or 128): A's 64 rows at shared address ``a_at``, B's ``n`` rows at
+    ``b_at``, their second sub-tiles (``D = 128``) ``sub_a`` and ``sub_b`` bytes on. Both
+    operands are K-major (rows along d): S = Q Kᵀ, dP = dO Vᵀ and their transposes."""
+    mma = H.wgmma(n, dtype_name)
+    zeros = H.accumulator(n)
+    desc = DESC
+
+    @cuda.jit(device=True, inline=True)
+    def sub_tile(acc, a_at, b_at, accumulate):
+        """The four k-steps of one sub-tile, written out: a loop of these large
+        instructions is not unrolled."""
+        acc = mma(acc, desc(a_at), desc(b_at), accumulate)
+        acc = mma(acc, desc(a_at + 32), desc(b_at + 32), 1)
+        acc = mma(acc, desc(a_at + 64), desc(b_at + 64), 1)
+        return mma(acc, desc(a_at + 96), desc(b_at + 96), 1)
+
+    @cuda.jit(device=True, inline=True)
+    def product(a_at, b_at):
+        acc = sub_tile(zeros(), a_at, b_at, 0)
+        if D == 128:
+            acc = sub_tile(acc, a_at + sub_a, b_at + sub_b, 1)
+        return acc
+    return product
+
+
+@functools.lru_cache(maxsize=None)
+def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
+    """``product(o0, o1, p, b_at)``: issue ``O += P B`` for a 64 × ``D`` accumulator held as
+    two 64-column halves ``o0, o1`` (``o1`` unused at ``D = 64``): ``P`` (64 × ``n_k``) in
+    packed registers, ``p[4 t] .. p[4 t + 3]`` the A operand of k-step ``t`` (an
+    accumulator's columns ``16 t .. 16 t + 15`` in pairs), B's ``n_k`` rows (the k dim) at
+    shared address ``b_at``, MN-major (rows along d, read transposed), its second
+    sub-tile ``sub_b`` bytes on. O += P V, dQ += dS K, dK += dSᵀ Q, dV += Pᵀ dO."""
+    mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
+    desc = DESC
+
+    @cuda.jit(device=True, inline=True)
+    def product(o0, o1, p, b_at):
+        for t in range(n_k // 16):
+            o0 = mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + 2048 * t), 1)
+            if D == 128:
+                o1 = mma(o1, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + sub_b + 2048 * t), 1)
+        return o0, o1
+    return product
+
+
+@functools.lru_cache(maxsize=None)
+def make_store_row(dtype_name: str):
+    """``store_row(orow, o, h, inv, tq4, c0)``: a thread's 16 columns of one of its rows
+    (``h``: ``16 w + g`` or 8 below) of a 64-column accumulator ``o`` times ``inv``,
+    rounded to ``dtype_name`` in pairs (columns ``c0 + 2 (4 t + tq4)`` and the next one: one
+    4-byte store each) into ``orow``, a row of a uint32 pairs view. A short loop with
+    constant bounds, so that it unrolls and every accumulator index is a constant (one loop
+    over both rows and both 64-column halves stayed rolled and picked the registers by
+    branching: 31 % of a short-row kernel's stall samples, docs/performance.md item 34)."""
+    pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
+
+    @cuda.jit(device=True, inline=True)
+    def store_row(orow, o, h, inv, tq4, c0):
+        for t in range(8):
+            orow[c0 + 4 * t + tq4] = pack(o[4 * t + 2 * h] * inv, o[4 * t + 2 * h + 1] * inv)
+    return store_row
