@@ -842,7 +842,7 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
     ready, aligned, copied = _cp_async_ready(inp, [dev[n] for n in read])
     dev.update(zip(read, ready))
     launches += families.backward(inp, *(dev[n] for n in ("q", "k", "v", "dout", "out", "lse")), dq, dk, dv,
-                                  inp.low or aligned, scratch)
+                                  inp.low or aligned, scratch, cc=_device_facts()[2])
     if not inp.on_device or not (inp.nq and inp.nk) or copied:
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order

@@ -12,7 +12,7 @@ Every attention kernel's arguments end with the score arguments of
 ``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
 """
 from . import _arrays, registry, scores
-from .kernels import forward_wgmma
+from .kernels import backward_wgmma, forward_wgmma
 from .kernels.backward_mma import stats_rows
 from .scores import LOG2E
 
@@ -159,24 +159,28 @@ def tensor_map(ptr, shape, strides, rows, ary=None):
 
 def _tma_maps(q4, k4, v4, t):
     """The tensor maps of q (``t.BM``-row boxes), k and v (``t.BN``) for the TMA, or None
-    where a view has a stride the TMA cannot take (zero, as grouped heads' repeated K/V
-    axis, or not a multiple of 16 bytes) or an unaligned start. A map holds only the
-    address, shape and strides, so one made for the same values is reused."""
-    found = []
-    for a, rows in ((q4, t.BM), (k4, t.BN), (v4, t.BN)):
-        ptr, shape, strides = _arrays.device_pointer(a), tuple(a.shape), list(a.strides)
-        for i in (2, 1, 0):        # a dim of one element: any stride; the map wants a valid one
-            if shape[i] == 1:
-                strides[i] = strides[i + 1] * shape[i + 1]
-        strides = tuple(strides)
-        if ptr % 16 or strides[3] != 2 or any(s <= 0 or s % 16 for s in strides[:3]):
-            return None
-        if strides != tuple(a.strides):
-            a = _arrays.strided_view(a, shape, strides)
-        m = tensor_map(ptr, shape, strides, rows, a)
-        MAP_SOURCES[id(m)] = (id(getattr(a, "gpu_data", a)), ptr, shape, strides, rows)
-        found.append(m)
-    return tuple(found)
+    (:func:`_tma_map`)."""
+    found = tuple(_tma_map(a, rows) for a, rows in ((q4, t.BM), (k4, t.BN), (v4, t.BN)))
+    return None if any(m is None for m in found) else found
+
+
+def _tma_map(a, rows):
+    """The tensor map of the 4-D view ``a`` (``rows``-row boxes) for the TMA, or None where
+    the view has a stride the TMA cannot take (zero, as grouped heads' repeated K/V axis,
+    or not a multiple of 16 bytes) or an unaligned start. A map holds only the address,
+    shape and strides, so one made for the same values is reused."""
+    ptr, shape, strides = _arrays.device_pointer(a), tuple(a.shape), list(a.strides)
+    for i in (2, 1, 0):        # a dim of one element: any stride; the map wants a valid one
+        if shape[i] == 1:
+            strides[i] = strides[i + 1] * shape[i + 1]
+    strides = tuple(strides)
+    if ptr % 16 or strides[3] != 2 or any(s <= 0 or s % 16 for s in strides[:3]):
+        return None
+    if strides != tuple(a.strides):
+        a = _arrays.strided_view(a, shape, strides)
+    m = tensor_map(ptr, shape, strides, rows, a)
+    MAP_SOURCES[id(m)] = (id(getattr(a, "gpu_data", a)), ptr, shape, strides, rows)
+    return m
 
 
 def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_count, smem_limit, scratch):
@@ -220,20 +224,25 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
 
 # --------------------------------------------------------------------------- backward
 BACKWARD_FAMILIES = {False: ("backward_dkdv_simt", "backward_dq_simt"),    # CUDA cores
-                     True: ("backward_dkdv_mma", "backward_dq_mma")}       # tensor cores (16-bit)
+                     True: ("backward_dkdv_mma", "backward_dq_mma"),       # tensor cores (16-bit)
+                     "hopper": ("backward_dkdv_wgmma", "backward_dq_wgmma")}
 
 
-def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
+def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch, cc=None):
     """The backward's launches, per view: a pre-pass, then dK/dV (a block per key tile;
     with grouped heads it sums its group's query heads) and dQ (a block per query tile):
-    on tensor cores for 16-bit inputs, CUDA cores otherwise. The pre-pass computes
-    ``delta = rowsum(dout ∘ out)`` into a buffer appended to ``scratch``: one value per
-    query row, or for the tensor cores the stats rows of ``backward_mma`` (lse in log2
-    units and delta, padded)."""
+    on a Hopper GPU (``cc`` 9.0) the Hopper family for the 16-bit inputs it takes (views
+    the TMA can describe: else the next family), tensor cores for the other 16-bit inputs,
+    CUDA cores otherwise. The pre-pass computes ``delta = rowsum(dout ∘ out)`` into a
+    buffer appended to ``scratch``: one value per query row, or for the tensor cores the
+    stats rows of ``backward_mma`` (lse in log2 units and delta, padded)."""
     low = inp.low
+    hopper = None
+    if low and inp.packed is None and registry.uses_hopper(inp.dtype.name, inp.d, cc, variant="backward_dkdv_wgmma"):
+        hopper = _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv)
     pre = "backward_stats" if low else "backward_delta"
     specs = [registry.specialisation(name, inp.dtype.name, inp.d, inp.scores, use_async)
-             for name in (pre,) + BACKWARD_FAMILIES[low]]
+             for name in (pre,) + BACKWARD_FAMILIES["hopper" if hopper else low]]
     k_delta, k_dkdv, k_dq = (s.kernel() for s in specs)
     t, tq = specs[1].tiling, specs[2].tiling
     rows, rows_q = t.RG * t.TM, tq.RG * tq.TM
@@ -245,6 +254,12 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
     delta = inp.empty_like(inp.lead + ((2, n_stats) if low else (n_stats,)), inp.acc_dtype)
     scratch.append(delta)
     launches = []
+    if hopper:
+        for do4, o4, l3, dl3 in inp.kernel_views([dout, out, lse, delta], []):
+            if inp.nq:
+                launches.append((k_delta, (-(-n_stats // k_delta.rows_per_block), do4.shape[0] * do4.shape[1]),
+                                 32 * k_delta.rows_per_block, 0, (do4, o4, l3, dl3), inp.stream))
+        return launches + _hopper_backward_launches(inp, specs[1:], hopper, delta, slopes, score_args)
     for q4, do4, o4, l3, dl3, dq4, s3, k4, v4, dk4, dv4 in inp.kernel_views(
             [q, dout, out, lse, delta, dq, slopes], [k, v, dk, dv]):
         b = q4.shape[0] * q4.shape[1]
@@ -261,4 +276,47 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch):
         if inp.nq:
             launches.append((k_dq, grid(inp, inp.nq, b, rows_q, tq.DO), tq.threads, specs[2].smem_bytes,
                              (q4, k4, v4, do4, *stats, dq4, dq4, scale_log2, scale_t, *tail, 1), inp.stream))
+    return launches
+
+
+def _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv):
+    """The Hopper backward's operands per view (``_heads_views``: K/V head ``h // group``
+    read by the kernels themselves): the tensor maps of the dK/dV kernel's row operands
+    K, V (``BR``-row boxes) and column operands Q, dO (``BC``), those of the dQ kernel (the
+    other way round), and dQ, dK, dV as pairs of 16-bit values; None where the TMA cannot
+    describe a view or an output does not pair (the next family takes the call)."""
+    t = backward_wgmma.TILING
+    views = _heads_views(inp, [q, dout, dq, k, v, dk, dv])
+    found = []
+    for q4, do4, dq4, k4, v4, dk4, dv4 in views:
+        dkdv_maps = tuple(_tma_map(a, rows) for a, rows in ((k4, t.BR), (v4, t.BR), (q4, t.BC), (do4, t.BC)))
+        dq_maps = tuple(_tma_map(a, rows) for a, rows in ((q4, t.BR), (do4, t.BR), (k4, t.BC), (v4, t.BC)))
+        pairs = tuple(_arrays.pairs_view(a) for a in (dq4, dk4, dv4))
+        if any(x is None for x in dkdv_maps + dq_maps + pairs):    # (arrays compare elementwise)
+            return None
+        found.append((q4.shape[0], q4.shape[1], dkdv_maps, dq_maps, pairs))
+    return found or None
+
+
+def _hopper_backward_launches(inp, specs, views, delta, slopes, score_args):
+    """The Hopper backward's launches after the pre-pass: per view (from
+    :func:`_hopper_backward_views`) the dK/dV kernel, a block per key tile and K/V head,
+    and the dQ kernel, a block per query tile and query head."""
+    t = backward_wgmma.TILING
+    k_dkdv, k_dq = (s.kernel() for s in specs)
+    scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
+    launches = []
+    extra = _heads_views(inp, [delta, slopes])
+    assert len(extra) == len(views), "the stats and slopes views fold as q's"
+    for (x, hq, dkdv_maps, dq_maps, (dq2, dk2, dv2)), (st4, s3) in zip(views, extra):
+        tail = (*score_args, inp.score_tail(s3))
+        common = (inp.nq, inp.nk, inp.group, scale_log2, scale_t, *tail)
+        if inp.nk:
+            g = grid(inp, inp.nk, x * hq // inp.group, t.BR, t.DO)[0]
+            launches.append((k_dkdv, g, t.threads, specs[0].smem_bytes, (*dkdv_maps, st4, dk2, dv2, *common),
+                             inp.stream))
+        if inp.nq:
+            g = grid(inp, inp.nq, x * hq, t.BR, t.DO)[0]
+            launches.append((k_dq, g, t.threads, specs[1].smem_bytes, (*dq_maps, st4, dq2, dq2, *common),
+                             inp.stream))
     return launches

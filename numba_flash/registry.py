@@ -21,7 +21,7 @@ from .kernels.merge import make_merge_finish, make_merge_into
 from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
 from .kernels.forward_mma import smem_elements as mma_smem_elements
-from .kernels import forward_wgmma
+from .kernels import backward_wgmma, forward_wgmma
 
 # Head dims the GPU suite, the PTX tests and the benchmark exercise (any other d works too).
 HEAD_DIMS = (32, 64, 96, 128, 256, 1024)
@@ -261,6 +261,11 @@ def _sig_forward_wgmma(dt, layout):
             f"float32, {_sig_scores('float32')})")
 
 
+def _sig_backward_wgmma(dt, layout):
+    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint8[::1], float32[:, :, :, ::1], uint32[:, :, :, ::1], "
+            f"uint32[:, :, :, ::1], int64, int64, int64, float32, float32, {_sig_scores('float32')})")
+
+
 def _merge_types(dt):
     acc = "float32" if dt in LOW_DTYPES else dt
     return acc, _a4(acc, "A"), _a4("uint16" if dt in LOW_DTYPES else dt, "A"), f"{acc}[:, :, :]"
@@ -335,6 +340,16 @@ VARIANTS = {v.name: v for v in (
             lambda s: make_backward_mma("dq", s.dtype, s.d, s.tiling, s.scores),
             mma_bwd_smem_elements, _sig_backward_mma, LOW_DTYPES, lambda d: d % 8 == 0 and 8 <= d <= MMA_MAX_D,
             direction="backward", async_only=True),
+    Variant("backward_dkdv_wgmma", "backward on Hopper (TMA, wgmma): dK, dV",
+            lambda dt, d, sim: backward_wgmma.TILING,
+            lambda s: backward_wgmma.make_backward_wgmma("dkdv", s.dtype, s.d, s.scores),
+            lambda d, t: backward_wgmma.smem_bytes(d) // 2, _sig_backward_wgmma, LOW_DTYPES,
+            lambda d: d in backward_wgmma.HEAD_DIMS, direction="backward", async_only=True, arch="sm_90a"),
+    Variant("backward_dq_wgmma", "backward on Hopper (TMA, wgmma): dQ",
+            lambda dt, d, sim: backward_wgmma.TILING,
+            lambda s: backward_wgmma.make_backward_wgmma("dq", s.dtype, s.d, s.scores),
+            lambda d, t: backward_wgmma.smem_bytes(d) // 2, _sig_backward_wgmma, LOW_DTYPES,
+            lambda d: d in backward_wgmma.HEAD_DIMS, direction="backward", async_only=True, arch="sm_90a"),
     Variant("backward_delta", "backward pre-pass: delta = rowsum(dO ∘ O)", lambda dt, d, sim: None,
             lambda s: make_delta(s.dtype), lambda d, t: 0, _sig_delta, DTYPES),
     Variant("backward_stats", "tensor-core backward pre-pass: delta and lse in log2 units, padded rows",
@@ -452,11 +467,11 @@ def hopper_choice():
     return value
 
 
-def uses_hopper(dtype_name, d, cc, simulator=SIMULATOR):
-    """Whether the forward of these inputs runs on the Hopper family (``forward_wgmma``):
-    16-bit inputs, a head dim it takes, and ``hopper_choice()`` with the device's compute
-    capability ``cc``."""
-    if dtype_name not in LOW_DTYPES or not VARIANTS["forward_wgmma"].head_dims(d):
+def uses_hopper(dtype_name, d, cc, simulator=SIMULATOR, variant="forward_wgmma"):
+    """Whether these inputs run on the Hopper family (``variant``: ``forward_wgmma``, or
+    the backward's ``backward_dkdv_wgmma``): 16-bit inputs, a head dim it takes, and
+    ``hopper_choice()`` with the device's compute capability ``cc``."""
+    if dtype_name not in LOW_DTYPES or not VARIANTS[variant].head_dims(d):
         return False
     choice = hopper_choice()
     return choice == "1" or (choice == "auto" and not simulator and cc is not None and tuple(cc[:2]) == (9, 0))
@@ -526,7 +541,7 @@ def _shape_key(t, d):
         return (t,)
     if isinstance(t, (MmaTiling, MmaBwdTiling)):
         return (t, d if d in MMA_FAST_DIMS else None)
-    if isinstance(t, forward_wgmma.WgmmaTiling):
+    if isinstance(t, (forward_wgmma.WgmmaTiling, backward_wgmma.WgmmaBwdTiling)):
         return (t, d)
     return (t.TM, t.TN, t.CG, t.RG, d <= t.DK, d <= t.DO)
 
