@@ -59,6 +59,8 @@ def _families(cc):
             line += f", decoding (<= {registry.SPLIT_ROWS} query rows) {dec.variant}"
         back = "backward_dkdv_mma + backward_dq_mma" if dt in registry.LOW_DTYPES else (
             "backward_dkdv_simt + backward_dq_simt")
+        if dt in registry.LOW_DTYPES and registry.uses_hopper(dt, 128, cc, variant="backward_dkdv_wgmma"):
+            back = "backward_dkdv_wgmma + backward_dq_wgmma (d 64 and 128; others: backward_*_mma)"
         rows.append(f"{line}, backward {back}")
     return rows
 

@@ -237,3 +237,92 @@ def test_gpu_large_shapes(lead, nq, nk, d, dtype, causal):
     grads = _run(case, q, k, v, dout, on_device=True)
     check_backward_low(grads, dout, q, k, v, causal, None)
     assert [bits(g) for g in _run(case, q, k, v, dout, on_device=True)] == [bits(g) for g in grads]
+
+
+# --------------------------------------------------------------------------- the Hopper family
+def _hopper_gpu():
+    if not ON_GPU:
+        return False
+    from numba import cuda
+    return cuda.get_current_device().compute_capability == (9, 0)
+
+
+def _hopper_run(monkeypatch, case, q, k, v, dout, on_device=False, **options):
+    """The backward with the Hopper family forced on, asserting that its launches were the
+    call's (no silent fallback to ``mma.sync``); out and lse from the float64 oracle (in
+    the simulator a forward costs as much as the backward)."""
+    from numba_flash import families
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    seen = []
+    real = families._hopper_backward_launches
+    monkeypatch.setattr(families, "_hopper_backward_launches", lambda *a: seen.append(1) or real(*a))
+    options = dict(causal=case.causal, scale=case.scale, **options)
+    out, lse = reference.attention_fwd(*(np.asarray(x, np.float64) for x in (q, k, v)), **options)
+    args = (dout, q, k, v, out.astype(q.dtype), lse.astype(np.float32))
+    if on_device:
+        args = tuple(numba_flash.to_device(x) for x in args)
+    grads = numba_flash.attention_bwd(*args, **options)
+    assert seen, "the Hopper backward did not take the call"
+    return tuple(host(g) for g in grads) if on_device else grads
+
+
+def _grouped(case, hkv):
+    """The case's inputs with ``hkv`` K/V heads for its query heads (the last lead axis)."""
+    q, k, v, dout = case.inputs()
+    return q, k[..., :hkv, :, :].copy(), v[..., :hkv, :, :].copy(), dout
+
+
+HOPPER_CASES = [    # ragged against the family's 128-row blocks and 64-column tiles
+    (BCase((1, 2), 130, 70, 64, "bfloat16", causal=True, magnitude=2.0, seed=41), 1),   # 2 query blocks; 2 -> 1 heads
+    (BCase((1,), 40, 200, 128, "float16", scale=0.3, seed=42), 1),                      # the ring wraps
+]
+
+
+@pytest.mark.parametrize("case,hkv", HOPPER_CASES, ids=["causal-130x70-d64-gqa", "full-40x200-d128"])
+def test_hopper_backward_through_the_api(case, hkv, monkeypatch):
+    """The Hopper backward (``backward_wgmma``) forced on: in the simulator through
+    ``ops_hopper``'s twins, on a GPU of cc 9.0; grouped heads summed into dk, dv."""
+    if ON_GPU and not _hopper_gpu():
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    q, k, v, dout = _grouped(case, hkv)
+    grads = _hopper_run(monkeypatch, case, q, k, v, dout)
+    check_backward_low(grads, dout, q, k, v, case.causal, case.scale)
+
+
+def test_hopper_backward_score_rules(monkeypatch):
+    """The Hopper backward with a window, softcap and ALiBi on grouped heads."""
+    if ON_GPU and not _hopper_gpu():
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    case = BCase((2,), 70, 90, 64, "bfloat16", magnitude=2.0, seed=43)
+    q, k, v, dout = _grouped(case, 1)
+    options = dict(window=(30, 5), softcap=4.0, alibi_slopes=np.array([0.5, 0.25], np.float32))
+    grads = _hopper_run(monkeypatch, case, q, k, v, dout, **options)
+    check_backward_low(grads, dout, q, k, v, dict(options, causal=False), None)
+
+
+HOPPER_GPU_SHAPES = [s for s in GPU_SHAPES if registry.VARIANTS["backward_dkdv_wgmma"].head_dims(s[3])] + [
+    ((1, 4), 4096, 4096, 128, "bfloat16", True),
+    ((2, 2), 1000, 3000, 64, "bfloat16", False),
+]
+
+
+@pytest.mark.parametrize("lead,nq,nk,d,dtype,causal", HOPPER_GPU_SHAPES,
+                         ids=[f"{'x'.join(map(str, s[0]))}-{s[1]}x{s[2]}-d{s[3]}-{s[4]}-{'causal' if s[5] else 'full'}"
+                              for s in HOPPER_GPU_SHAPES])
+def test_gpu_hopper_backward(lead, nq, nk, d, dtype, causal, monkeypatch):
+    """The Hopper backward at GPU sizes: against the oracle, bitwise the same run to run,
+    and within rounding of the ``mma.sync`` family's gradients."""
+    if not _hopper_gpu():
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    case = BCase(lead, nq, nk, d, dtype, causal=causal, seed=nq + 5 * nk + d)
+    q, k, v, dout = case.inputs()
+    grads = _hopper_run(monkeypatch, case, q, k, v, dout, on_device=True)
+    check_backward_low(grads, dout, q, k, v, causal, None)
+    assert [bits(g) for g in _hopper_run(monkeypatch, case, q, k, v, dout, on_device=True)] == \
+        [bits(g) for g in grads]
+    monkeypatch.setenv(registry.HOPPER_ENV, "0")
+    other = _run(case, q, k, v, dout, on_device=True)
+    for name, g, o in zip(("dq", "dk", "dv"), grads, other):
+        g64, o64 = g.astype(np.float64), o.astype(np.float64)
+        size = max(1.0, float(np.abs(o64).max()))
+        assert np.abs(g64 - o64).max() <= 8 * float(ml_dtypes.finfo(g.dtype).eps) * size, name

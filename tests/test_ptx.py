@@ -22,7 +22,10 @@ HOPPER = {n for n in EXPECTED if registry.VARIANTS[n.split("/")[0]].arch == "sm_
 FORWARD = "forward_simt"
 MMA = "forward_mma"
 MMA_BACKWARD = ("backward_dkdv_mma/", "backward_dq_mma/")
-HOPPER_FEATURES = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier", "setmaxnreg")
+HOPPER_FEATURES = ("wgmma.mma_async", "cp.async.bulk.tensor", "mbarrier")
+# kernels with a producer warpgroup that gives its registers to the consumers (the backward's
+# blocks are two consumer warpgroups, one of whose threads issues the loads: no setmaxnreg)
+WARP_SPECIALISED = ("forward_wgmma/",)
 
 
 def _layout_a_filters():
@@ -114,6 +117,8 @@ def _check_row(r):
         for feature in HOPPER_FEATURES:
             if r[feature] == 0:
                 bad.append(f"no {feature} in a Hopper kernel")
+        if name.startswith(WARP_SPECIALISED) and r["setmaxnreg"] == 0:
+            bad.append("no setmaxnreg in a warp-specialised Hopper kernel")
     elif name.endswith("/async") and r["cp.async"] == 0:
         bad.append("an /async kernel without cp.async")
     if name.endswith("/plain") and r["cp.async"] != 0:
@@ -191,6 +196,10 @@ KNOWN_SPILLS = {
             "forward_simt/float32/d64/causal+packed+paged/async": 160,
             "forward_simt/float32/d64/window+softcap+alibi/async": 56,
             "backward_dkdv_simt/float64/d96/full/plain": 8},
+    # the dK/dV accumulators (128 registers at d = 128) with S, dP and the causal mask's
+    # indices: 255 registers and a few spilled (docs/performance.md item 35)
+    "9.0a": {"backward_dkdv_wgmma/float16/d128/causal/async": 32,
+             "backward_dkdv_wgmma/bfloat16/d128/causal/async": 32},
 }
 
 
