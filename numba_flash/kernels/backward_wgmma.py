@@ -90,8 +90,9 @@ def smem_bytes(D):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec):
-    """The ``dkdv`` or ``dq`` kernel for one dtype, head dim and score rules."""
+def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, dv_early: bool = True):
+    """The ``dkdv`` or ``dq`` kernel for one dtype, head dim and score rules; ``dv_early``:
+    dK/dV computes dS while dV's product runs (else after it: fewer registers)."""
     assert kind in KINDS and D in HEAD_DIMS, (kind, D)
     DKDV = kind == "dkdv"
     NSUB, SUB_R, SUB_C, RA_OFF, RB_OFF, CA_OFF, CB_OFF, ST_OFF, BAR_OFF = _layout(D)
@@ -263,7 +264,10 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec):
                 H.wgmma_fence()
                 b0_, b1_ = column_product(b0_, b1_, ps, cb_at)
                 H.wgmma_commit()
-                wait1()                              # dP done (dV may still run)
+                if dv_early:
+                    wait1()                          # dP done (dV may still run)
+                else:
+                    wait0()
             else:
                 wait0()
             H.to_array(acc_dp, dp)
