@@ -12,9 +12,9 @@ shape, float32 and bfloat16 only; ``--low``: float16 and bfloat16 only (the tens
 kernels); ``--serving``: the packed-row kernels instead (a varlen batch forward and
 backward, contiguous and paged KV caches with appends, the one-warp decoding kernel with
 key splits forced, grouped query heads, merge_attention), every dtype they take;
-``--hopper``: the Hopper forward family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU)
-at ragged shapes of the head dims it takes, float16 and bfloat16, on a grid of three
-persistent blocks (each takes several work items; ``--quick``: the first shape only),
+``--hopper``: the Hopper family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU), forward
+and backward, at ragged shapes of the head dims it takes, float16 and bfloat16, the
+forward on a grid of three persistent blocks (each takes several work items; ``--quick``: the first shape only),
 then block masks (an exact one, masked by its rows' runs, and one with holes, whose
 ``mask_mod`` the kernel calls) on the first shape, forward and backward. ``--masks``: the
 block masks alone (every dtype, or as ``--low``/``--hopper`` say), a run short enough for
