@@ -46,6 +46,7 @@ from .forward import Tiling
 from .tiles import PAD
 
 KINDS = ("dkdv", "dq")
+ZERO32 = np.float32(0)
 
 
 def _same(x):
@@ -86,6 +87,33 @@ def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, scores:
         c_start = c_begin // C
         return b1, (b - b1 * BG) * group, r0, c_start, max((max(c_stop, 0) + C - 1) // C - c_start, 0)
     return place if SIMULATOR else cuda.jit(device=True, inline="always")(place)
+
+
+def make_probability(dkdv: bool, score, row_keys, in_row, block_rows):
+    """``probability(x, row, col, lse_log2, masked, geo, diag, sc, slopes, b1, b2)``: ``(P,
+    d score)`` of the raw product ``x`` of block row ``row`` and column ``col`` (dK/dV: a
+    key and a query; dQ: a query and a key), ``P = exp2(score − lse_log2)``, 0 where the
+    rules hide the pair (checked only in ``masked`` tiles; dQ: with an exact block mask's
+    row runs too), for the tensor-core backward kernels (``device_rules``' functions and
+    ``block_row_rules``' ``block_rows``)."""
+    def probability(x, row, col, lse_log2, masked, geo, diag, sc, slopes, b1, b2):
+        if dkdv:                            # row = key, col = query
+            y, grad = score(x, col, row, diag, sc)
+        else:                               # row = query, col = key
+            y, grad = score(x, row, col, diag, sc)
+        p = ops.exp2_approx(y - lse_log2)   # 0 for padding and key-less queries (lse +inf)
+        if masked:
+            if dkdv:
+                lo, hi = row_keys(col, geo)
+                seen = in_row(row, lo, hi)
+            else:
+                lo, hi = row_keys(row, geo)
+                lo, hi = block_rows(slopes, b1, b2, row, lo, hi)
+                seen = in_row(col, lo, hi)
+            if not seen:
+                p = ZERO32
+        return p, grad
+    return probability if SIMULATOR else cuda.jit(device=True, inline="always")(probability)
 
 
 def make_column_tiles(dkdv: bool, scores: ScoreSpec, full_tiles: bool = True):

@@ -34,7 +34,7 @@ from numba import cuda
 from .. import ops
 from .._runtime import SIMULATOR
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, device_rules
-from .backward import make_block_place, make_column_tiles
+from .backward import make_block_place, make_column_tiles, make_probability
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
 KINDS = ("dkdv", "dq")
@@ -131,6 +131,7 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     # memory: a 256-byte stack, measured offline; its full tiles call mask_mod)
     column_total, column_next, column_at, column_consts = make_column_tiles(DKDV, scores, full_tiles=DKDV)
     block_rows, block_tile = block_row_rules(scores)
+    probability = make_probability(DKDV, score, row_keys, in_row, block_rows)
     copy_r = make_copy_rows(D, NT, BR)
     copy_c = make_copy_rows(D, NT, BC)
 
@@ -246,25 +247,13 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
                 for e in range(4):
                     row = r0 + wr + g + 8 * (e >> 1)
                     col = c0 + 8 * n + 2 * tq + (e & 1)
-                    if DKDV:            # row = key, col = query
-                        y, grad = score(s[0, n, e], col, row, diag, sc)
-                        lse_e = smem_f[st_slot + 8 * n + 2 * tq + (e & 1)]     # the columns are queries
+                    if DKDV:            # the columns are queries
+                        lse_e = smem_f[st_slot + 8 * n + 2 * tq + (e & 1)]
                         delta_e = smem_f[st_slot + BC + 8 * n + 2 * tq + (e & 1)]
-                    else:               # row = query, col = key
-                        y, grad = score(s[0, n, e], row, col, diag, sc)
+                    else:
                         lse_e = row_lse[e >> 1]
                         delta_e = row_delta[e >> 1]
-                    p = ops.exp2_approx(y - lse_e)          # 0 for padding and key-less queries
-                    if masked:
-                        if DKDV:
-                            lo, hi = row_keys(col, geo)
-                            seen = in_row(row, lo, hi)
-                        else:
-                            lo, hi = row_keys(row, geo)
-                            lo, hi = block_rows(slopes, b1, b2, row, lo, hi)
-                            seen = in_row(col, lo, hi)
-                        if not seen:
-                            p = ZERO
+                    p, grad = probability(s[0, n, e], row, col, lse_e, masked, geo, diag, sc, slopes, b1, b2)
                     s[0, n, e] = p
                     dp[0, n, e] = p * (dp[0, n, e] - delta_e) * grad
 

@@ -38,8 +38,8 @@ from numba import cuda
 from .. import ops
 from .. import ops_hopper as H
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, device_rules
-from .backward import make_block_place, make_column_tiles
-from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_row, wait_phase
+from .backward import make_block_place, make_column_tiles, make_probability
+from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_rows, wait_phase
 
 KINDS = ("dkdv", "dq")
 BR, BC = 128, 64              # rows per block (64 per warpgroup), columns per streamed tile
@@ -104,12 +104,13 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
     zeros = H.accumulator(64)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    store_row = make_store_row(dtype_name)
+    store_rows = make_store_rows(dtype_name, D)
     row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=not DKDV)
     place = make_block_place(DKDV, BR, BC, key_range, query_range, scores)
     column_total, column_next, column_at, column_consts = make_column_tiles(DKDV, scores, full_tiles=DKDV)
     block_rows, block_tile = block_row_rules(scores)
+    probability = make_probability(DKDV, score, row_keys, in_row, block_rows)
     F32 = numba.float32
     ZERO, ONE = F32(0), F32(1)
 
@@ -239,25 +240,11 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
             for i in range(NS):
                 row = row0 + 8 * ((i >> 1) & 1)
                 col = c0 + 8 * (i >> 2) + 2 * tq4 + (i & 1)
-                if DKDV:                             # row = key, col = query
-                    y, grad = score(s[i], col, row, diag, sc)
+                if DKDV:                             # the columns are queries
                     lse_e = smf[stf + slot * 2 * BC + 8 * (i >> 2) + 2 * tq4 + (i & 1)]
-                else:                                # row = query, col = key
-                    y, grad = score(s[i], row, col, diag, sc)
+                else:
                     lse_e = lse1 if (i >> 1) & 1 else lse0
-                p = ops.exp2_approx(y - lse_e)       # 0 for padding and key-less queries
-                if masked:
-                    if DKDV:
-                        lo, hi = row_keys(col, geo)
-                        seen = in_row(row, lo, hi)
-                    else:
-                        lo, hi = row_keys(row, geo)
-                        lo, hi = block_rows(slopes, b1, b2q, row, lo, hi)
-                        seen = in_row(col, lo, hi)
-                    if not seen:
-                        p = ZERO
-                s[i] = p
-                gr[i] = grad
+                s[i], gr[i] = probability(s[i], row, col, lse_e, masked, geo, diag, sc, slopes, b1, b2q)
             for k in range(NP):
                 ps[k] = pack(s[2 * k], s[2 * k + 1])
             if DKDV:                                 # dV += Pᵀ dO while dS is computed
@@ -294,24 +281,10 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
             gi, jc, c = gi1, jc1, c1
             gi1, jc1, c1 = gi2, jc2, c2
 
-        # ---- epilogue: dK = scale · a, dV = b   |   dQ = scale · a (each row written out: the
-        # accumulators are indexed by constants only) ---------------------------------------------
-        if row0 < n_rows:
-            store_row(ga[b1, row_head, row0], a0, 0, scale, tq4, 0)
-            if NSUB == 2:
-                store_row(ga[b1, row_head, row0], a1, 0, scale, tq4, 32)
-            if DKDV:
-                store_row(gb[b1, row_head, row0], b0_, 0, ONE, tq4, 0)
-                if NSUB == 2:
-                    store_row(gb[b1, row_head, row0], b1_, 0, ONE, tq4, 32)
-        if row0 + 8 < n_rows:
-            store_row(ga[b1, row_head, row0 + 8], a0, 1, scale, tq4, 0)
-            if NSUB == 2:
-                store_row(ga[b1, row_head, row0 + 8], a1, 1, scale, tq4, 32)
-            if DKDV:
-                store_row(gb[b1, row_head, row0 + 8], b0_, 1, ONE, tq4, 0)
-                if NSUB == 2:
-                    store_row(gb[b1, row_head, row0 + 8], b1_, 1, ONE, tq4, 32)
+        # ---- epilogue: dK = scale · a, dV = b   |   dQ = scale · a ---------------------------------
+        store_rows(ga, b1, row_head, row0, n_rows, a0, a1, scale, scale, tq4)
+        if DKDV:
+            store_rows(gb, b1, row_head, row0, n_rows, b0_, b1_, ONE, ONE, tq4)
 
     backward.smem_bytes = smem_bytes(D)
     return backward

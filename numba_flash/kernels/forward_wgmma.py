@@ -48,7 +48,7 @@ from .. import ops, warp
 from .. import ops_hopper as H
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules, mask_rule
 from .forward import LN2
-from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_row, wait_phase
+from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_rows, wait_phase
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
@@ -144,7 +144,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     give, take = H.setmaxnreg(24, False), H.setmaxnreg(240, True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    store_row = make_store_row(dtype_name)
+    store_rows = make_store_rows(dtype_name, D)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None
@@ -472,14 +472,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
             inv0 = ZERO if l0 == ZERO else F32(1) / l0   # no visible key: 0, lse -inf
             inv1 = ZERO if l1 == ZERO else F32(1) / l1
-            if row0 < Nq:
-                store_row(out[b1, b2, row0], o0, 0, inv0, tq4, 0)
-                if NSUB == 2:
-                    store_row(out[b1, b2, row0], o1, 0, inv0, tq4, 32)
-            if row0 + 8 < Nq:
-                store_row(out[b1, b2, row0 + 8], o0, 1, inv1, tq4, 0)
-                if NSUB == 2:
-                    store_row(out[b1, b2, row0 + 8], o1, 1, inv1, tq4, 32)
+            store_rows(out, b1, b2, row0, Nq, o0, o1, inv0, inv1, tq4)
             if tq4 == 0:
                 if row0 < Nq:
                     lse[b1, b2, row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T

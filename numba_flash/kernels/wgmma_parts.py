@@ -89,3 +89,25 @@ def make_store_row(dtype_name: str):
         for t in range(8):
             orow[c0 + 4 * t + tq4] = pack(o[4 * t + 2 * h] * inv, o[4 * t + 2 * h + 1] * inv)
     return store_row
+
+
+@functools.lru_cache(maxsize=None)
+def make_store_rows(dtype_name: str, D: int):
+    """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
+    a 64 × ``D`` accumulator (two 64-column halves ``o0, o1``; ``o1`` unused at ``D = 64``)
+    into rows ``row0`` (times ``inv0``) and ``row0 + 8`` (times ``inv1``) of ``out[b1,
+    b2]``, a uint32 pairs view, rows from ``n_rows`` on left out; each row and half
+    written out by :func:`make_store_row`."""
+    store_row = make_store_row(dtype_name)
+
+    @cuda.jit(device=True, inline=True)
+    def store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
+        if row0 < n_rows:
+            store_row(out[b1, b2, row0], o0, 0, inv0, tq4, 0)
+            if D == 128:
+                store_row(out[b1, b2, row0], o1, 0, inv0, tq4, 32)
+        if row0 + 8 < n_rows:
+            store_row(out[b1, b2, row0 + 8], o0, 1, inv1, tq4, 0)
+            if D == 128:
+                store_row(out[b1, b2, row0 + 8], o1, 1, inv1, tq4, 32)
+    return store_rows
