@@ -39,7 +39,7 @@ from numba import cuda
 
 from .. import ops, warp
 from .._runtime import SIMULATOR
-from ..scores import (LOG2E, ScoreSpec, block_key_lists, block_query_lists, block_row_rules, block_rules,
+from ..scores import (LOG2E, SOFTCAP_TANH, ScoreSpec, block_key_lists, block_query_lists, block_row_rules, block_rules,
                       device_rules, has_lists)
 from . import tiles
 from .forward import Tiling
@@ -87,6 +87,24 @@ def make_block_place(dkdv: bool, R: int, C: int, key_range, query_range, scores:
         c_start = c_begin // C
         return b1, (b - b1 * BG) * group, r0, c_start, max((max(c_stop, 0) + C - 1) // C - c_start, 0)
     return place if SIMULATOR else cuda.jit(device=True, inline="always")(place)
+
+
+def make_tile_rules(dkdv: bool, dtype_name: str, scores: ScoreSpec, R: int, C: int):
+    """The score rules as a tensor-core backward kernel (``backward_mma``, ``backward_wgmma``;
+    ``R`` rows per block, ``C`` columns per tile) uses them: ``(place, (column_total,
+    column_next, column_at, column_consts), probability, tile_needs_mask, block_tile,
+    score_consts)`` (:func:`make_block_place`, :func:`make_column_tiles`,
+    :func:`make_probability`, ``device_rules``, ``block_row_rules``). dQ blocks mask by an
+    exact block mask's row runs (dK/dV blocks call ``mask_mod``)."""
+    row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
+        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=not dkdv)
+    place = make_block_place(dkdv, R, C, key_range, query_range, scores)
+    # (the full tiles' flag left the mma.sync dQ kernel's score loop rolled, its tiles in
+    # local memory: a 256-byte stack, measured offline; its full tiles call mask_mod)
+    columns = make_column_tiles(dkdv, scores, full_tiles=dkdv)
+    block_rows, block_tile = block_row_rules(scores)
+    probability = make_probability(dkdv, score, row_keys, in_row, block_rows)
+    return place, columns, probability, tile_needs_mask, block_tile, score_consts
 
 
 def make_probability(dkdv: bool, score, row_keys, in_row, block_rows):

@@ -33,8 +33,8 @@ from numba import cuda
 
 from .. import ops
 from .._runtime import SIMULATOR
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, device_rules
-from .backward import make_block_place, make_column_tiles, make_probability
+from ..scores import ScoreSpec
+from .backward import make_tile_rules
 from .mma_parts import ROW_PAD, device, make_copy_rows, make_fragments, make_mma_pair, operand_kinds, padded_dim
 
 KINDS = ("dkdv", "dq")
@@ -123,15 +123,9 @@ def make_backward_mma(kind: str, dtype_name: str, D: int, t: MmaBwdTiling, score
     ZERO = F32(0)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
-    # dQ blocks mask by an exact block mask's row runs (dK/dV blocks call mask_mod)
-    row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
-        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=not DKDV)
-    place = make_block_place(DKDV, BR, BC, key_range, query_range, scores)
-    # (the full tiles' flag left the dQ kernel's score loop rolled, its tiles in local
-    # memory: a 256-byte stack, measured offline; its full tiles call mask_mod)
-    column_total, column_next, column_at, column_consts = make_column_tiles(DKDV, scores, full_tiles=DKDV)
-    block_rows, block_tile = block_row_rules(scores)
-    probability = make_probability(DKDV, score, row_keys, in_row, block_rows)
+    place, columns, probability, tile_needs_mask, block_tile, score_consts = make_tile_rules(
+        DKDV, dtype_name, scores, BR, BC)
+    column_total, column_next, column_at, column_consts = columns
     copy_r = make_copy_rows(D, NT, BR)
     copy_c = make_copy_rows(D, NT, BC)
 

@@ -37,8 +37,8 @@ from numba import cuda
 
 from .. import ops
 from .. import ops_hopper as H
-from ..scores import SOFTCAP_TANH, ScoreSpec, block_row_rules, device_rules
-from .backward import make_block_place, make_column_tiles, make_probability
+from ..scores import ScoreSpec
+from .backward import make_tile_rules
 from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_rows, wait_phase
 
 KINDS = ("dkdv", "dq")
@@ -105,12 +105,9 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     store_rows = make_store_rows(dtype_name, D)
-    row_keys, in_row, key_range, query_range, tile_needs_mask, score, score_consts = device_rules(
-        scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=not DKDV)
-    place = make_block_place(DKDV, BR, BC, key_range, query_range, scores)
-    column_total, column_next, column_at, column_consts = make_column_tiles(DKDV, scores, full_tiles=DKDV)
-    block_rows, block_tile = block_row_rules(scores)
-    probability = make_probability(DKDV, score, row_keys, in_row, block_rows)
+    place, columns, probability, tile_needs_mask, block_tile, score_consts = make_tile_rules(
+        DKDV, dtype_name, scores, BR, BC)
+    column_total, column_next, column_at, column_consts = columns
     F32 = numba.float32
     ZERO, ONE = F32(0), F32(1)
 
