@@ -251,8 +251,9 @@ def _hopper_run(monkeypatch, case, q, k, v, dout, on_device=False, **options):
     """The backward with the Hopper family forced on, asserting that its launches were the
     call's (no silent fallback to ``mma.sync``); out and lse from the float64 oracle (in
     the simulator a forward costs as much as the backward)."""
-    from numba_flash import families
+    from numba_flash import _plans, families
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setattr(_plans, "_PLANS", {})      # a fresh plan: a remembered one skips the planner
     seen = []
     real = families._hopper_backward_launches
     monkeypatch.setattr(families, "_hopper_backward_launches", lambda *a: seen.append(1) or real(*a))

@@ -198,8 +198,8 @@ KNOWN_SPILLS = {
             "backward_dkdv_simt/float64/d96/full/plain": 8},
     # the dK/dV accumulators (128 registers at d = 128) with S, dP and the causal mask's
     # indices: 255 registers and a few spilled (docs/performance.md item 35)
-    "9.0a": {"backward_dkdv_wgmma/float16/d128/causal/async": 32,
-             "backward_dkdv_wgmma/bfloat16/d128/causal/async": 32},
+    "9.0a": {"backward_dkdv_wgmma/float16/d128/causal/async": 16,
+             "backward_dkdv_wgmma/bfloat16/d128/causal/async": 16},
 }
 
 

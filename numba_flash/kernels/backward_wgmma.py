@@ -90,10 +90,14 @@ def smem_bytes(D):
 
 
 @functools.lru_cache(maxsize=None)
-def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, dv_early: bool = True):
+def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, dv_early=None):
     """The ``dkdv`` or ``dq`` kernel for one dtype, head dim and score rules; ``dv_early``:
-    dK/dV computes dS while dV's product runs (else after it: fewer registers)."""
+    dK/dV computes dS while dV's product runs (else after it: fewer registers). By default
+    on for d = 64 only: on the H200 (bf16, kernels alone) it gained 1.2 % at d = 64 and lost
+    3 % at d = 128 (3.744 against 3.632 ms at (4,16,4096,128); docs/performance.md)."""
     assert kind in KINDS and D in HEAD_DIMS, (kind, D)
+    if dv_early is None:
+        dv_early = D == 64
     DKDV = kind == "dkdv"
     NSUB, SUB_R, SUB_C, RA_OFF, RB_OFF, CA_OFF, CB_OFF, ST_OFF, BAR_OFF = _layout(D)
     ROW_BYTES, COL_BYTES = 2 * NSUB * SUB_R, 2 * NSUB * SUB_C     # what each barrier's loads bring
