@@ -11,7 +11,8 @@ import sys
 from importlib import metadata
 
 PACKAGES = ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "ml_dtypes", "torch", "cupy", "jax")
-ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES", "NUMBA_FLASH_CACHE",
+ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES", "NUMBA_FLASH_FAST_ANALYSIS",
+       "NUMBA_FLASH_CACHE",
        "NUMBA_FLASH_CACHE_DIR", "CUDA_VISIBLE_DEVICES")
 
 
@@ -84,16 +85,16 @@ def _kernel_cache_line():
 def report() -> str:
     """The report, as text."""
     import numba_flash
-    from . import _inline_copies, registry
+    from . import _fast_analysis, _inline_copies, registry
     lines = [f"numba_flash {numba_flash.__version__} ({os.path.dirname(numba_flash.__file__)})",
              f"python {sys.version.split()[0]} on {platform.platform()}"]
     lines += [f"{name} {_version(name)}" for name in PACKAGES if _version(name)]
     device, cc, _ = _device()
     lines += device
     lines.append(f"Hopper family choice: {registry.hopper_choice()} (NUMBA_FLASH_HOPPER)")
-    lines.append("faster kernel compiles (numba_flash._inline_copies): "
-                 + ("on" if _inline_copies._installed else "off" + (" (the simulator compiles nothing)"
-                                                                    if numba_flash.SIMULATOR else "")))
+    fast = _inline_copies._installed and bool(_fast_analysis._originals)
+    lines.append("faster kernel compiles (numba_flash._inline_copies, _fast_analysis): "
+                 + ("on" if fast else "off" + (" (the simulator compiles nothing)" if numba_flash.SIMULATOR else "")))
     lines.append(_kernel_cache_line())
     lines.append("environment: " + (", ".join(f"{n}={os.environ[n]}" for n in ENV if n in os.environ) or "none set"))
     lines.append("kernels for this device (head dim 128 for 16-bit, 64 otherwise):")

@@ -197,7 +197,8 @@ KNOWN_SPILLS = {
             "forward_simt/float32/d64/window+softcap+alibi/async": 56,
             "backward_dkdv_simt/float64/d96/full/plain": 8},
     # the dK/dV accumulators (128 registers at d = 128) with S, dP and the causal mask's
-    # indices: 255 registers and a few spilled (docs/performance.md item 35)
+    # indices: 255 registers and a few spilled (docs/performance.md item 35). In the SASS all
+    # of it is outside the main loop (4 STL before it, 2 LDL after it, 2 between set-up steps)
     "9.0a": {"backward_dkdv_wgmma/float16/d128/causal/async": 16,
              "backward_dkdv_wgmma/bfloat16/d128/causal/async": 16},
 }

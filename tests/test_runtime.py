@@ -8,6 +8,7 @@ import sys
 import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import numba_flash  # noqa: F401  (before numba: decides the simulator)
@@ -80,26 +81,64 @@ def test_import_numba_first():
         assert got["where"] == [["<string>", 5]]
 
 
-def test_shared_scope_copies_compile_the_same_code():
-    """numba_flash._inline_copies (installed at import, outside the simulator) makes the
-    inliner's IR copies cheaper, not different: a kernel built from inlined device functions
-    compiles to the same PTX with and without it (but for the names Numba numbers per
-    compile)."""
+def test_faster_compiles_compile_the_same_code():
+    """numba_flash._inline_copies and _fast_analysis (installed at import, outside the
+    simulator) make the inliner's IR copies, the liveness analysis and the SSA rewrites
+    cheaper, not different: every liveness map computed while a kernel built from inlined
+    device functions compiles equals numba's own, set for set, and the kernel compiles to
+    the same PTX with and without them (but for the names Numba numbers per compile)."""
     code = (
         "import re\n"
-        "from numba_flash import _inline_copies, ptx, registry\n"
-        "assert _inline_copies._installed\n"
+        "from numba.cuda.core import analysis, ir_utils\n"
+        "from numba_flash import _fast_analysis, _inline_copies, ptx, registry\n"
+        "assert _inline_copies._installed and _fast_analysis._originals\n"
+        "numba_live_map, checked = _fast_analysis._originals['compute_live_map'], []\n"
+        "def both(*args):\n"
+        "    ours, theirs = _fast_analysis.compute_live_map(*args), numba_live_map(*args)\n"
+        "    assert ours == theirs and list(ours) == list(theirs)\n"
+        "    checked.append(len(ours))\n"
+        "    return ours\n"
+        "analysis.compute_live_map = ir_utils.compute_live_map = both\n"
         "spec = registry.specialisation('forward_simt', 'float32', 32, registry.FULL, True, False)\n"
         "norm = lambda t: re.sub(r'_cudapy_smem_[0-9]+', 'S', re.sub(r'_ZN[0-9A-Za-z_]+', 'Z', t))\n"
         "with_patch = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
+        "_fast_analysis.uninstall()\n"
         "_inline_copies.uninstall()\n"
         "without = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
-        "print(with_patch == without, len(without), with_patch.count('fma.rn'))\n")
+        "print(with_patch == without, len(without), with_patch.count('fma.rn'), len(checked), max(checked))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    same, size, fmas = proc.stdout.split()
+    same, size, fmas, maps, blocks = proc.stdout.split()
     assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
+    assert int(maps) > 50 and int(blocks) > 50, proc.stdout     # the kernel's own IR among them
+
+
+def test_live_map_matches_numba_on_random_graphs():
+    """``_fast_analysis.compute_live_map`` against numba's on random control-flow graphs
+    (loops, unreachable blocks, blocks without variables), set for set."""
+    from numba.cuda.core import analysis
+    from numba.cuda.core.controlflow import CFGraph
+    from numba_flash import _fast_analysis
+    ours = _fast_analysis.compute_live_map
+    theirs = _fast_analysis._originals.get("compute_live_map", analysis.compute_live_map)
+    rng = np.random.default_rng()
+    names = [f"v{i}" for i in range(40)]
+    for _ in range(60):
+        n = int(rng.integers(1, 30))
+        labels = [int(x) for x in rng.permutation(1000)[:n]]
+        cfg = CFGraph()
+        for label in labels:
+            cfg.add_node(label)
+        for label in labels:
+            for succ in rng.choice(labels, size=int(rng.integers(0, 3))):
+                cfg.add_edge(label, int(succ))
+        cfg.set_entry_point(labels[0])
+        cfg.process()
+        pick = lambda: set(rng.choice(names, size=int(rng.integers(0, 6)), replace=False))
+        use, define = {l: pick() for l in labels}, {l: pick() for l in labels}
+        blocks = dict.fromkeys(labels)
+        assert ours(cfg, blocks, use, define) == theirs(cfg, blocks, use, define)
 
 
 def test_python_m_numba_flash_reports_what_a_bug_report_needs():
