@@ -304,6 +304,7 @@ def test_hopper_backward_score_rules(monkeypatch):
 HOPPER_GPU_SHAPES = [s for s in GPU_SHAPES if registry.VARIANTS["backward_dkdv_wgmma"].head_dims(s[3])] + [
     ((1, 4), 4096, 4096, 128, "bfloat16", True),
     ((2, 2), 1000, 3000, 64, "bfloat16", False),
+    ((1,), 16384, 16384, 128, "bfloat16", True),     # the longest rows (the oracle: ~2 GB per N x N matrix)
 ]
 
 
