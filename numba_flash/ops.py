@@ -584,12 +584,21 @@ else:
     def pack_f16x2(lo, hi):
         return _np.uint32(_f16_bits(lo) | (_f16_bits(hi) << 16))
 
+    _HALF_VALUES = {}
+
+    def _half_values(kind):
+        """Every 16-bit pattern's value as a Python float (bf16 or f16): a table, built once."""
+        found = _HALF_VALUES.get(kind)
+        if found is None:
+            bits = _np.arange(1 << 16, dtype=_np.uint32)
+            halves = (bits << 16).view(_np.float32) if kind == "bf16" else bits.astype(_np.uint16).view(_np.float16)
+            found = _HALF_VALUES[kind] = halves.astype(_np.float64).tolist()
+        return found
+
     def _unpack(kind, reg):
         reg = int(reg)
-        halves = (reg & 0xFFFF, reg >> 16)
-        if kind == "bf16":
-            return [float(_np.uint32(h << 16).view(_np.float32)) for h in halves]
-        return [float(_np.uint16(h).view(_np.float16)) for h in halves]
+        values = _half_values(kind)
+        return [values[reg & 0xFFFF], values[reg >> 16]]
 
     def _ldmatrix_sim(trans):
         def ldmatrix(ary, idx):

@@ -3,8 +3,9 @@
 Kernels call ``warp.shfl_xor_sync`` etc. from this module, never ``cuda.shfl_*``
 directly. Compiled, these are numba's own intrinsics. The simulator has none of
 them, so there they are emulated: each lane of a warp writes its value into a
-32-slot buffer, waits for the other participating lanes at a ``threading.Barrier``,
-reads the lane it asked for, and waits once more so the buffer can be reused.
+32-slot buffer, waits for the other participating lanes at a ``threading.Barrier`` and
+reads the lane it asked for; the next exchange uses a second buffer (and the one after it
+the first again, which by then every lane has read).
 
 The emulation leans on two simulator internals (``BlockThread.thread_id`` and
 ``BlockThread._manager``), which is one reason numba-cuda is pinned.
@@ -29,8 +30,12 @@ else:
     _slots_lock = threading.Lock()
 
     class _Slot:
+        """A warp's rendezvous: two value buffers used in turn (a lane writes the next
+        exchange's buffer only after every lane passed this one's barrier, so after every
+        lane read the buffer before it: one barrier per exchange, not two)."""
         def __init__(self, parties):
-            self.values = [None] * 32
+            self.values = ([None] * 32, [None] * 32)
+            self.turn = [0] * 32
             self.barrier = threading.Barrier(parties)
 
     def _slot(thread, mask):
@@ -53,11 +58,12 @@ else:
         t = threading.current_thread()
         lane = t.thread_id % 32
         s = _slot(t, int(mask))
-        s.values[lane] = value
+        buf = s.values[s.turn[lane]]
+        s.turn[lane] ^= 1
+        buf[lane] = value
         try:
             s.barrier.wait(_TIMEOUT_S)
-            values = list(s.values)
-            s.barrier.wait(_TIMEOUT_S)
+            values = list(buf)
         except threading.BrokenBarrierError:
             raise RuntimeError("warp shuffle: a lane named in the mask never arrived "
                                "(a lane returned early or took another branch)") from None
