@@ -39,7 +39,7 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d"]
 
-_TIMEOUT_S = 60.0
+_TIMEOUT_S = 600.0
 _FIRST_BASE = 1024          # the first shared array's fake address: aligned, and 0 stays invalid
 _WINDOW = 1 << 18           # a wgmma descriptor keeps the low 18 bits of a shared address
 _WARPGROUP = 128

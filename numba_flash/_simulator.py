@@ -10,7 +10,8 @@ lock acquisition.
 Here a block instead keeps one condition variable and two counts, its live threads and
 those waiting at the barrier. ``syncthreads`` waits on the condition; the last thread to
 arrive (or to exit, since an exited thread no longer counts, as in the original) releases
-the others; the manager sleeps until no thread is left or one has raised. Same
+the others; the manager sleeps (on a condition of its own, so that threads finishing
+do not wake those at a barrier) until no thread is left or one has raised. Same
 semantics as the original, including what happens on an exception: every other thread
 of the block is aborted at its next barrier and the exception is re-raised by the
 launch, with its traceback.
@@ -30,11 +31,13 @@ from numba.cuda.simulator import kernel as _kernel
 
 class _Block:
     """The barrier state one block's threads share."""
-    __slots__ = ("lock", "cond", "conditions", "live", "nthreads", "waiting", "generation", "failed", "extra")
+    __slots__ = ("lock", "cond", "done", "conditions", "live", "nthreads", "waiting", "generation", "failed",
+                 "extra")
 
     def __init__(self, nthreads):
         self.lock = threading.RLock()
-        self.cond = threading.Condition(self.lock)
+        self.cond = threading.Condition(self.lock)     # syncthreads
+        self.done = threading.Condition(self.lock)     # the manager: every thread finished, or one raised
         self.conditions = []        # more conditions on the lock (condition()), woken on abort
         self.live = nthreads        # threads not yet finished
         self.nthreads = nthreads
@@ -83,7 +86,8 @@ def _thread_run(self):
             if self.exception is not None and block.failed is None:
                 block.failed = self
             block._release_if_complete()
-            block.cond.notify_all()
+            if block.live == 0 or block.failed is not None:
+                block.done.notify()
 
 
 def _manager_run(self, grid_point, *args):
@@ -99,7 +103,7 @@ def _manager_run(self, grid_point, *args):
         t.start()
     with block.cond:
         while block.live and block.failed is None:
-            block.cond.wait()
+            block.done.wait()
         failed = block.failed
         if failed is not None:
             # Abort every other thread at its next barrier; do not join (as the original).
