@@ -25,14 +25,34 @@ took 4 of the 8.7 seconds of the Hopper forward's compile (profile, numba-cuda 0
 compiles kernels both ways to the same PTX. Installed for the numba-cuda this package pins
 (0.30.4) only, and not when ``NUMBA_FLASH_FAST_ANALYSIS=0``.
 """
-import os
+import threading
 from collections import defaultdict, deque
 
-import threading
+from ._runtime import pinned_numba_cuda
 
 ENV = "NUMBA_FLASH_FAST_ANALYSIS"
 _originals = {}
 _local = threading.local()
+
+
+def _grow(sets, nodes, neighbours, flow):
+    """The least solution above the starting ``sets`` of ``sets[n] ⊇ flow(n, sets[m])`` for
+    every node ``m`` of ``nodes`` and each ``n`` of ``neighbours(m)``, by a work list: a node
+    is visited again when its set grew (if it is one of ``nodes``)."""
+    todo = deque(nodes)
+    queued = set(todo)
+    while todo:
+        node = todo.popleft()
+        queued.discard(node)
+        here = sets[node]
+        for other, _ in neighbours(node):
+            new = flow(other, here)
+            there = sets[other]
+            if new & ~there:
+                sets[other] = there | new
+                if other in nodes and other not in queued:
+                    todo.append(other)
+                    queued.add(other)
 
 
 def compute_live_map(cfg, blocks, var_use_map, var_def_map):
@@ -57,38 +77,12 @@ def compute_live_map(cfg, blocks, var_use_map, var_def_map):
     reach = defaultdict(int)
     for label in var_def_map:
         reach[label] |= defs[label] | uses[label]
-    todo = deque(var_def_map)
-    queued = set(todo)
-    while todo:
-        label = todo.popleft()
-        queued.discard(label)
-        here = reach[label]
-        for succ, _ in cfg.successors(label):
-            there = reach[succ]
-            if here & ~there:
-                reach[succ] = there | here
-                if succ in var_def_map and succ not in queued:
-                    todo.append(succ)
-                    queued.add(succ)
+    _grow(reach, var_def_map, cfg.successors, lambda succ, here: here)
     # live at entry: used before defined here, or live at a successor, reached and not
-    # defined here
+    # defined here (a predecessor outside ``blocks`` gets no entry, as in numba)
     live = {label: uses[label] for label in blocks}
-    todo = deque(live)
-    queued = set(todo)
-    while todo:
-        label = todo.popleft()
-        queued.discard(label)
-        here = live[label]
-        for pred, _ in cfg.predecessors(label):
-            there = live.get(pred)
-            if there is None:             # a predecessor outside ``blocks``: as numba, no entry
-                continue
-            new = here & reach[pred] & ~defs[pred]
-            if new & ~there:
-                live[pred] = there | new
-                if pred not in queued:
-                    todo.append(pred)
-                    queued.add(pred)
+    _grow(live, live, cfg.predecessors,
+          lambda pred, here: here & reach[pred] & ~defs[pred] if pred in live else 0)
     out = {}
     for label, found in live.items():
         alive = set()
@@ -135,15 +129,9 @@ def install():
     """Use this module's analyses in numba-cuda (once; True if they apply)."""
     if _originals:
         return True
-    if os.environ.get(ENV, "1") == "0":
+    if not pinned_numba_cuda(ENV):
         return False
-    try:
-        from importlib.metadata import version
-        if version("numba-cuda") != "0.30.4":
-            return False
-        from numba.cuda.core import analysis, ir_utils, ssa
-    except Exception:  # noqa: BLE001 - another layout of numba-cuda: leave it alone
-        return False
+    from numba.cuda.core import analysis, ir_utils, ssa
     if getattr(ir_utils, "compute_live_map", None) is not getattr(analysis, "compute_live_map", False) \
             or not all(hasattr(ssa, name) for name in ("_run_ssa", "_run_block_rewrite")):
         return False

@@ -22,8 +22,9 @@ compares their PTX. It applies to the numba-cuda this package pins (0.30.4) and 
 out for any other, or when ``NUMBA_FLASH_SHARED_SCOPE_COPIES=0``.
 """
 import copy
-import os
 import threading
+
+from ._runtime import pinned_numba_cuda
 
 ENV = "NUMBA_FLASH_SHARED_SCOPE_COPIES"
 _local = threading.local()
@@ -51,15 +52,9 @@ def install():
     global _installed
     if _installed:
         return True
-    if os.environ.get(ENV, "1") == "0":
+    if not pinned_numba_cuda(ENV):
         return False
-    try:
-        from importlib.metadata import version
-        if version("numba-cuda") != "0.30.4":
-            return False
-        from numba.cuda.core import inline_closurecall, ir
-    except Exception:  # noqa: BLE001 - another layout of numba-cuda: leave it alone
-        return False
+    from numba.cuda.core import inline_closurecall, ir
     worker = inline_closurecall.InlineWorker
     if "__deepcopy__" in vars(ir.Scope) or not all(hasattr(worker, name) for name in (
             "inline_ir", "inline_function", "run_untyped_passes")):

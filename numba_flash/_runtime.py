@@ -30,6 +30,19 @@ class SimulatorWarning(UserWarning):
     """numba_flash is running its kernels in Numba's CUDA simulator (slow, for tiny inputs)."""
 
 
+def pinned_numba_cuda(env):
+    """Whether a change to numba-cuda's internals may be made: numba-cuda is the version
+    this package pins (0.30.4, whose internals it was written against) and the environment
+    variable ``env`` does not turn it off (``=0``)."""
+    if os.environ.get(env, "1") == "0":
+        return False
+    try:
+        from importlib.metadata import version
+        return version("numba-cuda") == "0.30.4"
+    except Exception:  # noqa: BLE001 - no metadata: another installation, leave it alone
+        return False
+
+
 def _gpu_present():
     for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
         try:
