@@ -47,6 +47,8 @@ def _grow(sets, nodes, neighbours, flow):
         here = sets[node]
         for other, _ in neighbours(node):
             new = flow(other, here)
+            if not new:
+                continue
             there = sets[other]
             if new & ~there:
                 sets[other] = there | new
