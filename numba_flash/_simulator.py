@@ -20,13 +20,21 @@ Other emulations keep their per-block state here too (``_hopper_sim``: shared ad
 mbarriers, named barriers, warpgroup rendezvous in ``extra``) and wait on condition
 variables over the block's lock (:meth:`_Block.condition`), which an abort wakes as well.
 
+A device function called inside a kernel runs with its module's ``cuda`` swapped for the
+launch's fake module; the simulator swaps and restores it around every call, under a lock
+(a fifth of a small CUDA-core forward's time). Here the first call of a launch swaps it and
+the launch's end restores it (:func:`_kernel_call`; the simulator runs one kernel at a
+time).
+
 ``install`` also lets ``cuda.jit`` take ``launch_bounds`` (ignored), which the simulator
 rejects and compiled kernels pass.
 """
+import contextlib
 import threading
 
 import numpy as np
 from numba.cuda.simulator import kernel as _kernel
+from numba.cuda.simulator import kernelapi as _kernelapi
 
 
 class _Block:
@@ -118,6 +126,39 @@ def _manager_run(self, grid_point, *args):
 _original_thread_run = _kernel.BlockThread.run
 
 
+class _Launch:
+    """The modules whose ``cuda`` the launch under way has swapped for its fake one, kept
+    swapped until it ends (the simulator runs one kernel at a time)."""
+    lock = threading.Lock()
+    modules = None              # id(module globals) -> True, during a launch
+    stack = None                # their swaps (context managers), undone when the launch ends
+
+
+def _kernel_call(self, *args):
+    """``FakeCUDAKernel.__call__``: a device function called inside a launch runs with its
+    module swapped once per launch instead of once per call; a launch undoes its swaps."""
+    context = _kernel._kernel_context
+    if context is not None and self._device:
+        key = id(self.fn.__globals__)
+        if key not in _Launch.modules:
+            with _Launch.lock:
+                if key not in _Launch.modules:
+                    _Launch.stack.enter_context(_kernelapi.swapped_cuda_module(self.fn, context))
+                    _Launch.modules[key] = True
+        return self.fn(*args)
+    if context is not None or self._device:
+        return _original_kernel_call(self, *args)
+    _Launch.modules, _Launch.stack = {}, contextlib.ExitStack()
+    try:
+        return _original_kernel_call(self, *args)
+    finally:
+        stack, _Launch.modules, _Launch.stack = _Launch.stack, None, None
+        stack.close()
+
+
+_original_kernel_call = _kernel.FakeCUDAKernel.__call__
+
+
 def _accept_launch_bounds():
     """``cuda.jit(launch_bounds=...)`` as on a GPU: the simulator's ``jit`` has no such
     argument (a register budget means nothing to it), so it is dropped."""
@@ -143,4 +184,5 @@ def install():
     _kernel.BlockThread.syncthreads = _syncthreads
     _kernel.BlockThread.run = _thread_run
     _kernel.BlockManager.run = _manager_run
+    _kernel.FakeCUDAKernel.__call__ = _kernel_call
     _accept_launch_bounds()
