@@ -254,12 +254,17 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch, cc=No
     delta = inp.empty_like(inp.lead + ((2, n_stats) if low else (n_stats,)), inp.acc_dtype)
     scratch.append(delta)
     launches = []
+
+    def prepass(b, args):
+        return (k_delta, (-(-n_stats // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0, args,
+                inp.stream)
+
     if hopper:
         for do4, o4, l3, dl3 in inp.kernel_views([dout, out, lse, delta], []):
             if inp.nq:
-                launches.append((k_delta, (-(-n_stats // k_delta.rows_per_block), do4.shape[0] * do4.shape[1]),
-                                 32 * k_delta.rows_per_block, 0, (do4, o4, l3, dl3), inp.stream))
-        return launches + _hopper_backward_launches(inp, specs[1:], hopper, delta, slopes, score_args)
+                launches.append(prepass(do4.shape[0] * do4.shape[1], (do4, o4, l3, dl3)))
+        return launches + _hopper_backward_launches(inp, specs[1:], hopper, delta, slopes, score_args,
+                                                    scale_log2, scale_t)
     for q4, do4, o4, l3, dl3, dq4, s3, k4, v4, dk4, dv4 in inp.kernel_views(
             [q, dout, out, lse, delta, dq, slopes], [k, v, dk, dv]):
         b = q4.shape[0] * q4.shape[1]
@@ -268,8 +273,7 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch, cc=No
         tail = (*score_args, inp.score_tail(s3))
         stats = (dl3,) if low else (l3, dl3)
         if inp.nq:
-            launches.append((k_delta, (-(-n_stats // k_delta.rows_per_block), b), 32 * k_delta.rows_per_block, 0,
-                             (do4, o4, l3, dl3) if low else (do4, o4, dl3), inp.stream))
+            launches.append(prepass(b, (do4, o4, l3, dl3) if low else (do4, o4, dl3)))
         if inp.nk:
             launches.append((k_dkdv, grid(inp, inp.nk, b // group, rows, t.DO), t.threads, specs[1].smem_bytes,
                              (q4, k4, v4, do4, *stats, dk4, dv4, scale_log2, scale_t, *tail, group), inp.stream))
@@ -298,13 +302,12 @@ def _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv):
     return found or None
 
 
-def _hopper_backward_launches(inp, specs, views, delta, slopes, score_args):
+def _hopper_backward_launches(inp, specs, views, delta, slopes, score_args, scale_log2, scale_t):
     """The Hopper backward's launches after the pre-pass: per view (from
     :func:`_hopper_backward_views`) the dK/dV kernel, a block per key tile and K/V head,
     and the dQ kernel, a block per query tile and query head."""
     t = backward_wgmma.TILING
     k_dkdv, k_dq = (s.kernel() for s in specs)
-    scale_t, scale_log2 = inp.acc_dtype.type(inp.scale), inp.acc_dtype.type(inp.scale * LOG2E)
     launches = []
     extra = _heads_views(inp, [delta, slopes])
     assert len(extra) == len(views), "the stats and slopes views fold as q's"
