@@ -46,6 +46,8 @@ def features(ptx: str) -> dict:
         "ld.shared.v4": ptx.count("ld.shared.v4"),
         "ld.global.v4": ptx.count("ld.global.v4"),
         "st.global": ptx.count("st.global"),
+        # stores through generic addresses (st.u32, st.f32, ...: arrays of any strides)
+        "st.generic": len(re.findall(r"\sst\.(?:[usbf]\d+|v\d)", ptx)),
         "st.shared.v4": ptx.count("st.shared.v4"),
         "local": ptx.count(".local"),
         "f64": ptx.count(".f64"),

@@ -256,9 +256,10 @@ def _sig_forward_mma_split(dt, layout, packed=False):
             f"{_sig_scores('float32')}{_SEQS if packed else ''})")
 
 
-def _sig_forward_wgmma(dt, layout):
-    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint32[:, :, :, ::1], float32[:, :, ::1], int64, int64, "
-            f"float32, {_sig_scores('float32')})")
+def _sig_forward_wgmma(dt, layout, packed=False):
+    o, l = ("uint32[:, :, :, :]", "float32[:, :, :]") if packed else ("uint32[:, :, :, ::1]", "float32[:, :, ::1]")
+    return (f"void(uint8[::1], uint8[::1], uint8[::1], {o}, {l}, int64, int64, "
+            f"float32, {_sig_scores('float32')}{', int32[:, ::1]' if packed else ''})")
 
 
 def _sig_backward_wgmma(dt, layout):
@@ -325,7 +326,7 @@ VARIANTS = {v.name: v for v in (
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
             lambda dt, d, sim: forward_wgmma.TILING, lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
             lambda d, t: forward_wgmma.smem_bytes(d) // 2, _sig_forward_wgmma, LOW_DTYPES,
-            lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a"),
+            lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
@@ -486,7 +487,7 @@ def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR
     cp.async: the API gives them aligned rows), CUDA cores otherwise."""
     if dtype_name in LOW_DTYPES and rows is not None and rows <= SPLIT_ROWS:
         return specialisation("forward_mma_split", dtype_name, d, scores, True, simulator)
-    if not scores.packed and uses_hopper(dtype_name, d, cc, simulator):
+    if not scores.paged and uses_hopper(dtype_name, d, cc, simulator):
         return specialisation("forward_wgmma", dtype_name, d, scores, True, simulator)
     if dtype_name in LOW_DTYPES:
         return specialisation("forward_mma", dtype_name, d, scores, True, simulator)

@@ -21,6 +21,7 @@ import functools
 import numpy as np
 
 from . import _arrays, _plans, api, families, registry
+from .kernels import forward_wgmma
 
 MAX_SEQUENCES = families.MAX_GRID_Y      # one grid row (axis z) per sequence
 
@@ -34,6 +35,7 @@ class Packed:
     max_k: int
     pages: object = None     # a paged cache's page table (S, max pages) int32 on the device, else ``table``
     page_size: int = 0
+    tiles: int = 0           # the Hopper forward's query tiles over all sequences (the table's work order)
 
     def __post_init__(self):
         if self.pages is None:
@@ -83,8 +85,10 @@ def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
 
 
 def _table(starts_q, lens_q, starts_k, lens_k):
-    """The sequence table ``(S, 4)`` int32 on the host: q_start, q_len, k_start, k_len."""
-    table = np.ascontiguousarray(np.stack([starts_q, lens_q, starts_k, lens_k], axis=1).astype(np.int32))
+    """The sequence table ``(S, 6)`` int32 on the host: q_start, q_len, k_start, k_len per
+    sequence, then the Hopper forward's work order (``forward_wgmma.work_order``)."""
+    table = np.stack([starts_q, lens_q, starts_k, lens_k], axis=1).astype(np.int32)
+    table = np.ascontiguousarray(np.concatenate([table, forward_wgmma.work_order(lens_q, lens_k)], axis=1))
     if table.shape[0] > MAX_SEQUENCES:
         raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {table.shape[0]}: call once per part "
                          "of the batch.")
@@ -157,7 +161,9 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
         if found is not None:
             return _arrays.like(q_kind, found)
     devs = [cuda.to_device(u, stream=inp.stream) for u in uploads]
-    inp.packed = Packed(devs[0], uploads[0].shape[0], max_q, max_k, devs[1] if page_size else None, page_size)
+    table = uploads[0]
+    inp.packed = Packed(devs[0], table.shape[0], max_q, max_k, devs[1] if page_size else None, page_size,
+                        int(table[-1, 4]) if table.shape[0] else 0)
     launches, inputs, scratch = [], [], []
     hq, d = inp.lead[0] * max(group_rows, 1), inp.d
     out = inp.empty_like(out_shape + (hq, d))

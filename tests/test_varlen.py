@@ -123,6 +123,58 @@ def test_varlen_device_arrays_and_attention(dtype):
     np.testing.assert_array_equal(only.view(np.uint8), out.view(np.uint8))
 
 
+HOPPER_VARLEN = [   # (dtype, d, hq, hkv, lens_q, lens_k, rule, device): empty sequences, tiles of 128 crossed
+    ("bfloat16", 64, 2, 1, [5, 0, 140, 30], [9, 3, 150, 0], dict(causal=True), False),
+    ("float16", 128, 2, 2, [40, 131], [200, 7], dict(window=(20, 3), softcap=5.0, alibi=True), True),
+]
+if ON_GPU:
+    HOPPER_VARLEN = [
+        ("bfloat16", 128, 8, 2, [513, 0, 1000, 77, 256, 1], [513, 9, 1000, 300, 0, 2000], dict(causal=True), True),
+        ("float16", 64, 4, 4, [300, 129, 128], [128, 500, 129], dict(causal=False), False),
+        ("bfloat16", 64, 4, 1, [700, 65], [900, 65], dict(window=(100, 5), softcap=10.0, alibi=True), True),
+    ]
+
+
+@pytest.mark.parametrize("dtype,d,hq,hkv,lens_q,lens_k,rule,device", HOPPER_VARLEN,
+                         ids=[f"{c[0]}-d{c[1]}-{'+'.join(c[6])}" for c in HOPPER_VARLEN])
+def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, device, monkeypatch):
+    """Packed sequences on the Hopper forward (forced; on a GPU it is the family of cc 9.0):
+    its TMA loads rows of the whole packed array, so each sequence's tiles read rows of
+    the next one, which the kernel must never let in."""
+    from numba_flash import families
+    if ON_GPU and tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    calls = []
+    real = families._hopper_launches
+    monkeypatch.setattr(families, "_hopper_launches", lambda *a: calls.append(a[0].packed.tiles) or real(*a))
+    options = {key: value for key, value in rule.items() if key != "alibi"}
+    case = dict(dtype=dtype, lens_q=lens_q, lens_k=lens_k, hq=hq, hkv=hkv, d=d, options=options,
+                alibi=bool(rule.get("alibi")), seed=len(lens_q) + d)
+    q, k, v, cu_q, cu_k, slopes = _varlen_inputs(case)
+    if device:      # twice: on a GPU the second call runs through the first one's launch plan
+        dev = [_device(x) for x in (q, k, v)]
+        dslopes = None if slopes is None else cuda.to_device(slopes)
+        out, lse = (host(x) for x in numba_flash.attention_varlen_fwd(*dev, cu_q, cu_k, alibi_slopes=dslopes,
+                                                                      **options))
+        again = [host(x) for x in numba_flash.attention_varlen_fwd(*dev, cu_q, cu_k, alibi_slopes=dslopes, **options)]
+        assert [a.tobytes() for a in again] == [out.tobytes(), lse.tobytes()]
+    else:
+        out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, alibi_slopes=slopes, **options)
+    assert calls[0] == sum(-(-n // 128) for n in lens_q), calls      # the family ran, over every query tile
+    _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
+
+
+def test_hopper_work_order():
+    """The sequence table's work order: most query tiles first, then most keys; the running
+    tile counts end at the total."""
+    from numba_flash.kernels.forward_wgmma import work_order
+    order = work_order([5, 0, 300, 129, 300], [1, 1, 10, 7, 50])
+    assert order[:, 1].tolist() == [4, 2, 3, 0, 1]
+    assert order[:, 0].tolist() == [3, 6, 8, 9, 9]
+    assert work_order([], []).shape == (0, 2)
+
+
 @pytest.mark.parametrize("dtype,causal,n_new,device", [
     ("float32", True, 2, False), ("bfloat16", False, 3, True), ("float64", True, 0, True)])
 def test_kvcache_matches_oracle(dtype, causal, n_new, device):
@@ -266,9 +318,13 @@ def test_merge_attention_bad_input():
 def test_packed_specialisations_are_registered():
     """Only the families that take packed sequences are asked for them; the others refuse."""
     names = [s.name for s in registry.specialisations() if s.scores.packed]
-    assert names and all(n.startswith(("forward_simt", "forward_mma", "forward_merge")) for n in names)
+    assert names and all(n.startswith(("forward_simt", "forward_mma", "forward_merge", "forward_wgmma"))
+                         for n in names)
     with pytest.raises(ValueError, match="does not take packed"):
-        registry.specialisation("forward_wgmma", "bfloat16", 64, numba_flash.scores.ScoreSpec(packed=True))
+        registry.specialisation("backward_dq_wgmma", "bfloat16", 64, numba_flash.scores.ScoreSpec(packed=True))
+    with pytest.raises(ValueError, match="does not take"):     # the TMA cannot gather a paged cache's rows
+        registry.specialisation("forward_wgmma", "bfloat16", 64, numba_flash.scores.ScoreSpec(packed=True,
+                                                                                            paged=True))
 
 
 @pytest.mark.parametrize("dtype", LOW)

@@ -36,6 +36,17 @@ uint32 (the output's 16-bit values in pairs: one 4-byte store per pair), ``lse (
 head), ``scale_log2`` and the score arguments of ``forward.make_forward``. Launch with
 ``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``THREADS`` threads and ``kernel.smem_bytes`` of dynamic
 shared memory. Head dims 64 and 128.
+
+Packed sequences (``scores.packed``: varlen batches and contiguous KV caches, the rows of
+every sequence in one ``(B1, B2, tokens, d)`` view): a last argument ``seqs (S, 6)``
+int32 gives per sequence ``q_start, q_len, k_start, k_len`` and, as its two last columns,
+the order the work items take (:func:`work_order`: at position ``p`` the running count of
+query tiles and the sequence), and ``out``, ``lse`` may have any strides; launch with
+``grid <= tiles · B1 · B2``. Each item reads its sequence's row of the table; its TMA boxes
+are whole tiles of the packed arrays, so a sequence's last tiles load rows of the next
+one: as keys they lie past the sequence's end (scores −inf, P exactly 0), as queries they
+are not stored. (So a non-finite value in another sequence's V rows could still reach an
+output, as 0 · inf.) Paged caches are not taken: their rows would need a TMA load per page.
 """
 import dataclasses
 import functools
@@ -116,7 +127,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
     mods = scores.mods
-    LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks)   # rows see different numbers of keys
+    PACKED = scores.packed                # packed sequences: a table gives each item's rows
+    assert not scores.paged, "the TMA reads a paged cache's rows only page by page: not this family"
+    # rows see different numbers of keys (or sequences differ in length)
+    LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks) or PACKED
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
     # bits, then masked (one loop calling the function per score kept the scores in local
     # memory: a 416-byte stack)
@@ -141,7 +155,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K)        # S = Q Kᵀ of one key tile
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
     zeros_o = H.accumulator(64)
-    give, take = H.setmaxnreg(24, False), H.setmaxnreg(240, True)
+    # the producer's registers (packed sequences: 32, for the table's lookups; 128 · 32 +
+    # 256 · 240 is the whole register file)
+    give, take = H.setmaxnreg(32 if PACKED else 24, False), H.setmaxnreg(240, True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     store_rows = make_store_rows(dtype_name, D)
@@ -304,26 +320,49 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return st, phase
 
     @cuda.jit(device=True, inline=True)
-    def place(i, G, n_qt, B, B2, geo, slopes):
+    def sequence_tile(u, seqs):
+        """Packed sequences: the ``u``-th query tile of the table's work order (heaviest
+        first: :func:`work_order`) as ``(sequence, query tile)``."""
+        lo, hi = 0, seqs.shape[0] - 1
+        while lo < hi:                       # the first position whose running count passes u
+            mid = (lo + hi) >> 1
+            if seqs[mid, 4] > u:
+                hi = mid
+            else:
+                lo = mid + 1
+        first = seqs[lo - 1, 4] if lo > 0 else 0
+        z = seqs[lo, 5]
+        return z, (seqs[z, 1] + BM - 1) // BM - 1 - (u - first)
+
+    @cuda.jit(device=True, inline=True)
+    def place(i, G, n_qt, B, B2, geo, slopes, seqs):
         """Work item ``i`` (:func:`work_item`) as both roles need it: ``(b1, b2, first
-        query row, first key tile, key tiles)``."""
+        query row, first key tile, key tiles, the sequence's first query row and first key
+        row, its query rows, its geometry)`` (one sequence of ``Nq`` rows and ``geo``
+        unless packed)."""
         qt, b = work_item(i, G, n_qt, B)
         b1 = b // B2
         b2 = b - b1 * B2
+        qs, ks, nq, g = numba.int32(0), numba.int32(0), geo[0] - geo[1], geo
+        if PACKED:
+            z, qt = sequence_tile(n_qt - 1 - qt, seqs)
+            qs, nq, ks, nk = seqs[z, 0], seqs[z, 1], seqs[z, 2], numba.int64(seqs[z, 3])
+            g = (nk, nk - nq, geo[2], geo[3])
         q0 = qt * BM
-        kt0, tiles = key_tiles(q0, geo, slopes, b1, b2)
-        return b1, b2, q0, kt0, tiles
+        kt0, tiles = key_tiles(q0, g, slopes, b1, b2)
+        return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
-    @cuda.jit(launch_bounds=(THREADS, 1))
-    def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
+    @cuda.jit(device=True, inline=True)
+    def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
         Nq = out.shape[2]
         B2 = out.shape[1]
         B = out.shape[0] * B2
         n_qt = (Nq + BM - 1) // BM
+        if PACKED:                       # query tiles of every sequence
+            n_qt = seqs[seqs.shape[0] - 1, 4] if seqs.shape[0] > 0 else 0
         n_items = n_qt * B
         G = cuda.gridDim.x
-        diag = nk - Nq
-        geo = (nk, diag, left, right)
+        geo = (nk, nk - Nq, left, right)
 
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         tid = cuda.threadIdx.x
@@ -356,7 +395,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 av, bv, cv = 0, 0, 0     # V ring
                 n_q = 0                  # Q tiles loaded so far
                 for i in range(cuda.blockIdx.x, n_items, G):
-                    b1, b2, q0, kt0, tiles = place(i, G, n_qt, B, B2, geo, slopes)
+                    b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, geo, slopes, seqs)
                     if tiles > 0:
                         buf = n_q % QBUF
                         if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
@@ -364,19 +403,19 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                         H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
                         for sub in range(NSUB):
                             H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
-                                          64 * sub, q0, b2, b1, q_full + 8 * buf)
+                                          64 * sub, qs + q0, b2, b1, q_full + 8 * buf)
                         n_q += 1
                         b2k = b2 // group
                         # K_0, then K_j with V_{j-1}: the order the consumers use them in
                         ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                          ak, bk, ck, key_at(q0, kt0, 0, geo, slopes, b1, b2), b2k, b1)
+                                          ak, bk, ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
                         for j in range(1, tiles):
                             ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                              ak, bk, ck, key_at(q0, kt0, j, geo, slopes, b1, b2), b2k, b1)
+                                              ak, bk, ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
                             av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                              av, bv, cv, key_at(q0, kt0, j - 1, geo, slopes, b1, b2), b2k, b1)
+                                              av, bv, cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
                         av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                          av, bv, cv, key_at(q0, kt0, tiles - 1, geo, slopes, b1, b2), b2k, b1)
+                                          av, bv, cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
@@ -392,7 +431,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         av, bv = 0, 0                            # the V ring's
         n_q = 0
         for i in range(cuda.blockIdx.x, n_items, G):
-            b1, b2, q0, kt0, tiles = place(i, G, n_qt, B, B2, geo, slopes)
+            b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, geo, slopes, seqs)
+            diag = geo[1]
             r0 = q0 + ROWS * wg                    # this warpgroup's first row
             row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
             buf = n_q % QBUF
@@ -472,12 +512,35 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
             inv0 = ZERO if l0 == ZERO else F32(1) / l0   # no visible key: 0, lse -inf
             inv1 = ZERO if l1 == ZERO else F32(1) / l1
-            store_rows(out, b1, b2, row0, Nq, o0, o1, inv0, inv1, tq4)
+            store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
             if tq4 == 0:
-                if row0 < Nq:
-                    lse[b1, b2, row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
-                if row0 + 8 < Nq:
-                    lse[b1, b2, row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+                if row0 < nq:
+                    lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
+                if row0 + 8 < nq:
+                    lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+
+    if PACKED:
+        @cuda.jit(launch_bounds=(THREADS, 1))
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs)
+    else:
+        @cuda.jit(launch_bounds=(THREADS, 1))
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes)
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES)
     return forward
+
+
+def work_order(lens_q, lens_k, block_q=BM):
+    """Packed sequences' query tiles in the order the Hopper forward takes them, as the
+    sequence table's two last columns ``(S, 2)`` int32: at position ``p``, the running
+    count of query tiles up to and including the ``p``-th sequence of the order, and that
+    sequence's row in the table. The order: most query tiles first, then most keys (a
+    sequence's tiles go last-first, the heaviest under a causal mask first), so that
+    the persistent blocks end together."""
+    import numpy as np
+    lens_q, lens_k = np.asarray(lens_q, np.int64), np.asarray(lens_k, np.int64)
+    order = np.lexsort((-lens_k, -lens_q)) if lens_q.size else np.zeros(0, np.int64)
+    tiles = -(-lens_q[order] // block_q)
+    return np.stack([np.cumsum(tiles), order], axis=1).astype(np.int32)
