@@ -11,7 +11,8 @@ shape only (racecheck is slow); ``--transforms``: softcap and ALiBi on a grouped
 shape, float32 and bfloat16 only; ``--low``: float16 and bfloat16 only (the tensor-core
 kernels); ``--serving``: the packed-row kernels instead (a varlen batch forward and
 backward, contiguous and paged KV caches with appends, the one-warp decoding kernel with
-key splits forced, grouped query heads, merge_attention), every dtype they take;
+key splits forced, grouped query heads, merge_attention), every dtype they take (with
+``--hopper``: the varlen batch alone, on the Hopper forward);
 ``--hopper``: the Hopper family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU), forward
 and backward, at ragged shapes of the head dims it takes, float16 and bfloat16, the
 forward on a grid of three persistent blocks (each takes several work items; ``--quick``: the first shape only),
@@ -54,16 +55,18 @@ def _heads_first(x):
     return np.swapaxes(np.asarray(x, np.float64), 0, 1)
 
 
-def serving(rng):
-    """The packed-row kernels at ragged shapes, each result against the oracle."""
+def serving(rng, hopper=False):
+    """The packed-row kernels at ragged shapes, each result against the oracle; ``hopper``:
+    the varlen batch alone on the Hopper forward (d = 64, sequences across its 128-row
+    tiles, three persistent blocks), float16 and bfloat16."""
     from numba_flash import registry
     bad = 0
-    lens_q, lens_k = [5, 0, 37, 1], [9, 3, 70, 0]
+    lens_q, lens_k = ([5, 0, 140, 1], [9, 3, 200, 0]) if hopper else ([5, 0, 37, 1], [9, 3, 70, 0])
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
     splits = registry.forward_splits
-    for dt, tol in DTYPES:
+    for dt, tol in DTYPES[2:] if hopper else DTYPES:
         npdt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
-        d = 40
+        d = 64 if hopper else 40
         q = rng.standard_normal((cu_q[-1], 4, d))
         k, v = (rng.standard_normal((cu_k[-1], 2, d)) for _ in range(2))
         out, lse = numba_flash.attention_varlen_fwd(*(x.astype(npdt) for x in (q, k, v)), cu_q, cu_k, causal=True)
@@ -83,6 +86,8 @@ def serving(rng):
             err = max(err, max(float(np.abs(g - r).max(initial=0)) / max(1, np.abs(r).max(initial=0))
                                for g, r in zip(got, rg)))
         bad += _report("varlen forward and backward (4 sequences, GQA, causal)", dt, err, tol)
+        if hopper:
+            continue
         for paged in (False, True):
             for forced in (None, 3):
                 registry.forward_splits = splits if forced is None else (lambda *a: 3)
@@ -193,7 +198,10 @@ def _few_blocks(blocks=3):
 def main():
     rng = np.random.default_rng(0)
     if "--serving" in sys.argv:
-        return 1 if serving(rng) else 0
+        if "--hopper" in sys.argv:
+            os.environ["NUMBA_FLASH_HOPPER"] = "1"
+            _few_blocks()
+        return 1 if serving(rng, "--hopper" in sys.argv) else 0
     bad = 0
     shapes, options, dtypes = SHAPES, OPTIONS, DTYPES
     if "--quick" in sys.argv:
