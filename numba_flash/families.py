@@ -51,7 +51,8 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
         hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
         maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in hviews]
         pairs = [_arrays.pairs_view(o4) for _, o4, _, _, _, _ in hviews]
-        if hviews and all(x is not None for x in maps + pairs):     # (arrays compare elementwise)
+        gaps = inp.packed is not None and inp.packed.gaps    # (its TMA boxes would read a KV cache's unused rows)
+        if hviews and not gaps and all(x is not None for x in maps + pairs):     # (arrays compare elementwise)
             return _hopper_launches(inp, spec, hviews, maps, pairs, score_args, sm_count)
         spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
         if inp.block_mask is not None:          # its block ranges are per query tile: this family's

@@ -36,6 +36,10 @@ class Packed:
     pages: object = None     # a paged cache's page table (S, max pages) int32 on the device, else ``table``
     page_size: int = 0
     tiles: int = 0           # the Hopper forward's query tiles over all sequences (the table's work order)
+    # rows between one sequence's last key and the next sequence's first may hold anything
+    # (a KV cache's unused rows, even NaN): kernels must not read them (the Hopper family's
+    # TMA boxes would, so it leaves such calls to the mma.sync family)
+    gaps: bool = False
 
     def __post_init__(self):
         if self.pages is None:
@@ -133,7 +137,8 @@ def _check_rank(x, name, rank, layout):
     return shape
 
 
-def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_rows=0, page_size=0, append=None):
+def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_rows=0, page_size=0, append=None,
+             gaps=False):
     """The packed forward of ``inp`` (q, k, v given as ``(H, T, d)``), through a launch
     plan when one fits (:mod:`numba_flash._plans`; device inputs, no ALiBi), else the
     full path, which leaves a plan behind; returns ``(out, lse)`` in ``q_kind``'s kind,
@@ -147,7 +152,8 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
     splits (a KV cache's capacity, so that the launches do not change as it fills);
     ``group_rows``: q is :func:`_grouped_rows`' view, ``(Hkv, R, d)``, groups of that many
     query heads as rows (one query per sequence), and out and lse are viewed alike;
-    ``append``: ``(k_cache, v_cache, k_new, v_new)`` of device caches to append to first.
+    ``append``: ``(k_cache, v_cache, k_new, v_new)`` of device caches to append to first;
+    ``gaps``: the keys' rows have gaps between sequences (:class:`Packed`).
     """
     from numba import cuda
     inp.scores = dataclasses.replace(inp.scores, packed=True, paged=bool(page_size))
@@ -163,7 +169,7 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
     devs = [cuda.to_device(u, stream=inp.stream) for u in uploads]
     table = uploads[0]
     inp.packed = Packed(devs[0], table.shape[0], max_q, max_k, devs[1] if page_size else None, page_size,
-                        int(table[-1, 4]) if table.shape[0] else 0)
+                        int(table[-1, 4]) if table.shape[0] else 0, gaps)
     launches, inputs, scratch = [], [], []
     hq, d = inp.lead[0] * max(group_rows, 1), inp.d
     out = inp.empty_like(out_shape + (hq, d))
@@ -459,7 +465,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
         uploads.append(np.ascontiguousarray(lens, np.int32))
     sig_arrays = [q, k_cache, v_cache] + ([k_new, k_cache, v_new, v_cache] if append is not None else [])
     out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q,
-                        group if grouped else 0, ks[1] if pages is not None else 0, append)
+                        group if grouped else 0, ks[1] if pages is not None else 0, append, gaps=True)
     return (out, lse) if return_lse else out
 
 

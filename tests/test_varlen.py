@@ -165,6 +165,31 @@ def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, de
     _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
 
 
+def test_kvcache_unused_rows_stay_out_with_the_hopper_family(monkeypatch):
+    """A KV cache's rows past each sequence's length may hold anything, NaN included: with
+    the Hopper family forced, KV-cache calls of more than 16 queries still leave them unread
+    (its TMA boxes would read them, so they run on mma.sync)."""
+    from numba_flash import families
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    calls = []
+    monkeypatch.setattr(families, "_hopper_launches", lambda *a: calls.append(1))
+    rng = np.random.default_rng(9)
+    dt = np_dtype("bfloat16")
+    b, nq, nmax, h, d = 2, 20, 40, 2, 64
+    lens = np.array([7, 33], np.int32)
+    q = rng.standard_normal((b, nq, h, d)).astype(dt)
+    kc, vc = (rng.standard_normal((b, nmax, h, d)).astype(dt) for _ in range(2))
+    for i in range(b):
+        kc[i, lens[i]:] = np.nan
+        vc[i, lens[i]:] = np.nan
+    out, lse = numba_flash.attention_with_kvcache(q, kc, vc, lens, return_lse=True)
+    assert not calls
+    for i in range(b):
+        n = lens[i]
+        _check("bfloat16", _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+               _heads_first(kc[i, :n]), _heads_first(vc[i, :n]), {})
+
+
 def test_hopper_work_order():
     """The sequence table's work order: most query tiles first, then most keys; the running
     tile counts end at the total."""

@@ -37,8 +37,8 @@ head), ``scale_log2`` and the score arguments of ``forward.make_forward``. Launc
 ``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``THREADS`` threads and ``kernel.smem_bytes`` of dynamic
 shared memory. Head dims 64 and 128.
 
-Packed sequences (``scores.packed``: varlen batches and contiguous KV caches, the rows of
-every sequence in one ``(B1, B2, tokens, d)`` view): a last argument ``seqs (S, 6)``
+Packed sequences (``scores.packed``: varlen batches, the rows of every sequence in one
+``(B1, B2, tokens, d)`` view, back to back): a last argument ``seqs (S, 6)``
 int32 gives per sequence ``q_start, q_len, k_start, k_len`` and, as its two last columns,
 the order the work items take (:func:`work_order`: at position ``p`` the running count of
 query tiles and the sequence), and ``out``, ``lse`` may have any strides; launch with
@@ -46,7 +46,8 @@ query tiles and the sequence), and ``out``, ``lse`` may have any strides; launch
 are whole tiles of the packed arrays, so a sequence's last tiles load rows of the next
 one: as keys they lie past the sequence's end (scores −inf, P exactly 0), as queries they
 are not stored. (So a non-finite value in another sequence's V rows could still reach an
-output, as 0 · inf.) Paged caches are not taken: their rows would need a TMA load per page.
+output, as 0 · inf; a KV cache's unused rows may hold anything, so ``families`` gives KV
+caches to the ``mma.sync`` family.) Paged caches would need a TMA load per page.
 """
 import dataclasses
 import functools
