@@ -118,8 +118,11 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
     grid(inp, inp.nq, 1, t.BM, t.DO)       # the limits' check
-    # packed sequences: the table's work order counts the query tiles (rows of one query tile)
-    rows, seqs = (inp.nq, ()) if inp.packed is None else (inp.packed.tiles * t.BM, (inp.packed.table,))
+    # packed sequences: the grid for as many query tiles as the longest sequence has, per
+    # sequence (the kernel takes its items from the table, so any grid covers them; this one
+    # depends only on what a launch plan's signature holds, so a replayed plan fits every call)
+    rows, seqs = (inp.nq, ()) if inp.packed is None else (
+        inp.packed.count * -(-inp.packed.max_q // t.BM) * t.BM, (inp.packed.table,))
     return [(kern, forward_wgmma.grid_size(rows, q4.shape[0] * q4.shape[1], sm_count), t.threads, spec.smem_bytes,
              (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), *seqs), inp.stream)
             for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs)]
