@@ -111,16 +111,12 @@ def lookup(sig):
     return None if sig is None else _PLANS.get(sig.key)
 
 
-def _synchronize():
-    from numba import cuda
-    cuda.synchronize()
-
-
 def remember(sig, plan):
     if sig is None or plan is None:
         return
     if len(_PLANS) >= MAX_PLANS:
-        _synchronize()          # the dropped plans' constants may still be read by queued kernels
+        from numba import cuda
+        cuda.synchronize()      # the dropped plans' constants may still be read by queued kernels
         _PLANS.clear()
     _PLANS[sig.key] = plan
 
