@@ -115,6 +115,8 @@ def remember(sig, plan):
     if sig is None or plan is None:
         return
     if len(_PLANS) >= MAX_PLANS:
+        from numba import cuda
+        cuda.synchronize()      # the dropped plans' constants may still be read by queued kernels
         _PLANS.clear()
     _PLANS[sig.key] = plan
 
@@ -186,12 +188,13 @@ class Plan:
                 return None
             blocks.append(scratch)
             roots.append(int(scratch))
+        maps = []       # the tensor maps whose addresses the launches take: alive until launched
         try:
             with self.lock:
                 for ln in self.launches:
                     for index, root, offset, tmap in ln.slots:
                         ptr = roots[root] + offset
-                        ln.buf[index] = ptr if tmap is None else _map_pointer(ptr, tmap)
+                        ln.buf[index] = ptr if tmap is None else _map_pointer(ptr, tmap, maps)
                     err, = cu.cuLaunchKernel(ln.handle, *ln.grid, *ln.block, ln.smem, stream, ln.address, 0)
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
@@ -201,9 +204,15 @@ class Plan:
         return self.finish(outs)
 
 
-def _map_pointer(ptr, tmap):
+def _map_pointer(ptr, tmap, held):
+    """The device address of the tensor map of ``tmap``'s view at ``ptr``; the map is
+    appended to ``held``: the table of maps may drop it when it fills up (a later map of
+    the same call can make it do so), and only a reference kept until the launch keeps its
+    memory from being freed, or reused by the next map, before the kernel reads it."""
     from . import families
-    return _arrays.device_pointer(families.tensor_map(ptr, *tmap))
+    m = families.tensor_map(ptr, *tmap)
+    held.append(m)
+    return _arrays.device_pointer(m)
 
 
 SCRATCH_ALIGN = 256

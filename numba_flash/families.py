@@ -130,6 +130,7 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
 
 _MAPS = {}          # (context, pointer, shape, strides, box rows) -> tensor map
 MAX_MAPS = 256      # the table starts afresh when it is full
+_RETIRED = []       # the maps of the last full table, kept until the next one fills
 # id(tensor map) -> (id of the memory it describes (``gpu_data``), pointer, shape, strides,
 # box rows), as the latest call made or reused it: what a launch plan (``_plans``) needs to
 # make the map of the same view of another call's memory. No reference to that memory is
@@ -157,6 +158,14 @@ def tensor_map(ptr, shape, strides, rows, ary=None):
     m = _MAPS.get(key)
     if m is None:
         if len(_MAPS) >= MAX_MAPS:
+            # Kernels queued by earlier calls may still read the maps dropped here, and the
+            # launches of the call under way may read those it made before this one: wait
+            # for the first, and keep the maps until the next time the table fills (after
+            # that wait, nothing queued before it can read them).
+            if not SIMULATOR:
+                from numba import cuda
+                cuda.synchronize()
+            _RETIRED[:] = _MAPS.values()
             _MAPS.clear()
             MAP_SOURCES.clear()
         m = _MAPS[key] = ops_hopper.tensor_map_4d(_View(ptr, shape, strides) if ary is None else ary, rows)

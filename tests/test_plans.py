@@ -161,6 +161,65 @@ def test_hopper_family_repeat_calls(causal, plan_runs, monkeypatch):
         assert len(plan_runs) == call, "calls after the first must run through the plan"
 
 
+@GPU_ONLY
+def test_hopper_plans_with_a_table_of_one_map(plan_runs, monkeypatch):
+    """A table of tensor maps that starts afresh at every new map (``MAX_MAPS = 1``) and
+    memory freed as soon as it is dropped: a plan's run makes q's, k's and v's maps one
+    after the other, each dropping the one before from the table, and must still launch
+    with all three alive (a dropped map freed and its memory reused by the next map would
+    send the kernel to the wrong tensor)."""
+    from numba.cuda.core import config     # numba-cuda's own configuration (its deallocations)
+    from numba_flash import families, registry
+    if cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setattr(families, "MAX_MAPS", 1)
+    monkeypatch.setattr(config, "CUDA_DEALLOCS_COUNT", 0)
+    for call in range(4):
+        q, k, v = (x.astype(np.float16) for x in make_qkv(300 + call, (2,), 150, 260, 64, "float32"))
+        out, lse = numba_flash.attention_fwd(*(cuda.to_device(x) for x in (q, k, v)))
+        check_forward_low(host(out), host(lse), q, k, v, False, None)
+    assert len(plan_runs) == 3
+
+
+def test_plan_holds_the_tensor_maps_it_launches_with(monkeypatch):
+    """``Plan.run`` writes each tensor map's device address into a launch's parameters; the
+    table of maps may drop an earlier map while a later one is made, so the run keeps
+    every map it used until its launches are queued. (Host-side only.)"""
+    from numba_flash import _arrays, families
+    made = []
+
+    class Map:
+        pass
+
+    def tensor_map(ptr, *view):
+        made.append(Map())
+        return made[-1]
+    monkeypatch.setattr(families, "tensor_map", tensor_map)
+    monkeypatch.setattr(_arrays, "device_pointer", id)
+    held = []
+    pointers = [_plans._map_pointer(p, ((1, 1, 8, 64), (16384, 16384, 128, 2), 64), held) for p in (0, 256, 512)]
+    made.clear()                 # the table's references gone
+    assert [id(m) for m in held] == pointers and len(set(pointers)) == 3
+
+
+def test_maps_of_a_full_table_stay_alive_until_it_fills_again(monkeypatch):
+    """When the table of tensor maps fills up it starts afresh, but the maps it held are
+    kept until it fills again (launches already queued, or queued by the call under way,
+    may still read them); on a GPU it first waits for the queued kernels. (Host-side.)"""
+    from numba_flash import families, ops_hopper
+    for name, value in (("_MAPS", {}), ("MAP_SOURCES", {}), ("_RETIRED", []), ("MAX_MAPS", 2)):
+        monkeypatch.setattr(families, name, value)
+    monkeypatch.setattr(ops_hopper, "tensor_map_4d", lambda view, rows: object())
+    view = ((1, 1, 8, 64), (1024, 1024, 128, 2), 64)
+    a, b = (families.tensor_map(p, *view) for p in (0, 256))
+    c = families.tensor_map(512, *view)                  # the table was full: a and b retire
+    assert families._RETIRED == [a, b] and list(families._MAPS.values()) == [c]
+    assert families.tensor_map(512, *view) is c and families.tensor_map(0, *view) is not a
+    families.tensor_map(768, *view)                      # full again: the last table retires
+    assert c in families._RETIRED and a not in families._RETIRED
+
+
 def test_parameter_buffer_layout():
     """Each kernel parameter sits in its own 8-byte cell, as cuLaunchKernel reads it through
     the array of pointers: float32 in the low 4 bytes, float64 and int64 whole; the pointer
