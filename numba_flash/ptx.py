@@ -64,6 +64,9 @@ def features(ptx: str) -> dict:
         "cp.async.bulk.tensor": ptx.count("cp.async.bulk.tensor"),
         "mbarrier": ptx.count("mbarrier."),
         "setmaxnreg": ptx.count("setmaxnreg"),
+        # the registers a warp-specialised kernel's producers keep and its consumers take
+        "setmaxnreg.dec": max(map(int, re.findall(r"setmaxnreg\.dec\.sync\.aligned\.u32 (\d+)", ptx)), default=0),
+        "setmaxnreg.inc": max(map(int, re.findall(r"setmaxnreg\.inc\.sync\.aligned\.u32 (\d+)", ptx)), default=0),
     }
 
 

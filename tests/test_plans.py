@@ -163,22 +163,23 @@ def test_hopper_family_repeat_calls(causal, plan_runs, monkeypatch):
 
 @GPU_ONLY
 def test_hopper_plans_with_a_table_of_one_map(plan_runs, monkeypatch):
-    """A table of tensor maps that starts afresh at every new map (``MAX_MAPS = 1``) and
-    memory freed as soon as it is dropped: a plan's run makes q's, k's and v's maps one
-    after the other, each dropping the one before from the table, and must still launch
-    with all three alive (a dropped map freed and its memory reused by the next map would
-    send the kernel to the wrong tensor)."""
+    """A table of tensor maps that starts afresh at every new map (``MAX_MAPS = 1``, from
+    the second call: the first call's plan needs each of its maps' sources, which the table
+    forgets when it starts afresh) and memory freed as soon as it is dropped: a plan's run
+    makes q's, k's and v's maps one after the other, each dropping the one before from the
+    table, and must still launch with all three alive (a dropped map freed and its memory
+    reused by the next map would send the kernel to the wrong tensor)."""
     from numba.cuda.core import config     # numba-cuda's own configuration (its deallocations)
     from numba_flash import families, registry
     if cuda.get_current_device().compute_capability != (9, 0):
         pytest.skip("the Hopper family runs on compute capability 9.0 only")
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setattr(families, "MAX_MAPS", 1)
     monkeypatch.setattr(config, "CUDA_DEALLOCS_COUNT", 0)
     for call in range(4):
         q, k, v = (x.astype(np.float16) for x in make_qkv(300 + call, (2,), 150, 260, 64, "float32"))
         out, lse = numba_flash.attention_fwd(*(cuda.to_device(x) for x in (q, k, v)))
         check_forward_low(host(out), host(lse), q, k, v, False, None)
+        monkeypatch.setattr(families, "MAX_MAPS", 1)
     assert len(plan_runs) == 3
 
 

@@ -119,6 +119,11 @@ def _check_row(r):
                 bad.append(f"no {feature} in a Hopper kernel")
         if name.startswith(WARP_SPECIALISED) and r["setmaxnreg"] == 0:
             bad.append("no setmaxnreg in a warp-specialised Hopper kernel")
+        # 384 threads get 168 registers each at launch (65536 / 384, a multiple of 8): the
+        # block's pool is 64512, and consumers that ask for more than the producer left
+        # wait forever
+        if name.startswith(WARP_SPECIALISED) and 128 * r["setmaxnreg.dec"] + 256 * r["setmaxnreg.inc"] > 168 * 384:
+            bad.append(f"setmaxnreg {r['setmaxnreg.dec']} / {r['setmaxnreg.inc']}: more than the block's 64512 registers")
     elif name.endswith("/async") and r["cp.async"] == 0:
         bad.append("an /async kernel without cp.async")
     if name.endswith("/plain") and r["cp.async"] != 0:

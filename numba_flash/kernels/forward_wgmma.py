@@ -64,6 +64,7 @@ from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
+PACKED_PRODUCER_REGS = 32
 HEAD_DIMS = (64, 128)
 # With a softcap every score takes two special-function instructions (tanh, then exp2).
 # Moving half the exponentials to the FMA units (about ten instructions each: ops.exp2_fma)
@@ -156,9 +157,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K)        # S = Q Kᵀ of one key tile
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
     zeros_o = H.accumulator(64)
-    # the producer's registers (packed sequences: 32, for the table's lookups; 128 · 32 +
-    # 256 · 240 is the whole register file)
-    give, take = H.setmaxnreg(32 if PACKED else 24, False), H.setmaxnreg(240, True)
+    # the producer's registers (packed sequences: more, for the table's lookups), and the
+    # consumers' share of the rest of the block's pool (ops_hopper.consumer_registers)
+    PRODUCER_REGS = PACKED_PRODUCER_REGS if PACKED else 24
+    give = H.setmaxnreg(PRODUCER_REGS, False)
+    take = H.setmaxnreg(H.consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     store_rows = make_store_rows(dtype_name, D)
