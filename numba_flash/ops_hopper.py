@@ -80,21 +80,9 @@ def wgmma_wait(pending):
 def setmaxnreg(count, increase):
     """``setmaxnreg.{inc,dec}.sync.aligned.u32 count``: a warpgroup's register budget (count a
     multiple of 8 in 24..256); producers give registers up, consumers take them
-    (:func:`consumer_registers` says how many they can)."""
+    (``kernels.wgmma_parts.consumer_registers`` says how many they can)."""
     assert count % 8 == 0 and 24 <= count <= 256, count
     return _void(f"setmaxnreg.{'inc' if increase else 'dec'}.sync.aligned.u32 {count};")
-
-
-def consumer_registers(producer, threads, producer_threads=128):
-    """The registers per thread that a block's consumer warpgroups can take
-    (``setmaxnreg.inc``) once its producer warpgroup (``producer_threads`` threads) keeps
-    ``producer``. The pool is what the block got at launch: ``launch_bounds(threads, 1)``
-    gives each thread 65536 / threads registers rounded down to a multiple of 8 (384
-    threads: 168, a pool of 64512, not the 65536 of the register file), and an increase
-    beyond the pool does not fail: it waits for registers that never come free (the
-    kernel hangs). 384 threads: producer 24 -> 240, producer 32 -> 232."""
-    pool = 65536 // threads // 8 * 8 * threads
-    return min(256, (pool - producer * producer_threads) // (threads - producer_threads) // 8 * 8)
 
 
 named_barrier = _void("bar.sync $0, $1;", (U32, U32), "r,r",

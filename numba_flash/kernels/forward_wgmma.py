@@ -60,7 +60,8 @@ from .. import ops, warp
 from .. import ops_hopper as H
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules, mask_rule
 from .forward import LN2
-from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_rows, wait_phase
+from .wgmma_parts import (SUB, consumer_registers, make_column_product, make_row_product, make_store_rows,
+                          wait_phase)
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
@@ -158,10 +159,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
     zeros_o = H.accumulator(64)
     # the producer's registers (packed sequences: more, for the table's lookups), and the
-    # consumers' share of the rest of the block's pool (ops_hopper.consumer_registers)
+    # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
     PRODUCER_REGS = PACKED_PRODUCER_REGS if PACKED else 24
     give = H.setmaxnreg(PRODUCER_REGS, False)
-    take = H.setmaxnreg(H.consumer_registers(PRODUCER_REGS, THREADS), True)
+    take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     store_rows = make_store_rows(dtype_name, D)

@@ -17,6 +17,18 @@ SUB = 128                         # bytes per swizzled row: 64 columns of d per 
 DESC = H.smem_descriptor(16, 1024, 1)   # 128-byte swizzle, 8-row groups 1024 bytes apart
 
 
+def consumer_registers(producer, threads, producer_threads=128):
+    """The registers per thread that a block's consumer warpgroups can take
+    (``setmaxnreg.inc``) once its producer warpgroup (``producer_threads`` threads) keeps
+    ``producer``. The pool is what the block got at launch: ``launch_bounds(threads, 1)``
+    gives each thread 65536 / threads registers rounded down to a multiple of 8 (384
+    threads: 168, a pool of 64512, not the 65536 of the register file), and an increase
+    beyond the pool does not fail: it waits for registers that never come free (the
+    kernel hangs). 384 threads: producer 24 -> 240, producer 32 -> 232."""
+    pool = 65536 // threads // 8 * 8 * threads
+    return min(256, (pool - producer * producer_threads) // (threads - producer_threads) // 8 * 8)
+
+
 @cuda.jit(device=True, inline=True)
 def wait_phase(bar, parity):
     """Wait until the mbarrier at shared address ``bar`` has completed phase ``parity``."""
