@@ -40,6 +40,11 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d"]
 
 _TIMEOUT_S = 600.0
+# A slow warpgroup, for tests: ``(warpgroup, seconds)`` makes that warpgroup's threads sleep
+# before every named-barrier sync or arrival, so that the others run ahead of it, an order
+# a GPU makes rare but allows (a protocol that counts on one warpgroup staying ahead of
+# another deadlocks here, as it could on a GPU). None by default.
+SLOW_WARPGROUP = None
 _FIRST_BASE = 1024          # the first shared array's fake address: aligned, and 0 stays invalid
 _WINDOW = 1 << 18           # a wgmma descriptor keeps the low 18 bits of a shared address
 _WARPGROUP = 128
@@ -178,6 +183,8 @@ def setmaxnreg(count, increase):
 # --------------------------------------------------------------------------- named barriers
 def _named(barrier, nthreads, wait):
     t, st = _here()
+    if SLOW_WARPGROUP is not None and t.thread_id // _WARPGROUP == SLOW_WARPGROUP[0]:
+        time.sleep(SLOW_WARPGROUP[1])
     barrier, nthreads = int(barrier), int(nthreads)
     if not 0 <= barrier < 16 or nthreads <= 0 or nthreads % 32 or nthreads > st.nthreads:
         raise ValueError(f"named barrier {barrier} for {nthreads} threads: ids are 0..15 and thread counts "

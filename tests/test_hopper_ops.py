@@ -309,6 +309,22 @@ def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid):
     check_forward(d, causal, nq, nk, heads, grid)
 
 
+@pytest.mark.parametrize("slow", [1, 2])
+def test_forward_with_a_slow_consumer(slow, monkeypatch):
+    """The consumer warpgroups' turns (named barriers) across a block's items with one
+    consumer warpgroup slowed at every barrier (``_hopper_sim.SLOW_WARPGROUP``), so that the
+    other runs ahead: an order a GPU makes rare but allows must not deadlock or change the
+    result. (Turns started afresh per item deadlocked here with the first consumer slow:
+    the second, run ahead into the next item, completed a barrier the first had yet to
+    sync on.)"""
+    if not _simulator():
+        pytest.skip("a slow warpgroup is the simulator's")
+    from numba_flash import _hopper_sim
+    monkeypatch.setattr(_hopper_sim, "SLOW_WARPGROUP", (slow, 0.05))
+    monkeypatch.setattr(_hopper_sim, "_TIMEOUT_S", 60.0)
+    check_forward(64, False, 200, 140, (1, 2), 1)     # d = 64: two Q buffers, nothing holds the second back
+
+
 # --------------------------------------------------------------------------- the simulator's twins
 def _simulator():
     import numba_flash

@@ -435,6 +435,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         ak, bk = 0, 0                            # the K ring's stage and phase, across items
         av, bv = 0, 0                            # the V ring's
         n_q = 0
+        # Ping-pong turns run on across items (warpgroup 0 first): both warpgroups take one
+        # per key tile of the same items. (Starting them afresh per item let warpgroup 1,
+        # run ahead, arrive twice on the barrier warpgroup 0 had yet to sync on for the item
+        # before: the two arrivals completed it without warpgroup 0, a deadlock.)
+        if wg == 1:
+            their_turn(wg)
         for i in range(cuda.blockIdx.x, n_items, G):
             b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, geo, slopes, seqs)
             diag = geo[1]
@@ -458,8 +464,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                 n_q += 1
                 wait_phase(full_k + 8 * ak, bk)
-                if wg == 1:
-                    their_turn(wg)                     # warpgroup 0 issues first
                 my_turn(wg)
                 H.wgmma_fence()
                 acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
@@ -508,8 +512,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 wait0()
                 release(ct, empty_v + 8 * av)
                 av, bv = advance(av, bv)
-                if wg == 0:
-                    my_turn(wg)        # warpgroup 1's last turn: no barrier is left half-arrived
 
             # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 -----------------------------------
             for off in (1, 2):
@@ -523,6 +525,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
                 if row0 + 8 < nq:
                     lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+        if wg == 0:
+            my_turn(wg)          # warpgroup 1's last turn: no barrier is left half-arrived
 
     if PACKED:
         @cuda.jit(launch_bounds=(THREADS, 1))
