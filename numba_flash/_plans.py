@@ -29,19 +29,24 @@ _PLANS = {}
 
 
 # --------------------------------------------------------------------------- signatures
-# Per array kind: (key items, data pointer, the stream it names or None).
-def _numba_sig(x):
+# Per array kind: (key items, data pointer, the stream it names or None); ``streams``: the
+# streams already asked for in this call, per device (PyTorch's lookup costs microseconds).
+def _numba_sig(x, streams):
     return (x.dtype, x.shape, x.strides), int(x.gpu_data.device_pointer) if x.size else 0, None
 
 
-def _torch_sig(x):
-    import torch
+def _torch_sig(x, streams):
     if not x.is_cuda:
         return None
-    return (x.dtype, x.shape, x.stride(), x.device), x.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream
+    device = x.device
+    stream = streams.get(device)
+    if stream is None:
+        import torch
+        stream = streams[device] = torch.cuda.current_stream(device).cuda_stream
+    return (x.dtype, x.shape, x.stride(), device), x.data_ptr(), stream
 
 
-def _cupy_sig(x):
+def _cupy_sig(x, streams):
     return (x.dtype, x.shape, x.strides, x.device.id), x.data.ptr, x.__cuda_array_interface__.get("stream")
 
 
@@ -86,11 +91,11 @@ def signature(name, arrays, options):
     Numba: none) must agree, as the full path then launches on that one stream."""
     if SIMULATOR:
         return None
-    key, ptrs, streams = [], [], set()
+    key, ptrs, streams, asked = [], [], set(), {}
     for x in arrays:
         t = type(x)
         sig = _kind_of(t)
-        found = sig(x) if sig is not None else None
+        found = sig(x, asked) if sig is not None else None
         if found is None:
             return None
         items, ptr, stream = found
