@@ -233,7 +233,7 @@ def _leaves(args):
             yield a
 
 
-def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), constants=()):
+def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), constants=(), aliases=None):
     """The :class:`Plan` of a call the full path just ran, or None.
 
     ``inputs``: the device arrays the call's input pointers point to, in the
@@ -245,7 +245,10 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
     flattened), whose array arguments must each share its memory with exactly one of
     those arrays (a view made by ``_arrays.strided_view`` or the array itself), or be one
     of ``constants``: device arrays every call with this signature reads (tables
-    numba_flash keeps), passed by their pointers and kept alive by the plan."""
+    numba_flash keeps), passed by their pointers and kept alive by the plan. ``aliases``:
+    ``{input index: earlier input index}`` of inputs that are the same array as an earlier
+    one in every call of the signature (a KV cache read, then written); otherwise two
+    inputs sharing memory get no plan (a later call might pass two different arrays)."""
     from numba.cuda.cudadrv import devices
 
     from . import families
@@ -264,6 +267,8 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
                                     + [(a, o) for a, o in zip(scratch, offsets)]):
         index = min(i, n_inputs + len(outputs))
         gid = id(a.gpu_data)
+        if aliases and i in aliases and roots.get(gid) == (aliases[i], 0):
+            continue                                    # launches use the earlier input's root
         if gid in roots or not a.size:
             return None                                 # the same memory twice, or empty
         roots[gid] = (index, offset)

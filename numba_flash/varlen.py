@@ -203,8 +203,9 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
         api.launch(*args)
     if sig is not None and not copied and len(inputs) == len(sig_arrays):
         finish = functools.partial(api._finish, inp.dtype if inp.low else None)
+        # appends: the caches are read (inputs 1, 2) and written (4, 6): the same arrays twice
         plan = _plans.capture(inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish,
-                              sig.stream, devs)
+                              sig.stream, devs, aliases={4: 1, 6: 2} if append is not None else {})
         _plans.remember(sig, plan)
         if made is not None and plan is not None:
             made.append(plan)

@@ -345,12 +345,13 @@ def test_user_functions_through_plans(hopper, plan_runs, monkeypatch):
 
 
 @GPU_ONLY
-@pytest.mark.parametrize("dtype,nq,hq,hkv,page,n_new", [
-    ("bfloat16", 1, 8, 2, 0, 0),      # decoding with grouped heads (a group's rows in one block)
-    ("float16", 1, 4, 4, 16, 1),      # a paged cache, appending a row each step
-    ("float32", 3, 2, 1, 0, 2),       # a few queries a step on the CUDA-core kernels, appends
+@pytest.mark.parametrize("dtype,nq,hq,hkv,page,n_new,kind", [
+    ("bfloat16", 1, 8, 2, 0, 0, "numba"),     # decoding with grouped heads (a group's rows in one block)
+    ("float16", 1, 4, 4, 16, 1, "numba"),     # a paged cache, appending a row each step
+    ("float32", 3, 2, 1, 0, 2, "numba"),      # a few queries a step on the CUDA-core kernels, appends
+    ("bfloat16", 1, 8, 2, 32, 1, "torch"),    # PyTorch tensors: paged, grouped heads, appends
 ])
-def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_new, plan_runs, monkeypatch):
+def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_new, kind, plan_runs, monkeypatch):
     """Decoding steps: the first call leaves a plan, later ones (other cache_seqlens, fresh
     queries and appended rows) run it after checking their metadata only, and every step's
     result (and the appended cache rows) match the oracle; bad metadata still gets the
@@ -358,6 +359,15 @@ def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_ne
     from numba_flash import varlen
     from test_varlen import _check, _heads_first
     monkeypatch.setattr(varlen, "_KV_CALLS", {})
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+
+        def dev(x):
+            if x.dtype == np_dtype("bfloat16"):
+                return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+            return torch.from_numpy(x).cuda()
+    else:
+        dev = numba_flash.to_device
     rng = np.random.default_rng(30 + nq)
     dt = np_dtype(dtype)
     b, nmax, d = 3, 96, 64
@@ -371,7 +381,7 @@ def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_ne
         kc, vc = (rng.standard_normal((b, nmax, hkv, d)).astype(dt) for _ in range(2))
         rows = lambda c, i: c[i]                                        # noqa: E731
         extra = {}
-    kc_d, vc_d = cuda.to_device(kc), cuda.to_device(vc)
+    kc_d, vc_d = dev(kc), dev(vc)
     for step in range(4):
         lens = rng.integers(0, nmax - n_new + 1, b)
         lens[step % b] = nmax - n_new             # one sequence with a full cache each step
@@ -379,8 +389,8 @@ def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_ne
         new = {}
         if n_new:
             kn, vn = (rng.standard_normal((b, n_new, hkv, d)).astype(dt) for _ in range(2))
-            new = {"k_new": cuda.to_device(kn), "v_new": cuda.to_device(vn)}
-        out, lse = numba_flash.attention_with_kvcache(cuda.to_device(q), kc_d, vc_d, lens.astype(np.int32),
+            new = {"k_new": dev(kn), "v_new": dev(vn)}
+        out, lse = numba_flash.attention_with_kvcache(dev(q), kc_d, vc_d, lens.astype(np.int32),
                                                       causal=True, return_lse=True, **new, **extra)
         out, lse = host(out), host(lse)
         kc_now, vc_now = host(kc_d), host(vc_d)
@@ -393,7 +403,7 @@ def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_ne
             _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
                    _heads_first(k_i[:n]), _heads_first(v_i[:n]), dict(causal=True))
         assert len(varlen._KV_CALLS) == 1 and len(plan_runs) == step, "steps after the first take the short path"
-    q_d = cuda.to_device(q)
+    q_d = dev(q)
     with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, Nmax=96\]"):
         numba_flash.attention_with_kvcache(q_d, kc_d, vc_d, np.array([0, 97, 0], np.int32), causal=True,
                                            **new, **extra)
