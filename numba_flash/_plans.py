@@ -180,10 +180,8 @@ class Plan:
             if err != cu.CUresult.CUDA_SUCCESS:
                 return None
             blocks.append(block)
-            for a, offset in zip(uploads, offsets):
-                # pageable memory: the call returns once the bytes are staged
-                cu.cuMemcpyHtoDAsync(int(block) + int(offset), a.ctypes.data, a.nbytes, stream)
-                roots.append(int(block) + int(offset))
+            _upload(uploads, offsets, int(block), stream)
+            roots += [int(block) + int(offset) for offset in offsets[:-1]]
         roots += [_arrays.device_pointer(o) for o in outs]
         if self.scratch_bytes:
             err, scratch = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
@@ -207,6 +205,70 @@ class Plan:
             for b in blocks:
                 cu.cuMemFreeAsync(b, stream)
         return self.finish(outs)
+
+
+class _Staging:
+    """Pinned host buffers through which plan calls copy their uploads (sequence and page
+    tables) to the device. From pageable memory a copy may wait for the work queued before
+    it (on an H200 a paged decoding call's 32 KiB page table made each call wait for the
+    last one's kernels, so back-to-back calls ran at host time plus kernel time); from
+    pinned memory it is queued like a launch. A ring of ``SLOTS`` buffers per context, each
+    refilled only after the copy that last read it has completed (its event)."""
+    SLOTS = 8
+
+    def __init__(self):
+        self.slots = [None] * self.SLOTS      # (pinned pointer, size, event, NumPy view)
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def copy(self, uploads, offsets, dst, stream):
+        """Queue the copy of ``uploads`` (at byte ``offsets``) to ``dst``; False where no
+        pinned memory could be had."""
+        from cuda.bindings import driver as cu
+        total = int(offsets[-1])
+        with self.lock:
+            i, self.next = self.next, (self.next + 1) % self.SLOTS
+            slot = self.slots[i]
+            if slot is None or slot[1] < total:
+                if slot is not None:
+                    cu.cuEventSynchronize(slot[2])
+                    cu.cuMemFreeHost(slot[0])
+                    cu.cuEventDestroy(slot[2])
+                    self.slots[i] = None
+                size = max(total, 4096)
+                err, ptr = cu.cuMemHostAlloc(size, 0)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    return False
+                err, event = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    cu.cuMemFreeHost(ptr)
+                    return False
+                view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(int(ptr)))
+                slot = self.slots[i] = (ptr, size, event, view)
+            else:
+                cu.cuEventSynchronize(slot[2])       # (long done, but for a ring's worth of calls in flight)
+            ptr, _, event, view = slot
+            for a, offset in zip(uploads, offsets):
+                view[int(offset):int(offset) + a.nbytes] = a.reshape(-1).view(np.uint8)
+            cu.cuMemcpyHtoDAsync(dst, ptr, total, stream)
+            cu.cuEventRecord(event, stream)
+        return True
+
+
+_STAGING = {}       # context handle -> _Staging
+
+
+def _upload(uploads, offsets, dst, stream):
+    """Copy the host arrays ``uploads`` to ``dst`` + ``offsets``, queued on ``stream``:
+    through pinned memory (:class:`_Staging`), else from the arrays themselves."""
+    from cuda.bindings import driver as cu
+    ctx = _launch.context_handle()
+    staging = _STAGING.get(ctx)
+    if staging is None:
+        staging = _STAGING[ctx] = _Staging()
+    if not staging.copy(uploads, offsets, dst, stream):
+        for a, offset in zip(uploads, offsets):
+            cu.cuMemcpyHtoDAsync(dst + int(offset), a.ctypes.data, a.nbytes, stream)
 
 
 def _map_pointer(ptr, tmap, held):

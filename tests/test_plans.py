@@ -359,6 +359,8 @@ def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_ne
     from numba_flash import varlen
     from test_varlen import _check, _heads_first
     monkeypatch.setattr(varlen, "_KV_CALLS", {})
+    monkeypatch.setattr(_plans, "_STAGING", {})
+    monkeypatch.setattr(_plans._Staging, "SLOTS", 2)      # the steps wrap the ring of pinned uploads
     if kind == "torch":
         torch = pytest.importorskip("torch")
 
