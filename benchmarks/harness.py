@@ -340,6 +340,23 @@ def spec_record(spec, s: Shape, rows):
             "grid": [-(-rows // t.BM) * s.B * s.H, -(-s.d // t.DO)]}
 
 
+def measure_back_to_back(call, events, bench, calls=20):
+    """Milliseconds per call of ``calls`` calls issued back to back, with no
+    synchronisation or L2 flush between them: what a loop of calls sees (a model's layers
+    in one decoding step), where each call's host work overlaps the kernels queued before
+    it, while :func:`measure` shows one call's latency, host work included. Median of
+    ``min(5, bench.repeats)`` runs (their outputs kept alive until each run's end)."""
+    for _ in range(bench.warmup):
+        call()
+    per_call = []
+    for _ in range(min(5, bench.repeats)):
+        release_pending_frees()
+        events.synchronize()
+        ms, _ = events.time(lambda: [call() for _ in range(calls)])
+        per_call.append(ms / calls)
+    return float(np.median(per_call))
+
+
 def time_numba(call, bench, flops, plan=None, op=None):
     """``measure`` one call of ours, then, given ``plan`` (``plan()`` returns the launches
     the call makes: ``api.plan_forward`` / ``plan_backward``), its kernels alone, given

@@ -29,19 +29,24 @@ _PLANS = {}
 
 
 # --------------------------------------------------------------------------- signatures
-# Per array kind: (key items, data pointer, the stream it names or None).
-def _numba_sig(x):
+# Per array kind: (key items, data pointer, the stream it names or None); ``streams``: the
+# streams already asked for in this call, per device (PyTorch's lookup costs microseconds).
+def _numba_sig(x, streams):
     return (x.dtype, x.shape, x.strides), int(x.gpu_data.device_pointer) if x.size else 0, None
 
 
-def _torch_sig(x):
-    import torch
+def _torch_sig(x, streams):
     if not x.is_cuda:
         return None
-    return (x.dtype, x.shape, x.stride(), x.device), x.data_ptr(), torch.cuda.current_stream(x.device).cuda_stream
+    device = x.device
+    stream = streams.get(device)
+    if stream is None:
+        import torch
+        stream = streams[device] = torch.cuda.current_stream(device).cuda_stream
+    return (x.dtype, x.shape, x.stride(), device), x.data_ptr(), stream
 
 
-def _cupy_sig(x):
+def _cupy_sig(x, streams):
     return (x.dtype, x.shape, x.strides, x.device.id), x.data.ptr, x.__cuda_array_interface__.get("stream")
 
 
@@ -86,11 +91,11 @@ def signature(name, arrays, options):
     Numba: none) must agree, as the full path then launches on that one stream."""
     if SIMULATOR:
         return None
-    key, ptrs, streams = [], [], set()
+    key, ptrs, streams, asked = [], [], set(), {}
     for x in arrays:
         t = type(x)
         sig = _kind_of(t)
-        found = sig(x) if sig is not None else None
+        found = sig(x, asked) if sig is not None else None
         if found is None:
             return None
         items, ptr, stream = found
@@ -175,10 +180,8 @@ class Plan:
             if err != cu.CUresult.CUDA_SUCCESS:
                 return None
             blocks.append(block)
-            for a, offset in zip(uploads, offsets):
-                # pageable memory: the call returns once the bytes are staged
-                cu.cuMemcpyHtoDAsync(int(block) + int(offset), a.ctypes.data, a.nbytes, stream)
-                roots.append(int(block) + int(offset))
+            _upload(uploads, offsets, int(block), stream)
+            roots += [int(block) + int(offset) for offset in offsets[:-1]]
         roots += [_arrays.device_pointer(o) for o in outs]
         if self.scratch_bytes:
             err, scratch = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
@@ -202,6 +205,70 @@ class Plan:
             for b in blocks:
                 cu.cuMemFreeAsync(b, stream)
         return self.finish(outs)
+
+
+class _Staging:
+    """Pinned host buffers through which plan calls copy their uploads (sequence and page
+    tables) to the device. From pageable memory a copy may wait for the work queued before
+    it (on an H200 a paged decoding call's 32 KiB page table made each call wait for the
+    last one's kernels, so back-to-back calls ran at host time plus kernel time); from
+    pinned memory it is queued like a launch. A ring of ``SLOTS`` buffers per context, each
+    refilled only after the copy that last read it has completed (its event)."""
+    SLOTS = 8
+
+    def __init__(self):
+        self.slots = [None] * self.SLOTS      # (pinned pointer, size, event, NumPy view)
+        self.next = 0
+        self.lock = threading.Lock()
+
+    def copy(self, uploads, offsets, dst, stream):
+        """Queue the copy of ``uploads`` (at byte ``offsets``) to ``dst``; False where no
+        pinned memory could be had."""
+        from cuda.bindings import driver as cu
+        total = int(offsets[-1])
+        with self.lock:
+            i, self.next = self.next, (self.next + 1) % self.SLOTS
+            slot = self.slots[i]
+            if slot is None or slot[1] < total:
+                if slot is not None:
+                    cu.cuEventSynchronize(slot[2])
+                    cu.cuMemFreeHost(slot[0])
+                    cu.cuEventDestroy(slot[2])
+                    self.slots[i] = None
+                size = max(total, 4096)
+                err, ptr = cu.cuMemHostAlloc(size, 0)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    return False
+                err, event = cu.cuEventCreate(cu.CUevent_flags.CU_EVENT_DISABLE_TIMING)
+                if err != cu.CUresult.CUDA_SUCCESS:
+                    cu.cuMemFreeHost(ptr)
+                    return False
+                view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(int(ptr)))
+                slot = self.slots[i] = (ptr, size, event, view)
+            else:
+                cu.cuEventSynchronize(slot[2])       # (long done, but for a ring's worth of calls in flight)
+            ptr, _, event, view = slot
+            for a, offset in zip(uploads, offsets):
+                view[int(offset):int(offset) + a.nbytes] = a.reshape(-1).view(np.uint8)
+            cu.cuMemcpyHtoDAsync(dst, ptr, total, stream)
+            cu.cuEventRecord(event, stream)
+        return True
+
+
+_STAGING = {}       # context handle -> _Staging
+
+
+def _upload(uploads, offsets, dst, stream):
+    """Copy the host arrays ``uploads`` to ``dst`` + ``offsets``, queued on ``stream``:
+    through pinned memory (:class:`_Staging`), else from the arrays themselves."""
+    from cuda.bindings import driver as cu
+    ctx = _launch.context_handle()
+    staging = _STAGING.get(ctx)
+    if staging is None:
+        staging = _STAGING[ctx] = _Staging()
+    if not staging.copy(uploads, offsets, dst, stream):
+        for a, offset in zip(uploads, offsets):
+            cu.cuMemcpyHtoDAsync(dst + int(offset), a.ctypes.data, a.nbytes, stream)
 
 
 def _map_pointer(ptr, tmap, held):
@@ -228,7 +295,7 @@ def _leaves(args):
             yield a
 
 
-def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), constants=()):
+def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), constants=(), aliases=None):
     """The :class:`Plan` of a call the full path just ran, or None.
 
     ``inputs``: the device arrays the call's input pointers point to, in the
@@ -240,7 +307,10 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
     flattened), whose array arguments must each share its memory with exactly one of
     those arrays (a view made by ``_arrays.strided_view`` or the array itself), or be one
     of ``constants``: device arrays every call with this signature reads (tables
-    numba_flash keeps), passed by their pointers and kept alive by the plan."""
+    numba_flash keeps), passed by their pointers and kept alive by the plan. ``aliases``:
+    ``{input index: earlier input index}`` of inputs that are the same array as an earlier
+    one in every call of the signature (a KV cache read, then written); otherwise two
+    inputs sharing memory get no plan (a later call might pass two different arrays)."""
     from numba.cuda.cudadrv import devices
 
     from . import families
@@ -259,6 +329,8 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
                                     + [(a, o) for a, o in zip(scratch, offsets)]):
         index = min(i, n_inputs + len(outputs))
         gid = id(a.gpu_data)
+        if aliases and i in aliases and roots.get(gid) == (aliases[i], 0):
+            continue                                    # launches use the earlier input's root
         if gid in roots or not a.size:
             return None                                 # the same memory twice, or empty
         roots[gid] = (index, offset)

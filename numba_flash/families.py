@@ -165,6 +165,7 @@ def tensor_map(ptr, shape, strides, rows, ary=None):
             if not SIMULATOR:
                 from numba import cuda
                 cuda.synchronize()
+                key = (context_handle(),) + key[1:]    # (the wait makes Numba's context current if none was)
             _RETIRED[:] = _MAPS.values()
             _MAPS.clear()
             MAP_SOURCES.clear()

@@ -91,11 +91,13 @@ def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
 def _table(starts_q, lens_q, starts_k, lens_k):
     """The sequence table ``(S, 6)`` int32 on the host: q_start, q_len, k_start, k_len per
     sequence, then the Hopper forward's work order (``forward_wgmma.work_order``)."""
-    table = np.stack([starts_q, lens_q, starts_k, lens_k], axis=1).astype(np.int32)
-    table = np.ascontiguousarray(np.concatenate([table, forward_wgmma.work_order(lens_q, lens_k)], axis=1))
-    if table.shape[0] > MAX_SEQUENCES:
-        raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {table.shape[0]}: call once per part "
+    count = len(lens_q)
+    if count > MAX_SEQUENCES:
+        raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {count}: call once per part "
                          "of the batch.")
+    table = np.empty((count, 6), np.int32)
+    table[:, 0], table[:, 1], table[:, 2], table[:, 3] = starts_q, lens_q, starts_k, lens_k
+    table[:, 4:] = forward_wgmma.work_order(lens_q, lens_k)
     return table
 
 
@@ -138,7 +140,7 @@ def _check_rank(x, name, rank, layout):
 
 
 def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_rows=0, page_size=0, append=None,
-             gaps=False):
+             gaps=False, made=None):
     """The packed forward of ``inp`` (q, k, v given as ``(H, T, d)``), through a launch
     plan when one fits (:mod:`numba_flash._plans`; device inputs, no ALiBi), else the
     full path, which leaves a plan behind; returns ``(out, lse)`` in ``q_kind``'s kind,
@@ -153,7 +155,8 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
     ``group_rows``: q is :func:`_grouped_rows`' view, ``(Hkv, R, d)``, groups of that many
     query heads as rows (one query per sequence), and out and lse are viewed alike;
     ``append``: ``(k_cache, v_cache, k_new, v_new)`` of device caches to append to first;
-    ``gaps``: the keys' rows have gaps between sequences (:class:`Packed`).
+    ``gaps``: the keys' rows have gaps between sequences (:class:`Packed`); ``made``: a
+    list the plan that ran or was captured is appended to.
     """
     from numba import cuda
     inp.scores = dataclasses.replace(inp.scores, packed=True, paged=bool(page_size))
@@ -165,6 +168,8 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
     if plan is not None:
         found = plan.run(sig, api._POISON, uploads)
         if found is not None:
+            if made is not None:
+                made.append(plan)
             return _arrays.like(q_kind, found)
     devs = [cuda.to_device(u, stream=inp.stream) for u in uploads]
     table = uploads[0]
@@ -198,8 +203,12 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
         api.launch(*args)
     if sig is not None and not copied and len(inputs) == len(sig_arrays):
         finish = functools.partial(api._finish, inp.dtype if inp.low else None)
-        _plans.remember(sig, _plans.capture(inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches,
-                                            finish, sig.stream, devs))
+        # appends: the caches are read (inputs 1, 2) and written (4, 6): the same arrays twice
+        plan = _plans.capture(inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish,
+                              sig.stream, devs, aliases={4: 1, 6: 2} if append is not None else {})
+        _plans.remember(sig, plan)
+        if made is not None and plan is not None:
+            made.append(plan)
     return _arrays.like(q_kind, inp.result(out, lse))
 
 
@@ -399,6 +408,13 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     A cache far larger than the rows in use pays for its empty splits (blocks that exit at
     once).
     """
+    fast = _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
+                         (causal, window, softcap, scale, alibi_slopes is None))
+    known = None if fast is None else _KV_CALLS.get(fast.key)
+    if known is not None:
+        found = known.run(fast, q, cache_seqlens, block_table)
+        if found is not None:
+            return found if return_lse else found[0]
     q, k_cache, v_cache = (_arrays.host_view(a) for a in (q, k_cache, v_cache))
     qs = _check_rank(q, "q", 4, "(batch, Nq, heads, d)")
     layout = "(batch, Nmax, heads, d)" if block_table is None else "(num_pages, page_size, heads, d)"
@@ -414,9 +430,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     else:
         pages = _page_table(block_table, b)
         nmax = pages.shape[1] * ks[1]
-    lens = _host_ints(cache_seqlens, "cache_seqlens", b)
-    if lens.size and (lens.min() < 0 or lens.max() > nmax):
-        raise ValueError(f"cache_seqlens must lie in [0, Nmax={nmax}], got {lens.tolist() if b <= 16 else lens}.")
+    lens = _cache_lens(cache_seqlens, b, nmax)
     n_new = 0
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together: pass both or neither.")
@@ -427,10 +441,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
             raise ValueError(f"k_new and v_new must be (batch={b}, Nnew, {ks[2]}, {ks[3]}) like the cache, got "
                              f"k_new {ns} and v_new {tuple(v_new.shape)}.")
         n_new = ns[1]
-        if lens.size and lens.max() + n_new > nmax:
-            worst = int(np.argmax(lens))
-            raise ValueError(f"the cache overflows: sequence {worst} holds {lens[worst]} rows and k_new adds "
-                             f"{n_new}, but the cache holds Nmax={nmax}. Allocate a longer cache.")
+        _check_room(lens, n_new, nmax)
     if pages is not None:
         _check_pages(pages, lens + n_new, ks[1], ks[0])
     k2, v2 = (_swap01(_merge01(c, n, view_only=True)) for c, n in ((k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -464,9 +475,84 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     if append is not None:
         uploads.append(np.ascontiguousarray(lens, np.int32))
     sig_arrays = [q, k_cache, v_cache] + ([k_new, k_cache, v_new, v_cache] if append is not None else [])
+    made = []
     out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q,
-                        group if grouped else 0, ks[1] if pages is not None else 0, append, gaps=True)
+                        group if grouped else 0, ks[1] if pages is not None else 0, append, gaps=True, made=made)
+    if fast is not None and made:
+        if len(_KV_CALLS) >= _plans.MAX_PLANS:
+            _KV_CALLS.clear()        # (the plans' own table waits for queued work when it drops plans)
+        _KV_CALLS[fast.key] = _KVCall(made[0], b, nmax, n_new, ks[1] if pages is not None else 0, ks[0],
+                                      q_starts, q_lens, k_starts, append is not None)
     return (out, lse) if return_lse else out
+
+
+# Repeat decoding calls: the signature of a call's own arguments (kinds, shapes, strides,
+# dtypes, options, stream) -> what the call needs besides its metadata. A call with that
+# signature passed every check but the metadata's, and its launches do not depend on the
+# metadata's values (key splits follow the cache's capacity), so a repeat call checks the
+# metadata, builds the sequence table and runs the plan: no array views, no input checks.
+_KV_CALLS = {}
+
+
+def _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, options):
+    """The plan signature of an ``attention_with_kvcache`` call over device arrays, with
+    its inputs' pointers in the order the launches read them (q, the caches, then the
+    appends' k_new, k_cache, v_new, v_cache), or None (host arrays, ALiBi, the simulator)."""
+    if not options[-1] or (k_new is None) != (v_new is None):
+        return None
+    arrays = [q, k_cache, v_cache] + ([] if k_new is None else [k_new, k_cache, v_new, v_cache])
+    meta = tuple(None if x is None else (type(x), tuple(x.shape), str(x.dtype)) for x in (cache_seqlens, block_table))
+    try:
+        hash(options)
+    except TypeError:
+        return None
+    return _plans.signature("kvcache", arrays, options + meta)
+
+
+@dataclasses.dataclass(frozen=True)
+class _KVCall:
+    """A repeat ``attention_with_kvcache`` call's plan and the facts of its signature."""
+    plan: object
+    batch: int
+    nmax: int
+    n_new: int
+    page_size: int          # 0: a contiguous cache
+    num_pages: int
+    q_starts: np.ndarray    # the sequence table's columns that do not depend on the metadata
+    q_lens: np.ndarray
+    k_starts: np.ndarray
+    append: bool
+
+    def run(self, sig, q, cache_seqlens, block_table):
+        """``(out, lse)`` of q's kind, or None where the plan cannot serve the call."""
+        lens = _cache_lens(cache_seqlens, self.batch, self.nmax)
+        _check_room(lens, self.n_new, self.nmax)
+        used = lens + self.n_new
+        uploads = [_table(self.q_starts, self.q_lens, self.k_starts, used)]
+        if self.page_size:
+            pages = _page_table(block_table, self.batch)
+            _check_pages(pages, used, self.page_size, self.num_pages)
+            uploads.append(_int32(pages))
+        if self.append:
+            uploads.append(np.ascontiguousarray(lens, np.int32))
+        found = self.plan.run(sig, api._POISON, uploads)
+        return None if found is None else _arrays.like(q, found)
+
+
+def _cache_lens(cache_seqlens, batch, nmax):
+    """``cache_seqlens`` on the host, checked to lie in ``[0, Nmax]``."""
+    lens = _host_ints(cache_seqlens, "cache_seqlens", batch)
+    if lens.size and (lens.min() < 0 or lens.max() > nmax):
+        raise ValueError(f"cache_seqlens must lie in [0, Nmax={nmax}], got {lens.tolist() if batch <= 16 else lens}.")
+    return lens
+
+
+def _check_room(lens, n_new, nmax):
+    """Appending ``n_new`` rows overflows no sequence's cache."""
+    if n_new and lens.size and lens.max() + n_new > nmax:
+        worst = int(np.argmax(lens))
+        raise ValueError(f"the cache overflows: sequence {worst} holds {lens[worst]} rows and k_new adds "
+                         f"{n_new}, but the cache holds Nmax={nmax}. Allocate a longer cache.")
 
 
 def _grouped_rows(q, hkv, group):
@@ -516,12 +602,14 @@ def _check_pages(pages, used, page_size, num_pages):
     """Every page a sequence uses (its first ``ceil(used / page_size)`` entries) exists."""
     if page_size < 1:
         raise ValueError(f"a paged cache's page_size (axis 1) must be at least 1, got {page_size}.")
-    for b, n in enumerate(used):
-        row = pages[b, :-(-int(n) // page_size)]
-        if row.size and (row.min() < 0 or row.max() >= num_pages):
-            raise ValueError(f"block_table[{b}] names page {int(row.min() if row.min() < 0 else row.max())}, "
-                             f"outside the cache's {num_pages} pages (sequence {b} uses its first {row.size} "
-                             "entries).")
+    n_used = -(-np.asarray(used, np.int64) // page_size)          # entries each sequence uses
+    bad = (np.arange(pages.shape[1]) < n_used[:, None]) & ((pages < 0) | (pages >= num_pages))
+    if bad.any():
+        b = int(np.argmax(bad.any(axis=1)))
+        row = pages[b, :n_used[b]]
+        raise ValueError(f"block_table[{b}] names page {int(row.min() if row.min() < 0 else row.max())}, "
+                         f"outside the cache's {num_pages} pages (sequence {b} uses its first {row.size} "
+                         "entries).")
 
 
 def _check_new(inp, k_new, v_new):

@@ -6,7 +6,7 @@ import pytest
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
 from numba_flash import _plans, api
-from conftest import ON_GPU, check_forward, host, make_qkv
+from conftest import ON_GPU, check_forward, host, make_qkv, np_dtype
 from numba_flash.testing import check_forward_low
 
 GPU_ONLY = pytest.mark.skipif(not ON_GPU, reason="launch plans exist only on a GPU")
@@ -19,9 +19,9 @@ def plan_runs(monkeypatch):
     runs = []
     original = _plans.Plan.run
 
-    def counted(self, sig, poison=None):
+    def counted(self, sig, poison=None, uploads=()):
         runs.append(sig.key)
-        return original(self, sig, poison)
+        return original(self, sig, poison, uploads)
     monkeypatch.setattr(_plans.Plan, "run", counted)
     return runs
 
@@ -342,3 +342,80 @@ def test_user_functions_through_plans(hopper, plan_runs, monkeypatch):
     numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask_w, mod_args=(args[0], 0.02))
     numba_flash.attention_fwd(*dev, score_mod=doc_bias, mask_mod=doc_mask_w, mod_args=(docs, 0.01))
     assert len(plan_runs) == runs, "another number, or NumPy mod_args, must take the full path"
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("dtype,nq,hq,hkv,page,n_new,kind", [
+    ("bfloat16", 1, 8, 2, 0, 0, "numba"),     # decoding with grouped heads (a group's rows in one block)
+    ("float16", 1, 4, 4, 16, 1, "numba"),     # a paged cache, appending a row each step
+    ("float32", 3, 2, 1, 0, 2, "numba"),      # a few queries a step on the CUDA-core kernels, appends
+    ("bfloat16", 1, 8, 2, 32, 1, "torch"),    # PyTorch tensors: paged, grouped heads, appends
+])
+def test_kvcache_repeat_calls_take_the_short_path(dtype, nq, hq, hkv, page, n_new, kind, plan_runs, monkeypatch):
+    """Decoding steps: the first call leaves a plan, later ones (other cache_seqlens, fresh
+    queries and appended rows) run it after checking their metadata only, and every step's
+    result (and the appended cache rows) match the oracle; bad metadata still gets the
+    full path's errors."""
+    from numba_flash import varlen
+    from test_varlen import _check, _heads_first
+    monkeypatch.setattr(varlen, "_KV_CALLS", {})
+    monkeypatch.setattr(_plans, "_STAGING", {})
+    monkeypatch.setattr(_plans._Staging, "SLOTS", 2)      # the steps wrap the ring of pinned uploads
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+
+        def dev(x):
+            if x.dtype == np_dtype("bfloat16"):
+                return torch.from_numpy(x.view(np.int16)).view(torch.bfloat16).cuda()
+            return torch.from_numpy(x).cuda()
+    else:
+        dev = numba_flash.to_device
+    rng = np.random.default_rng(30 + nq)
+    dt = np_dtype(dtype)
+    b, nmax, d = 3, 96, 64
+    if page:
+        max_pages = nmax // page
+        table = rng.permutation(b * max_pages + 3)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+        kc, vc = (rng.standard_normal((b * max_pages + 3, page, hkv, d)).astype(dt) for _ in range(2))
+        rows = lambda c, i: np.concatenate([c[p] for p in table[i]])    # noqa: E731  sequence i's cache rows
+        extra = {"block_table": table}
+    else:
+        kc, vc = (rng.standard_normal((b, nmax, hkv, d)).astype(dt) for _ in range(2))
+        rows = lambda c, i: c[i]                                        # noqa: E731
+        extra = {}
+    kc_d, vc_d = dev(kc), dev(vc)
+    for step in range(4):
+        lens = rng.integers(0, nmax - n_new + 1, b)
+        lens[step % b] = nmax - n_new             # one sequence with a full cache each step
+        q = rng.standard_normal((b, nq, hq, d)).astype(dt)
+        new = {}
+        if n_new:
+            kn, vn = (rng.standard_normal((b, n_new, hkv, d)).astype(dt) for _ in range(2))
+            new = {"k_new": dev(kn), "v_new": dev(vn)}
+        out, lse = numba_flash.attention_with_kvcache(dev(q), kc_d, vc_d, lens.astype(np.int32),
+                                                      causal=True, return_lse=True, **new, **extra)
+        out, lse = host(out), host(lse)
+        kc_now, vc_now = host(kc_d), host(vc_d)
+        for i in range(b):
+            k_i, v_i = rows(kc_now, i), rows(vc_now, i)
+            if n_new:
+                np.testing.assert_array_equal(k_i[lens[i]:lens[i] + n_new].view(np.uint8), kn[i].view(np.uint8))
+                np.testing.assert_array_equal(v_i[lens[i]:lens[i] + n_new].view(np.uint8), vn[i].view(np.uint8))
+            n = lens[i] + n_new
+            _check(dtype, _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+                   _heads_first(k_i[:n]), _heads_first(v_i[:n]), dict(causal=True))
+        assert len(varlen._KV_CALLS) == 1 and len(plan_runs) == step, "steps after the first take the short path"
+    q_d = dev(q)
+    with pytest.raises(ValueError, match=r"cache_seqlens must lie in \[0, Nmax=96\]"):
+        numba_flash.attention_with_kvcache(q_d, kc_d, vc_d, np.array([0, 97, 0], np.int32), causal=True,
+                                           **new, **extra)
+    if n_new:
+        with pytest.raises(ValueError, match="the cache overflows: sequence 1"):
+            numba_flash.attention_with_kvcache(q_d, kc_d, vc_d, np.array([0, 96, 0], np.int32), causal=True,
+                                               **new, **extra)
+    if page:
+        bad = table.copy()
+        bad[2, 0] = -1
+        with pytest.raises(ValueError, match=r"block_table\[2\] names page -1"):
+            numba_flash.attention_with_kvcache(q_d, kc_d, vc_d, np.array([0, 0, 5], np.int32), causal=True,
+                                               block_table=bad, **new)

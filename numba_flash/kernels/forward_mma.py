@@ -196,8 +196,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
         k_end = k_start + Nk           # rows past this one are zero-filled
         kf = key_tile_at(slopes, b1, b2, qt, n_all, kt0, j0) * BN       # the first tile's first key
         if n_j > j0 and PAGED:         # a paged cache's rows, through the page table
-            copy_kv_paged(smem, K_OFF, k, b1, b2, kf, Nk, tid, pages, cuda.blockIdx.z, page_size)
-            copy_kv_paged(smem, V_OFF, v, b1, b2, kf, Nk, tid, pages, cuda.blockIdx.z, page_size)
+            copy_kv_paged(smem, K_OFF, k, V_OFF, v, b1, b2, kf, Nk, tid, pages, cuda.blockIdx.z, page_size)
         elif n_j > j0:
             copy_kv(smem, K_OFF, k, b1, b2, k_start + kf, k_end, tid)
             copy_kv(smem, V_OFF, v, b1, b2, k_start + kf, k_end, tid)
@@ -212,10 +211,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
             if jj + 1 < n_j:            # the other slot held tile jj - 1: refill it
                 kn = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj + 1) * BN
                 if PAGED:
-                    copy_kv_paged(smem, K_OFF + SLOT - slot, k, b1, b2, kn, Nk, tid, pages, cuda.blockIdx.z,
-                                  page_size)
-                    copy_kv_paged(smem, V_OFF + SLOT - slot, v, b1, b2, kn, Nk, tid, pages, cuda.blockIdx.z,
-                                  page_size)
+                    copy_kv_paged(smem, K_OFF + SLOT - slot, k, V_OFF + SLOT - slot, v, b1, b2, kn, Nk, tid, pages,
+                                  cuda.blockIdx.z, page_size)
                 else:
                     copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + kn, k_end, tid)
                     copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + kn, k_end, tid)

@@ -550,6 +550,9 @@ def work_order(lens_q, lens_k, block_q=BM):
     the persistent blocks end together."""
     import numpy as np
     lens_q, lens_k = np.asarray(lens_q, np.int64), np.asarray(lens_k, np.int64)
-    order = np.lexsort((-lens_k, -lens_q)) if lens_q.size else np.zeros(0, np.int64)
+    if lens_q.size and (lens_q == lens_q[0]).all():      # decoding: one sort key (the same order)
+        order = np.argsort(-lens_k, kind="stable")
+    else:
+        order = np.lexsort((-lens_k, -lens_q)) if lens_q.size else np.zeros(0, np.int64)
     tiles = -(-lens_q[order] // block_q)
     return np.stack([np.cumsum(tiles), order], axis=1).astype(np.int32)

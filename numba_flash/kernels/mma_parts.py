@@ -44,16 +44,18 @@ def make_copy_rows(D, NT, NROWS, paged=False):
     of them at d = 96): the index arithmetic is done once, and a chunk costs a compare, a
     select and an address (measured in SASS: 26 → 8 instructions a chunk at d = 128).
 
-    With ``paged`` the rows are a paged KV cache's: ``copy_rows(..., tid, pages, z, ps)``
-    reads logical row ``j`` from row ``pages[z, j // ps] · ps + j % ps`` of ``src``.
-    Where a thread copies many rows (``ITER >= 4``: the one-warp decoding kernel) and pages
-    hold at least the ``STEP`` rows between them (``ps >= STEP``: every serving page
-    size), one division per thread and copy (its first row), the next rows' page and
-    offset by a step and one compare each: a straight line of code whose page-table loads
-    are all independent (a division per row made the paged decode 2.7× slower than the
-    contiguous one on an H200). Otherwise a division per row: few rows per thread (the
-    8-warp kernels, whose registers the straight line would spill) or small pages. Rows
-    past ``n_lim`` read row ``row0`` (copying nothing), and never look their page up.
+    With ``paged`` the rows are a paged KV cache's, and K's and V's rows are copied
+    together (the same logical rows): ``copy_rows(smem, off_k, k, off_v, v, b1, b2, row0,
+    n_lim, tid, pages, z, ps)`` reads logical row ``j`` from row ``pages[z, j // ps] · ps
+    + j % ps`` of ``k`` and ``v``, each row's page looked up once for both. Where a thread
+    copies many rows (``ITER >= 4``: the one-warp decoding kernel) and pages hold at least
+    the ``STEP`` rows between them (``ps >= STEP``: every serving page size), one division
+    per thread and copy (its first row), then the rows' offset in their page by a step and
+    a compare each, and the page table read only where a step crosses into the next page
+    (a division per row made the paged decode 2.7× slower than the contiguous one on an
+    H200; a table load per row, 1.8×). Otherwise a division per row: few rows per thread
+    (the 8-warp kernels, whose registers the straight line would spill) or small pages.
+    Rows past ``n_lim`` read row ``row0`` (copying nothing), and never look their page up.
     """
     DP = padded_dim(D)
     RS = DP + ROW_PAD
@@ -67,36 +69,42 @@ def make_copy_rows(D, NT, NROWS, paged=False):
 
     if paged:
         @device
-        def copy_paged(smem, off, src, b1, b2, row0, n_lim, tid, pages, z, ps):
+        def copy_paged(smem, off_k, k, off_v, v, b1, b2, row0, n_lim, tid, pages, z, ps):
             r = tid // CPR2
             c = (tid - r * CPR2) * E16
             if CPR2 == CPR or c < DP:
                 c_ok = D == DP or c < D
                 c_src = c if c_ok else 0
-                dst = off + r * RS + c
+                dk = off_k + r * RS + c
+                dv = off_v + r * RS + c
                 fallback = paged_row(pages, z, row0, ps)    # row0's own row
                 j = row0 + r
                 if STRAIGHT and ps >= STEP:
                     page = j // ps
                     within = j - page * ps
+                    base = pages[z, page] * ps if j < n_lim else fallback    # the page's first row
                     for it in range(ITER):
                         if not RAGGED or r + it * STEP < NROWS:
                             ok = c_ok and j < n_lim
-                            row = pages[z, page] * ps + within if ok else fallback
-                            ops.cp_async16_rows(smem, dst + it * STEP * RS, src, b1, b2, row, c_src, 0,
-                                                16 if ok else 0)
+                            row = base + within if ok else fallback
+                            n = 16 if ok else 0
+                            ops.cp_async16_rows(smem, dk + it * STEP * RS, k, b1, b2, row, c_src, 0, n)
+                            ops.cp_async16_rows(smem, dv + it * STEP * RS, v, b1, b2, row, c_src, 0, n)
                         j += STEP
                         within += STEP
                         if within >= ps:
                             within -= ps
                             page += 1
+                            if j < n_lim:           # (entries past the rows in use may hold anything)
+                                base = pages[z, page] * ps
                 else:
                     for it in range(ITER):
                         if not RAGGED or r + it * STEP < NROWS:
                             ok = c_ok and j < n_lim
                             row = paged_row(pages, z, j, ps) if ok else fallback
-                            ops.cp_async16_rows(smem, dst + it * STEP * RS, src, b1, b2, row, c_src, 0,
-                                                16 if ok else 0)
+                            n = 16 if ok else 0
+                            ops.cp_async16_rows(smem, dk + it * STEP * RS, k, b1, b2, row, c_src, 0, n)
+                            ops.cp_async16_rows(smem, dv + it * STEP * RS, v, b1, b2, row, c_src, 0, n)
                         j += STEP
         return copy_paged
 
