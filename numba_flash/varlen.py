@@ -404,8 +404,11 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     splits is chosen for the cache's capacity ``Nmax`` (as FlashAttention does), not for
     the rows in use, so that a decoding step launches the same kernels as the step before:
     device calls then run through a launch plan (:mod:`numba_flash._plans`; not with ALiBi)
-    whose per-call host work is the metadata checks and the upload of the sequence table.
-    A cache far larger than the rows in use pays for its empty splits (blocks that exit at
+    whose per-call host work is the metadata checks and the upload of the sequence table
+    (a repeat call with the same arguments' kinds, shapes, strides, dtypes, options and
+    stream skips the input checks and array views as well). Metadata on the device
+    (``cache_seqlens``, ``block_table``) is copied back to be checked, which waits for the
+    work queued before the call: pass NumPy metadata in a decoding loop. A cache far larger than the rows in use pays for its empty splits (blocks that exit at
     once).
     """
     fast = _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
