@@ -408,8 +408,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     (a repeat call with the same arguments' kinds, shapes, strides, dtypes, options and
     stream skips the input checks and array views as well). Metadata on the device
     (``cache_seqlens``, ``block_table``) is copied back to be checked, which waits for the
-    work queued before the call: pass NumPy metadata in a decoding loop. A cache far larger than the rows in use pays for its empty splits (blocks that exit at
-    once).
+    work queued before the call: pass NumPy metadata in a decoding loop. A cache far
+    larger than the rows in use pays for its empty splits (blocks that exit at once).
     """
     fast = _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
                          (causal, window, softcap, scale, alibi_slopes is None))
@@ -504,7 +504,8 @@ def _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     if not options[-1] or (k_new is None) != (v_new is None):
         return None
     arrays = [q, k_cache, v_cache] + ([] if k_new is None else [k_new, k_cache, v_new, v_cache])
-    meta = tuple(None if x is None else (type(x), tuple(x.shape), str(x.dtype)) for x in (cache_seqlens, block_table))
+    meta = tuple(None if x is None else (type(x), tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+                 for x in (cache_seqlens, block_table))     # (lists too: their length is checked per call)
     try:
         hash(options)
     except TypeError:
