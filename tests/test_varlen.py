@@ -325,6 +325,8 @@ def test_kvcache_bad_input():
     wide = np.zeros((2, 9, 2, 8), np.float32)[:, :6]     # a view whose (B, Nmax) rows do not merge
     with pytest.raises(ValueError, match="k_cache must have its first two axes contiguous"):
         numba_flash.attention_with_kvcache(q, wide, kc, np.array([3, 5], np.int32))
+    with pytest.raises(TypeError, match="cache_seqlens must be a 1-D int32 NumPy or device array, got list"):
+        numba_flash.attention_with_kvcache(q, kc, kc, [3, 5])
 
 
 def test_merge_attention_bad_input():
