@@ -340,16 +340,16 @@ def spec_record(spec, s: Shape, rows):
             "grid": [-(-rows // t.BM) * s.B * s.H, -(-s.d // t.DO)]}
 
 
-def measure_back_to_back(call, events, bench, calls=20):
+def measure_back_to_back(call, events, bench, calls=20, runs=5):
     """Milliseconds per call of ``calls`` calls issued back to back, with no
     synchronisation or L2 flush between them: what a loop of calls sees (a model's layers
     in one decoding step), where each call's host work overlaps the kernels queued before
     it, while :func:`measure` shows one call's latency, host work included. Median of
-    ``min(5, bench.repeats)`` runs (their outputs kept alive until each run's end)."""
+    ``runs`` runs (their outputs kept alive until each run's end)."""
     for _ in range(bench.warmup):
         call()
     per_call = []
-    for _ in range(min(5, bench.repeats)):
+    for _ in range(runs):
         release_pending_frees()
         events.synchronize()
         ms, _ = events.time(lambda: [call() for _ in range(calls)])

@@ -174,17 +174,17 @@ def run_serving(args):
             else:
                 rec["ours"] = time_numba(call, bench, rec["flops"])
                 decoding = r.kind in ("kvcache", "paged", "decode")
-                calls = 2 if args.tiny else 20
+                calls, runs = (1, 1) if args.tiny else (20, 5)      # (the simulator: one call, a smoke test)
                 if decoding and rec["ours"].get("ms_median"):
                     rec["ours"]["tb_per_s"] = serving_bytes(r) / (rec["ours"]["ms_median"] * 1e-3) / 1e12
-                    rec["ours"]["back_to_back_ms"] = measure_back_to_back(call, bench.events, bench, calls)
+                    rec["ours"]["back_to_back_ms"] = measure_back_to_back(call, bench.events, bench, calls, runs)
                 for name, peer_call in peers.items():
                     if r.dtype in PEER_DTYPES[name] and bench.peers:
                         peer = run_peer(name, bench, lambda: time_torch(peer_call, bench, rec["flops"]))
                         peer["ratio"] = ratio(rec["ours"], peer)
                         if decoding and "error" not in peer:
                             peer["back_to_back_ms"] = measure_back_to_back(peer_call, TorchEvents(bench.torch),
-                                                                           bench, calls)
+                                                                           bench, calls, runs)
                         rec["peers"][name] = peer
                 if r.kind == "varlen":
                     varlen[r.dtype] = rec
