@@ -472,11 +472,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     starts = np.arange(b, dtype=np.int64)
     q_starts, q_lens = (starts * row_step, np.full(b, group)) if grouped else (starts * nq, np.full(b, nq))
     k_starts = starts * nmax if pages is None else np.zeros(b, np.int64)
-    uploads = [_table(q_starts, q_lens, k_starts, lens + n_new)]
-    if pages is not None:
-        uploads.append(_int32(pages))
-    if append is not None:
-        uploads.append(np.ascontiguousarray(lens, np.int32))
+    uploads = _kv_uploads(q_starts, q_lens, k_starts, lens, n_new, pages, append is not None)
     sig_arrays = [q, k_cache, v_cache] + ([k_new, k_cache, v_new, v_cache] if append is not None else [])
     made = []
     out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q,
@@ -531,16 +527,24 @@ class _KVCall:
         """``(out, lse)`` of q's kind, or None where the plan cannot serve the call."""
         lens = _cache_lens(cache_seqlens, self.batch, self.nmax)
         _check_room(lens, self.n_new, self.nmax)
-        used = lens + self.n_new
-        uploads = [_table(self.q_starts, self.q_lens, self.k_starts, used)]
+        pages = None
         if self.page_size:
             pages = _page_table(block_table, self.batch)
-            _check_pages(pages, used, self.page_size, self.num_pages)
-            uploads.append(_int32(pages))
-        if self.append:
-            uploads.append(np.ascontiguousarray(lens, np.int32))
+            _check_pages(pages, lens + self.n_new, self.page_size, self.num_pages)
+        uploads = _kv_uploads(self.q_starts, self.q_lens, self.k_starts, lens, self.n_new, pages, self.append)
         found = self.plan.run(sig, api._POISON, uploads)
         return None if found is None else _arrays.like(q, found)
+
+
+def _kv_uploads(q_starts, q_lens, k_starts, lens, n_new, pages, append):
+    """A KV-cache call's host tables in the order its launches read them: the sequence
+    table, then a paged cache's page table, then the appends' positions."""
+    uploads = [_table(q_starts, q_lens, k_starts, lens + n_new)]
+    if pages is not None:
+        uploads.append(_int32(pages))
+    if append:
+        uploads.append(np.ascontiguousarray(lens, np.int32))
+    return uploads
 
 
 def _cache_lens(cache_seqlens, batch, nmax):

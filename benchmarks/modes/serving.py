@@ -244,11 +244,11 @@ def _serving_versus(rec):
 
 
 def serving_line(rec):
-    r, o = rec["row"], rec["ours"]
+    r, o, b2b = rec["row"], rec["ours"], _back_to_back(rec)
     return (f"{r['label']:>12} {r['dtype']:>8} {_serving_shape(r):>18} {_fmt(o.get('ms_median'), '.3f'):>8} "
             f"{_fmt(o.get('tflops'), '.1f'):>7} {_fmt(o.get('tb_per_s'), '.2f'):>6} "
             f"{'ok' if rec.get('valid') else 'INVALID':>7}  {_serving_peers(rec)}{_serving_versus(rec)}"
-            + (f"; back to back {_back_to_back(rec)}" if _back_to_back(rec) else ""))
+            + (f"; back to back {b2b}" if b2b else ""))
 
 
 # (header, width, row -> text), for --markdown and docs/gen_performance.py
