@@ -401,7 +401,7 @@ def like(x, outs):
     tensor or CuPy array over the same memory (one of the two must be installed; the
     device is synchronised first, as JAX orders nothing after numba_flash's stream)."""
     if _is_torch(x):
-        return tuple(_as_torch(o, x.device) for o in outs)
+        return tuple(o if _is_torch(o) else _as_torch(o, x.device) for o in outs)
     module = type(x).__module__.split(".")[0]
     if module == "cupy" and not SIMULATOR:
         import cupy

@@ -162,16 +162,23 @@ class Plan:
         self.keep = tuple(keep)         # the constants' memory, whose pointers the launches hold
         self.lock = threading.Lock()
 
-    def run(self, sig, poison=None, uploads=()):
+    def run(self, sig, poison=None, uploads=(), like=None):
         """Launch for the call of ``sig``; ``uploads``: the call's host arrays (C-contiguous)
-        in the order of the capture's uploads. None where the pool cannot serve it."""
+        in the order of the capture's uploads. None where the pool cannot serve it.
+        ``like``: the array whose kind the results take; for a PyTorch tensor they are
+        PyTorch tensors from its allocator (on the current stream, the plan's, in the
+        logical dtype), not Numba arrays from the pool wrapped afterwards: a Numba device
+        array and a PyTorch view of it cost tens of microseconds per output."""
         from cuda.bindings import driver as cu
         assert len(uploads) == self.n_uploads, (len(uploads), self.n_uploads)
         stream = sig.stream
-        outs = [_arrays.pool_empty(self.ctx, self.pool, shape, alloc, stream, dtype, poison)
-                for shape, alloc, dtype in self.outputs]
-        if any(o is None for o in outs):
-            return None
+        outs = _torch_outputs(self.outputs, like, poison) if like is not None else None
+        torch_outs = outs is not None
+        if not torch_outs:
+            outs = [_arrays.pool_empty(self.ctx, self.pool, shape, alloc, stream, dtype, poison)
+                    for shape, alloc, dtype in self.outputs]
+            if any(o is None for o in outs):
+                return None
         roots = list(sig.pointers)
         blocks = []                     # pool memory freed after the launches
         if uploads:
@@ -182,7 +189,7 @@ class Plan:
             blocks.append(block)
             _upload(uploads, offsets, int(block), stream)
             roots += [int(block) + int(offset) for offset in offsets[:-1]]
-        roots += [_arrays.device_pointer(o) for o in outs]
+        roots += [o.data_ptr() if torch_outs else _arrays.device_pointer(o) for o in outs]
         if self.scratch_bytes:
             err, scratch = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
             if err != cu.CUresult.CUDA_SUCCESS:
@@ -204,7 +211,32 @@ class Plan:
         finally:
             for b in blocks:
                 cu.cuMemFreeAsync(b, stream)
-        return self.finish(outs)
+        return tuple(outs) if torch_outs else self.finish(outs)
+
+
+_TORCH_OUT = {}     # NumPy dtype -> the PyTorch dtype of outputs allocated by PyTorch (None: not)
+
+
+def _torch_outputs(outputs, like, poison):
+    """Outputs of ``(shape, allocated dtype, logical dtype)`` as new PyTorch tensors on
+    ``like``'s device when ``like`` is a CUDA tensor (None otherwise, or for an empty
+    output or a dtype PyTorch lacks), filled with ``poison`` if given."""
+    if not _arrays._is_torch(like) or not like.is_cuda:
+        return None
+    import torch
+    outs = []
+    for shape, _, dtype in outputs:
+        tdt = _TORCH_OUT.get(dtype, False)
+        if tdt is False:
+            tdt = _TORCH_OUT[dtype] = getattr(torch, dtype.name, None) if dtype.name in (
+                "float16", "bfloat16", "float32", "float64") else None
+        if tdt is None or 0 in shape:
+            return None
+        o = torch.empty(shape, dtype=tdt, device=like.device)
+        if poison is not None:
+            o.fill_(poison)
+        outs.append(o)
+    return outs
 
 
 class _Staging:

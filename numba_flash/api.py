@@ -641,7 +641,7 @@ def _compute(name, planner, arrays, options):
                            base + mods_key + (registry.hopper_choice(),))
     plan = _plans.lookup(sig)
     if plan is not None:
-        found = plan.run(sig, _POISON)
+        found = plan.run(sig, _POISON, like=arrays[0 if name == "forward" else 1])
         if found is not None:
             return found
     planned = planner(*arrays, *base, mods)

@@ -166,7 +166,7 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
                                                       out_shape, tuple(u.shape for u in uploads)))
     plan = _plans.lookup(sig)
     if plan is not None:
-        found = plan.run(sig, api._POISON, uploads)
+        found = plan.run(sig, api._POISON, uploads, like=q_kind)
         if found is not None:
             if made is not None:
                 made.append(plan)
@@ -532,7 +532,7 @@ class _KVCall:
             pages = _page_table(block_table, self.batch)
             _check_pages(pages, lens + self.n_new, self.page_size, self.num_pages)
         uploads = _kv_uploads(self.q_starts, self.q_lens, self.k_starts, lens, self.n_new, pages, self.append)
-        found = self.plan.run(sig, api._POISON, uploads)
+        found = self.plan.run(sig, api._POISON, uploads, like=q)
         return None if found is None else _arrays.like(q, found)
 
 

@@ -19,9 +19,9 @@ def plan_runs(monkeypatch):
     runs = []
     original = _plans.Plan.run
 
-    def counted(self, sig, poison=None, uploads=()):
+    def counted(self, sig, poison=None, uploads=(), like=None):
         runs.append(sig.key)
-        return original(self, sig, poison, uploads)
+        return original(self, sig, poison, uploads, like)
     monkeypatch.setattr(_plans.Plan, "run", counted)
     return runs
 
@@ -120,6 +120,43 @@ def test_torch_packed_qkv_on_a_side_stream(plan_runs):
     assert len(plan_runs) == 2
     for q, k, v, out, lse in results:
         check_forward(host(out), host(lse), q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), True, None)
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_torch_repeat_calls_return_tensors_of_its_allocator(dtype, plan_runs, monkeypatch):
+    """PyTorch inputs through a plan: outputs made by PyTorch's allocator on the current
+    (side) stream, in q's dtype (lse float32), NaN-poisoned before the launch, matching the
+    oracle; the plan makes no Numba array for them (pool allocations counted)."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from numba_flash import _arrays
+    pooled = []
+    original = _arrays.pool_empty
+    monkeypatch.setattr(_arrays, "pool_empty", lambda *a, **k: pooled.append(a) or original(*a, **k))
+    tdt = getattr(torch, dtype)
+    g = torch.Generator(device="cuda").manual_seed(12)
+    s = torch.cuda.Stream()
+    results = []
+    with torch.cuda.stream(s):
+        for call in range(3):
+            torch.cuda._sleep(100_000_000 if call else 0)
+            q, k, v = (torch.randn(2, 3, 150, 64, device="cuda", generator=g).to(tdt) for _ in range(3))
+            results.append((q, k, v) + tuple(numba_flash.attention_fwd(q, k, v, causal=True)))
+            if call == 0:
+                first = len(pooled)      # the full path's outputs
+    torch.cuda.synchronize()
+    assert len(plan_runs) == 2
+    assert len(pooled) == first, "a plan's PyTorch outputs came from the pool"
+    for q, k, v, out, lse in results:
+        assert out.dtype == tdt and lse.dtype == torch.float32 and out.device == q.device
+        assert out.shape == q.shape and lse.shape == q.shape[:-1]
+        q, k, v, out = (host(x) for x in (q, k, v, out))
+        if dtype == "bfloat16":
+            check_forward_low(out, host(lse), q, k, v, True, None)
+        else:
+            check_forward(out, host(lse), q, k, v, True, None)
 
 
 @GPU_ONLY

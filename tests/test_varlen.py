@@ -510,7 +510,8 @@ def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
     monkeypatch.setattr(_plans, "_PLANS", {})
     runs = []
     original = _plans.Plan.run
-    monkeypatch.setattr(_plans.Plan, "run", lambda self, sig, *a: runs.append(1) or original(self, sig, *a))
+    monkeypatch.setattr(_plans.Plan, "run",
+                        lambda self, sig, *a, **kw: runs.append(1) or original(self, sig, *a, **kw))
     rng = np.random.default_rng(8)
     b, nmax, hkv, d, page = 3, 96, 2, 64, 16
     hq = hkv * group
