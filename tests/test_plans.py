@@ -101,33 +101,12 @@ def test_same_array_twice(plan_runs):
 
 
 @GPU_ONLY
-def test_torch_packed_qkv_on_a_side_stream(plan_runs):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_torch_packed_qkv_on_a_side_stream(dtype, plan_runs, monkeypatch):
     """q, k, v as strided views of one packed tensor, made on a busy side stream: the plan
-    launches on that stream, after the work that writes them."""
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("torch without CUDA")
-    g = torch.Generator(device="cuda").manual_seed(5)
-    s = torch.cuda.Stream()
-    results = []
-    with torch.cuda.stream(s):
-        for call in range(3):
-            torch.cuda._sleep(200_000_000 if call else 0)
-            qkv = torch.randn(2, 70, 3, 4, 32, device="cuda", generator=g)
-            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
-            results.append((q, k, v) + tuple(numba_flash.attention_fwd(q, k, v, causal=True)))
-    torch.cuda.synchronize()
-    assert len(plan_runs) == 2
-    for q, k, v, out, lse in results:
-        check_forward(host(out), host(lse), q.cpu().numpy(), k.cpu().numpy(), v.cpu().numpy(), True, None)
-
-
-@GPU_ONLY
-@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
-def test_torch_repeat_calls_return_tensors_of_its_allocator(dtype, plan_runs, monkeypatch):
-    """PyTorch inputs through a plan: outputs made by PyTorch's allocator on the current
-    (side) stream, in q's dtype (lse float32), NaN-poisoned before the launch, matching the
-    oracle; the plan makes no Numba array for them (pool allocations counted)."""
+    launches on that stream, after the work that writes them, and its outputs are made by
+    PyTorch's allocator on that stream (no Numba array from the pool: allocations counted),
+    in q's dtype (lse float32), NaN-poisoned before the launch."""
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():
         pytest.skip("torch without CUDA")
@@ -136,27 +115,25 @@ def test_torch_repeat_calls_return_tensors_of_its_allocator(dtype, plan_runs, mo
     original = _arrays.pool_empty
     monkeypatch.setattr(_arrays, "pool_empty", lambda *a, **k: pooled.append(a) or original(*a, **k))
     tdt = getattr(torch, dtype)
-    g = torch.Generator(device="cuda").manual_seed(12)
+    g = torch.Generator(device="cuda").manual_seed(5)
     s = torch.cuda.Stream()
-    results = []
+    results, first = [], None
     with torch.cuda.stream(s):
         for call in range(3):
-            torch.cuda._sleep(100_000_000 if call else 0)
-            q, k, v = (torch.randn(2, 3, 150, 64, device="cuda", generator=g).to(tdt) for _ in range(3))
+            torch.cuda._sleep(200_000_000 if call else 0)
+            qkv = torch.randn(2, 70, 3, 4, 64, device="cuda", generator=g).to(tdt)
+            q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))
             results.append((q, k, v) + tuple(numba_flash.attention_fwd(q, k, v, causal=True)))
             if call == 0:
-                first = len(pooled)      # the full path's outputs
+                first = len(pooled)          # the full path's outputs
     torch.cuda.synchronize()
     assert len(plan_runs) == 2
     assert len(pooled) == first, "a plan's PyTorch outputs came from the pool"
     for q, k, v, out, lse in results:
         assert out.dtype == tdt and lse.dtype == torch.float32 and out.device == q.device
         assert out.shape == q.shape and lse.shape == q.shape[:-1]
-        q, k, v, out = (host(x) for x in (q, k, v, out))
-        if dtype == "bfloat16":
-            check_forward_low(out, host(lse), q, k, v, True, None)
-        else:
-            check_forward(out, host(lse), q, k, v, True, None)
+        check = check_forward_low if dtype == "bfloat16" else check_forward
+        check(host(out), host(lse), host(q), host(k), host(v), True, None)
 
 
 @GPU_ONLY
