@@ -160,6 +160,7 @@ class Plan:
         self.launches, self.outputs, self.scratch_bytes = launches, outputs, scratch_bytes
         self.finish, self.ctx, self.pool, self.n_uploads = finish, ctx, pool, n_uploads
         self.keep = tuple(keep)         # the constants' memory, whose pointers the launches hold
+        self.device_id = ctx.device.id
         self.lock = threading.Lock()
 
     def run(self, sig, poison=None, uploads=(), like=None):
@@ -172,7 +173,7 @@ class Plan:
         from cuda.bindings import driver as cu
         assert len(uploads) == self.n_uploads, (len(uploads), self.n_uploads)
         stream = sig.stream
-        outs = _torch_outputs(self.outputs, like, poison) if like is not None else None
+        outs = _torch_outputs(self.outputs, like, poison, self.device_id) if like is not None else None
         torch_outs = outs is not None
         if not torch_outs:
             outs = [_arrays.pool_empty(self.ctx, self.pool, shape, alloc, stream, dtype, poison)
@@ -217,11 +218,12 @@ class Plan:
 _TORCH_OUT = {}     # NumPy dtype -> the PyTorch dtype of outputs allocated by PyTorch (None: not)
 
 
-def _torch_outputs(outputs, like, poison):
+def _torch_outputs(outputs, like, poison, device_id):
     """Outputs of ``(shape, allocated dtype, logical dtype)`` as new PyTorch tensors on
-    ``like``'s device when ``like`` is a CUDA tensor (None otherwise, or for an empty
-    output or a dtype PyTorch lacks), filled with ``poison`` if given."""
-    if not _arrays._is_torch(like) or not like.is_cuda:
+    ``like``'s device when ``like`` is a tensor on the plan's device ``device_id`` (None
+    otherwise, or for an empty output or a dtype PyTorch lacks), filled with ``poison`` if
+    given."""
+    if not _arrays._is_torch(like) or not like.is_cuda or like.device.index != device_id:
         return None
     import torch
     outs = []
