@@ -37,7 +37,8 @@ import numpy as np
 __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_init", "wgmma_wait", "setmaxnreg",
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
-           "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d"]
+           "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
+           "encode_tensor_map_4d"]
 
 _TIMEOUT_S = 600.0
 # A slow warpgroup, for tests: ``(warpgroup, seconds)`` makes that warpgroup's threads sleep
@@ -321,6 +322,12 @@ def _tensor_map(addr):
     if entry is None:
         raise RuntimeError("TMA: this tensor map outlived the array tensor_map_4d returned (a copy of it?)")
     return entry
+
+
+def encode_tensor_map_4d(ptr, shape, strides, box_rows, box_cols=64):
+    """Not in the simulator: its maps name a registered host array, which only
+    :func:`tensor_map_4d`, given the array rather than its address, can register."""
+    raise NotImplementedError("the simulator's tensor maps come from tensor_map_4d (given the array itself)")
 
 
 def tensor_map_4d(ary, box_rows, box_cols=64):

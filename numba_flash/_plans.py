@@ -205,7 +205,7 @@ class Plan:
                 for ln in self.launches:
                     for index, root, offset, tmap in ln.slots:
                         ptr = roots[root] + offset
-                        ln.buf[index] = ptr if tmap is None else _map_pointer(ptr, tmap, maps)
+                        ln.buf[index] = ptr if tmap is None else _map_pointer(ptr, tmap, maps, stream)
                     err, = cu.cuLaunchKernel(ln.handle, *ln.grid, *ln.block, ln.smem, stream, ln.address, 0)
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
@@ -305,13 +305,14 @@ def _upload(uploads, offsets, dst, stream):
             cu.cuMemcpyHtoDAsync(dst + int(offset), a.ctypes.data, a.nbytes, stream)
 
 
-def _map_pointer(ptr, tmap, held):
-    """The device address of the tensor map of ``tmap``'s view at ``ptr``; the map is
+def _map_pointer(ptr, tmap, held, stream):
+    """The device address of the tensor map of ``tmap``'s view at ``ptr`` (its copy to the
+    device queued on ``stream`` if it is new); the map is
     appended to ``held``: the table of maps may drop it when it fills up (a later map of
     the same call can make it do so), and only a reference kept until the launch keeps its
     memory from being freed, or reused by the next map, before the kernel reads it."""
     from . import families
-    m = families.tensor_map(ptr, *tmap)
+    m = families.tensor_map(ptr, *tmap, stream=stream)
     held.append(m)
     return _arrays.device_pointer(m)
 

@@ -49,7 +49,8 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     seqs = () if inp.packed is None else (inp.packed.table, inp.packed.pages, inp.packed.page_size)
     if spec.variant == "forward_wgmma":
         hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
-        maps = [_tma_maps(q4, k4, v4, spec.tiling) for q4, _, _, _, k4, v4 in hviews]
+        stream = _arrays.stream_handle(inp.stream)
+        maps = [_tma_maps(q4, k4, v4, spec.tiling, stream) for q4, _, _, _, k4, v4 in hviews]
         pairs = [_arrays.pairs_view(o4) for _, o4, _, _, _, _ in hviews]
         gaps = inp.packed is not None and inp.packed.gaps    # (its TMA boxes would read a KV cache's unused rows)
         if hviews and not gaps and all(x is not None for x in maps + pairs):     # (arrays compare elementwise)
@@ -128,9 +129,10 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
             for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs)]
 
 
-_MAPS = {}          # (context, pointer, shape, strides, box rows) -> tensor map
+_MAPS = {}          # (context, stream, pointer, shape, strides, box rows) -> tensor map
 MAX_MAPS = 256      # the table starts afresh when it is full
 _RETIRED = []       # the maps of the last full table, kept until the next one fills
+_SLOTS = {}         # context -> _MapSlots
 # id(tensor map) -> (id of the memory it describes (``gpu_data``), pointer, shape, strides,
 # box rows), as the latest call made or reused it: what a launch plan (``_plans``) needs to
 # make the map of the same view of another call's memory. No reference to that memory is
@@ -147,14 +149,16 @@ class _View:
                                          "typestr": "<u2", "version": 3}
 
 
-def tensor_map(ptr, shape, strides, rows, ary=None):
+def tensor_map(ptr, shape, strides, rows, ary=None, stream=0):
     """The tensor map of the 16-bit view at ``ptr`` with this shape and these strides
     (``rows``-row boxes; ``ary``: that view as a device array, where the caller has one),
-    made once per context and such values: a map holds only them."""
-    from . import ops_hopper
+    made once per context, launch stream (an int handle) and such values: a map holds only
+    them. On a GPU a new map is copied to the device on ``stream``
+    (:class:`_MapSlots`), ordered before that stream's later launches, which is why a map
+    made for one stream is not reused on another."""
     from ._runtime import SIMULATOR
     from .launch import context_handle
-    key = (None if SIMULATOR else context_handle(), ptr, shape, strides, rows)
+    key = (None if SIMULATOR else context_handle(), stream, ptr, shape, strides, rows)
     m = _MAPS.get(key)
     if m is None:
         if len(_MAPS) >= MAX_MAPS:
@@ -169,18 +173,75 @@ def tensor_map(ptr, shape, strides, rows, ary=None):
             _RETIRED[:] = _MAPS.values()
             _MAPS.clear()
             MAP_SOURCES.clear()
-        m = _MAPS[key] = ops_hopper.tensor_map_4d(_View(ptr, shape, strides) if ary is None else ary, rows)
+        m = _MAPS[key] = _new_map(ptr, shape, strides, rows, ary, stream)
     return m
 
 
-def _tma_maps(q4, k4, v4, t):
+def _new_map(ptr, shape, strides, rows, ary, stream):
+    """A new tensor map: in the simulator its twin's, on a GPU encoded on the host into the
+    next of the context's slots (:class:`_MapSlots`) and copied on ``stream``."""
+    from . import ops_hopper
+    from ._runtime import SIMULATOR
+    if SIMULATOR:
+        return ops_hopper.tensor_map_4d(_View(ptr, shape, strides) if ary is None else ary, rows)
+    from .launch import context_handle
+    ctx = context_handle()
+    slots = _SLOTS.get(ctx)
+    if slots is None:
+        slots = _SLOTS[ctx] = _MapSlots()
+    return slots.put(ops_hopper.encode_tensor_map_4d(ptr, shape, strides, rows), stream)
+
+
+class _MapSlots:
+    """Device memory for one context's tensor maps, ``SLOTS`` of 128 bytes taken in turn,
+    with a pinned host twin. A new map is written into the next slot on the host and copied
+    with ``cuMemcpyHtoDAsync`` on the launch stream: queued like a launch, before the
+    launches that read it. (A copy from pageable memory, as ``numba.cuda.to_device``, waits
+    for the work queued before it on the legacy default stream, which PyTorch's default
+    stream is: every call with new tensors waited for the kernels of the calls before it.)
+    A slot is written again ``SLOTS`` maps later: by then its map has left the table (which
+    starts afresh every ``MAX_MAPS`` maps, at most half of ``SLOTS``) and the device has
+    been synchronised since (:func:`tensor_map`), so no queued kernel and no copy reads it,
+    and a call under way, which makes a handful of maps, is not holding it."""
+    SLOTS = 1024
+
+    def __init__(self):
+        import ctypes
+
+        import numpy as np
+        from cuda.bindings import driver as cu
+        from numba import cuda
+        n = self.SLOTS * 128
+        self.device = cuda.device_array(n, np.uint8)
+        self.device_ptr = _arrays.device_pointer(self.device)
+        err, self.host_ptr = cu.cuMemHostAlloc(n, 0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise MemoryError(f"cuMemHostAlloc of {n} bytes for tensor maps failed: {err!r}")
+        self.host = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(self.host_ptr)))
+        self.made = 0
+
+    def put(self, raw, stream):
+        """The 128 bytes ``raw`` in the next slot, copied on ``stream``: that slot's device
+        array."""
+        from cuda.bindings import driver as cu
+        assert 2 * MAX_MAPS <= self.SLOTS, MAX_MAPS
+        i = self.made % self.SLOTS
+        self.made += 1
+        self.host[128 * i:128 * (i + 1)] = raw
+        err, = cu.cuMemcpyHtoDAsync(self.device_ptr + 128 * i, int(self.host_ptr) + 128 * i, 128, stream)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"cuMemcpyHtoDAsync of a tensor map failed: {err!r}")
+        return self.device[128 * i:128 * (i + 1)]
+
+
+def _tma_maps(q4, k4, v4, t, stream):
     """The tensor maps of q (``t.BM``-row boxes), k and v (``t.BN``) for the TMA, or None
     (:func:`_tma_map`)."""
-    found = tuple(_tma_map(a, rows) for a, rows in ((q4, t.BM), (k4, t.BN), (v4, t.BN)))
+    found = tuple(_tma_map(a, rows, stream) for a, rows in ((q4, t.BM), (k4, t.BN), (v4, t.BN)))
     return None if any(m is None for m in found) else found
 
 
-def _tma_map(a, rows):
+def _tma_map(a, rows, stream):
     """The tensor map of the 4-D view ``a`` (``rows``-row boxes) for the TMA, or None where
     the view has a stride the TMA cannot take (zero, as grouped heads' repeated K/V axis,
     or not a multiple of 16 bytes) or an unaligned start. A map holds only the address,
@@ -194,7 +255,7 @@ def _tma_map(a, rows):
         return None
     if strides != tuple(a.strides):
         a = _arrays.strided_view(a, shape, strides)
-    m = tensor_map(ptr, shape, strides, rows, a)
+    m = tensor_map(ptr, shape, strides, rows, a, stream)
     MAP_SOURCES[id(m)] = (id(getattr(a, "gpu_data", a)), ptr, shape, strides, rows)
     return m
 
@@ -307,10 +368,11 @@ def _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv):
     describe a view or an output does not pair (the next family takes the call)."""
     t = backward_wgmma.TILING
     views = _heads_views(inp, [q, dout, dq, k, v, dk, dv])
+    stream = _arrays.stream_handle(inp.stream)
     found = []
     for q4, do4, dq4, k4, v4, dk4, dv4 in views:
-        dkdv_maps = tuple(_tma_map(a, rows) for a, rows in ((k4, t.BR), (v4, t.BR), (q4, t.BC), (do4, t.BC)))
-        dq_maps = tuple(_tma_map(a, rows) for a, rows in ((q4, t.BR), (do4, t.BR), (k4, t.BC), (v4, t.BC)))
+        dkdv_maps = tuple(_tma_map(a, rows, stream) for a, rows in ((k4, t.BR), (v4, t.BR), (q4, t.BC), (do4, t.BC)))
+        dq_maps = tuple(_tma_map(a, rows, stream) for a, rows in ((q4, t.BR), (do4, t.BR), (k4, t.BC), (v4, t.BC)))
         pairs = tuple(_arrays.pairs_view(a) for a in (dq4, dk4, dv4))
         if any(x is None for x in dkdv_maps + dq_maps + pairs):    # (arrays compare elementwise)
             return None

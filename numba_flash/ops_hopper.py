@@ -279,18 +279,25 @@ def tensor_map_4d(ary, box_rows, box_cols=64):
     ``tma_load_*`` intrinsics) over a 4-D device array ``(B1, B2, N, d)`` of 16-bit elements
     (float16/bfloat16 bits), any strides with a unit last one: dims ``(d, N, B2, B1)``,
     boxes of ``box_cols`` (at most 64: 128 bytes) × ``box_rows`` × 1 × 1, 128-byte swizzle,
-    zero fill outside the array. Needs a GPU (the driver encodes it)."""
+    zero fill outside the array. Needs a GPU (the driver encodes it). The copy to the
+    device is synchronous; ``families.tensor_map`` copies on the launch stream instead."""
+    from numba import cuda
+    return cuda.to_device(encode_tensor_map_4d(ary.__cuda_array_interface__["data"][0], tuple(ary.shape),
+                                               tuple(ary.strides), box_rows, box_cols))
+
+
+def encode_tensor_map_4d(ptr, shape, strides, box_rows, box_cols=64):
+    """The 128 bytes of :func:`tensor_map_4d`'s map of the view at device address ``ptr``
+    with ``shape`` and byte ``strides``, as a NumPy uint8 array on the host."""
     import ctypes
 
     import numpy as np
     from cuda.bindings import driver as cu
-    from numba import cuda
 
-    shape, strides = tuple(ary.shape), tuple(ary.strides)
     assert len(shape) == 4 and strides[3] == 2 and box_cols * 2 <= 128, (shape, strides, box_cols)
     u64, u32 = cu.cuuint64_t, cu.cuuint32_t
     err, tmap = cu.cuTensorMapEncodeTiled(
-        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, ary.__cuda_array_interface__["data"][0],
+        cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, ptr,
         [u64(shape[3]), u64(shape[2]), u64(shape[1]), u64(shape[0])],
         [u64(strides[2]), u64(strides[1]), u64(strides[0])],
         [u32(box_cols), u32(box_rows), u32(1), u32(1)], [u32(1)] * 4,
@@ -300,7 +307,7 @@ def tensor_map_4d(ary, box_rows, box_cols=64):
     if err != cu.CUresult.CUDA_SUCCESS:
         raise ValueError(f"cuTensorMapEncodeTiled failed ({err}) for shape {shape}, strides {strides}: TMA needs "
                          "16-byte aligned addresses and strides that are multiples of 16 bytes.")
-    return cuda.to_device(np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8).copy())
+    return np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8).copy()
 
 
 # --------------------------------------------------------------------------- the simulator's twins

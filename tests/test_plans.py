@@ -197,6 +197,33 @@ def test_hopper_plans_with_a_table_of_one_map(plan_runs, monkeypatch):
     assert len(plan_runs) == 3
 
 
+@GPU_ONLY
+def test_new_tensor_maps_do_not_wait_for_queued_work(plan_runs, monkeypatch):
+    """A Hopper call with new tensors (so new tensor maps) queued behind a long kernel on
+    PyTorch's current stream returns while that kernel still runs: the maps are copied to
+    the device on the stream (a synchronous copy from pageable memory waited for the queued
+    work), and the results match the oracle."""
+    torch = pytest.importorskip("torch")
+    from numba_flash import registry
+    if not torch.cuda.is_available() or cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    g = torch.Generator(device="cuda").manual_seed(13)
+
+    def fresh():
+        return [torch.randn(2, 3, 200, 64, device="cuda", generator=g).half() for _ in range(3)]
+    numba_flash.attention_fwd(*fresh())          # compiles, and leaves a plan
+    q, k, v = fresh()
+    torch.cuda.synchronize()
+    torch.cuda._sleep(1_000_000_000)             # about half a second on the current stream
+    out, lse = numba_flash.attention_fwd(q, k, v)
+    busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert len(plan_runs) == 1
+    assert busy, "the call waited for the work queued before it"
+    check_forward_low(host(out), host(lse), host(q), host(k), host(v), False, None)
+
+
 def test_plan_holds_the_tensor_maps_it_launches_with(monkeypatch):
     """``Plan.run`` writes each tensor map's device address into a launch's parameters; the
     table of maps may drop an earlier map while a later one is made, so the run keeps
@@ -207,13 +234,13 @@ def test_plan_holds_the_tensor_maps_it_launches_with(monkeypatch):
     class Map:
         pass
 
-    def tensor_map(ptr, *view):
+    def tensor_map(ptr, *view, stream=0):
         made.append(Map())
         return made[-1]
     monkeypatch.setattr(families, "tensor_map", tensor_map)
     monkeypatch.setattr(_arrays, "device_pointer", id)
     held = []
-    pointers = [_plans._map_pointer(p, ((1, 1, 8, 64), (16384, 16384, 128, 2), 64), held) for p in (0, 256, 512)]
+    pointers = [_plans._map_pointer(p, ((1, 1, 8, 64), (16384, 16384, 128, 2), 64), held, 0) for p in (0, 256, 512)]
     made.clear()                 # the table's references gone
     assert [id(m) for m in held] == pointers and len(set(pointers)) == 3
 
@@ -222,10 +249,10 @@ def test_maps_of_a_full_table_stay_alive_until_it_fills_again(monkeypatch):
     """When the table of tensor maps fills up it starts afresh, but the maps it held are
     kept until it fills again (launches already queued, or queued by the call under way,
     may still read them); on a GPU it first waits for the queued kernels. (Host-side.)"""
-    from numba_flash import families, ops_hopper
-    for name, value in (("_MAPS", {}), ("MAP_SOURCES", {}), ("_RETIRED", []), ("MAX_MAPS", 2)):
+    from numba_flash import families
+    for name, value in (("_MAPS", {}), ("MAP_SOURCES", {}), ("_RETIRED", []), ("MAX_MAPS", 2), ("_SLOTS", {})):
         monkeypatch.setattr(families, name, value)
-    monkeypatch.setattr(ops_hopper, "tensor_map_4d", lambda view, rows: object())
+    monkeypatch.setattr(families, "_new_map", lambda *args: object())
     view = ((1, 1, 8, 64), (1024, 1024, 128, 2), 64)
     a, b = (families.tensor_map(p, *view) for p in (0, 256))
     c = families.tensor_map(512, *view)                  # the table was full: a and b retire
