@@ -309,8 +309,9 @@ def _map_pointer(ptr, tmap, held, stream):
     """The device address of the tensor map of ``tmap``'s view at ``ptr`` (its copy to the
     device queued on ``stream`` if it is new); the map is
     appended to ``held``: the table of maps may drop it when it fills up (a later map of
-    the same call can make it do so), and only a reference kept until the launch keeps its
-    memory from being freed, or reused by the next map, before the kernel reads it."""
+    the same call can make it do so), and a reference kept until the launch keeps it alive
+    until the kernel is queued (on a GPU its slot is not written again for many maps,
+    ``families._MapSlots``; the simulator's map lives as long as its array)."""
     from . import families
     m = families.tensor_map(ptr, *tmap, stream=stream)
     held.append(m)
