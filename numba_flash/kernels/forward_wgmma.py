@@ -196,6 +196,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             H.named_arrive(4 - wg, 256)
 
     @cuda.jit(device=True, inline=True)
+    def relative(bound, c0):
+        """A row's key bound relative to the key ``c0``, clamped to ``[-1, BN]`` (int32)."""
+        return numba.int32(min(max(bound - c0, -1), BN))
+
+    @cuda.jit(device=True, inline=True)
     def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2):
         """One key tile's online softmax on the raw products ``s`` (two rows per thread, a
         quad per row): scores in log2 units, masks, the new maxima, ``s`` replaced by the
@@ -216,9 +221,17 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             for i in range(NS):
                 s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
         if tile_needs_mask(r0, ROWS, k0, BN, geo) or block_tile(slopes, b1, b2, r0 // BM, k0, BN):
+            # the thread's keys are c0 + o, o = 8 (i >> 2) + (i & 1) (a constant once unrolled):
+            # the rows' bounds are taken relative to c0 and clamped to [-1, BN], which leaves
+            # every comparison with an o in [0, BN) as it was, in 32 bits (the absolute 64-bit
+            # keys took eight instructions a score: carries, paired compares, predicates
+            # saved to registers and back)
+            c0 = k0 + 2 * tq4
+            lo0r, hi0r = relative(lo0, c0), relative(hi0, c0)
+            lo1r, hi1r = relative(lo1, c0), relative(hi1, c0)
             for i in range(NS):
-                col = k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1)
-                seen = in_row(col, lo1, hi1) if (i >> 1) & 1 else in_row(col, lo0, hi0)
+                o = numba.int32(8 * (i >> 2) + (i & 1))
+                seen = in_row(o, lo1r, hi1r) if (i >> 1) & 1 else in_row(o, lo0r, hi0r)
                 if not seen:
                     s[i] = NEG_INF
         if MASK_APART:
