@@ -223,7 +223,10 @@ def _torch_outputs(outputs, like, poison, device_id):
     ``like``'s device when ``like`` is a tensor on the plan's device ``device_id`` (None
     otherwise, or for an empty output or a dtype PyTorch lacks), filled with ``poison`` if
     given."""
-    if not _arrays._is_torch(like) or not like.is_cuda or like.device.index != device_id:
+    if not _arrays._is_torch(like) or not like.is_cuda:
+        return None
+    device = like.device
+    if device.index != device_id:
         return None
     import torch
     outs = []
@@ -234,7 +237,7 @@ def _torch_outputs(outputs, like, poison, device_id):
                 "float16", "bfloat16", "float32", "float64") else None
         if tdt is None or 0 in shape:
             return None
-        o = torch.empty(shape, dtype=tdt, device=like.device)
+        o = torch.empty(shape, dtype=tdt, device=device)
         if poison is not None:
             o.fill_(poison)
         outs.append(o)
