@@ -324,7 +324,7 @@ def _tensor_map(addr):
     return entry
 
 
-def encode_tensor_map_4d(ptr, shape, strides, box_rows, box_cols=64):
+def encode_tensor_map_4d(ptr, shape, strides, box_rows, box_cols=64, into=None):
     """Not in the simulator: its maps name a registered host array, which only
     :func:`tensor_map_4d`, given the array rather than its address, can register."""
     raise NotImplementedError("the simulator's tensor maps come from tensor_map_4d (given the array itself)")

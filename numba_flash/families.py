@@ -189,7 +189,7 @@ def _new_map(ptr, shape, strides, rows, ary, stream):
     slots = _SLOTS.get(ctx)
     if slots is None:
         slots = _SLOTS[ctx] = _MapSlots()
-    return slots.put(ops_hopper.encode_tensor_map_4d(ptr, shape, strides, rows), stream)
+    return slots.put(ptr, shape, strides, rows, stream)
 
 
 class _MapSlots:
@@ -206,8 +206,6 @@ class _MapSlots:
     SLOTS = 1024
 
     def __init__(self):
-        import ctypes
-
         import numpy as np
         from cuda.bindings import driver as cu
         from numba import cuda
@@ -217,21 +215,27 @@ class _MapSlots:
         err, self.host_ptr = cu.cuMemHostAlloc(n, 0)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise MemoryError(f"cuMemHostAlloc of {n} bytes for tensor maps failed: {err!r}")
-        self.host = np.ctypeslib.as_array((ctypes.c_uint8 * n).from_address(int(self.host_ptr)))
+        self.host_ptr = int(self.host_ptr)
+        self.views = [None] * self.SLOTS     # each slot's device array, made on its first use
         self.made = 0
 
-    def put(self, raw, stream):
-        """The 128 bytes ``raw`` in the next slot, copied on ``stream``: that slot's device
-        array."""
+    def put(self, ptr, shape, strides, rows, stream):
+        """The map of that view (``ops_hopper.encode_tensor_map_4d``) encoded into the next
+        slot and copied on ``stream``: that slot's device array."""
         from cuda.bindings import driver as cu
+
+        from . import ops_hopper
         assert 2 * MAX_MAPS <= self.SLOTS, MAX_MAPS
         i = self.made % self.SLOTS
         self.made += 1
-        self.host[128 * i:128 * (i + 1)] = raw
-        err, = cu.cuMemcpyHtoDAsync(self.device_ptr + 128 * i, int(self.host_ptr) + 128 * i, 128, stream)
+        ops_hopper.encode_tensor_map_4d(ptr, shape, strides, rows, into=self.host_ptr + 128 * i)
+        err, = cu.cuMemcpyHtoDAsync(self.device_ptr + 128 * i, self.host_ptr + 128 * i, 128, stream)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemcpyHtoDAsync of a tensor map failed: {err!r}")
-        return self.device[128 * i:128 * (i + 1)]
+        view = self.views[i]
+        if view is None:
+            view = self.views[i] = self.device[128 * i:128 * (i + 1)]
+        return view
 
 
 def _tma_maps(q4, k4, v4, t, stream):

@@ -286,27 +286,38 @@ def tensor_map_4d(ary, box_rows, box_cols=64):
                                                tuple(ary.strides), box_rows, box_cols))
 
 
-def encode_tensor_map_4d(ptr, shape, strides, box_rows, box_cols=64):
+_ENCODE_CONSTANTS = {}    # (box_rows, box_cols) -> the arguments of every map with such boxes
+
+
+def encode_tensor_map_4d(ptr, shape, strides, box_rows, box_cols=64, into=None):
     """The 128 bytes of :func:`tensor_map_4d`'s map of the view at device address ``ptr``
-    with ``shape`` and byte ``strides``, as a NumPy uint8 array on the host."""
+    with ``shape`` and byte ``strides``: as a NumPy uint8 array on the host, or written to
+    the host address ``into`` (then None is returned)."""
     import ctypes
 
     import numpy as np
     from cuda.bindings import driver as cu
 
     assert len(shape) == 4 and strides[3] == 2 and box_cols * 2 <= 128, (shape, strides, box_cols)
-    u64, u32 = cu.cuuint64_t, cu.cuuint32_t
+    u64 = cu.cuuint64_t
+    fixed = _ENCODE_CONSTANTS.get((box_rows, box_cols))
+    if fixed is None:
+        u32 = cu.cuuint32_t
+        fixed = _ENCODE_CONSTANTS[box_rows, box_cols] = (
+            [u32(box_cols), u32(box_rows), u32(1), u32(1)], [u32(1)] * 4,
+            cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+            cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+            cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     err, tmap = cu.cuTensorMapEncodeTiled(
         cu.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16, 4, ptr,
         [u64(shape[3]), u64(shape[2]), u64(shape[1]), u64(shape[0])],
-        [u64(strides[2]), u64(strides[1]), u64(strides[0])],
-        [u32(box_cols), u32(box_rows), u32(1), u32(1)], [u32(1)] * 4,
-        cu.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE, cu.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
-        cu.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
-        cu.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+        [u64(strides[2]), u64(strides[1]), u64(strides[0])], *fixed)
     if err != cu.CUresult.CUDA_SUCCESS:
         raise ValueError(f"cuTensorMapEncodeTiled failed ({err}) for shape {shape}, strides {strides}: TMA needs "
                          "16-byte aligned addresses and strides that are multiples of 16 bytes.")
+    if into is not None:
+        ctypes.memmove(into, tmap.getPtr(), 128)
+        return None
     return np.frombuffer(ctypes.string_at(tmap.getPtr(), 128), np.uint8).copy()
 
 
