@@ -133,12 +133,14 @@ def _assert_hopper_launch(q, k, v, **options):
 
 
 @pytest.mark.parametrize("pingpong, rules", [(True, "window+softcap+alibi"), (False, "window+softcap+alibi"),
-                                             (True, "causal+softcap")])
+                                             (True, "causal+softcap"), (True, "alibi"), (True, "softcap+alibi")])
 def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     """The Hopper family with a window, softcap and ALiBi (the scores' general path), with
     and without the consumers' ping-pong (the kernel is built directly for the second,
-    with half its exponentials by ``ops.exp2_fma``); and with a softcap alone (its tanh
-    taken before the maxima, the cap in exp2's FMA)."""
+    with half its exponentials by ``ops.exp2_fma``); with a softcap alone (its tanh
+    taken before the maxima, the cap in exp2's FMA); and ALiBi with and without a softcap
+    over more keys than queries (200 x 300), where some key tiles lie wholly before or
+    after a warpgroup's diagonal (ALiBi's linear split) and some cross it."""
     if ON_GPU:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
@@ -155,6 +157,12 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     opts = {"window": (40, 7), "softcap": 3.0, "alibi_slopes": np.array([0.25, 0.0625], np.float32)}
     if rules == "causal+softcap":
         opts = {"causal": True, "softcap": 2.0}
+    if rules in ("alibi", "softcap+alibi"):
+        q = rng.standard_normal((1, 200, 64)).astype(ml_dtypes.bfloat16)
+        k, v = (rng.standard_normal((1, 300, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+        opts = {"alibi_slopes": np.array([0.03], np.float32)}
+        if rules == "softcap+alibi":
+            opts = {"alibi_slopes": np.array([-0.01], np.float32), "softcap": 4.0}
     _assert_hopper_launch(q, k, v, **opts)
     out, lse = numba_flash.attention_fwd(q, k, v, **opts)
     check_forward_low(out, lse, q, k, v, opts, None)

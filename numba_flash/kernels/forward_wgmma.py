@@ -150,6 +150,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # slow instruction on the multi-function unit the exponentials need (user functions
     # take the integer positions)
     FLOAT_POS = scores.alibi and scores.mods is None
+    CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES)
     NS = BN // 2                          # S accumulator elements per thread
@@ -210,10 +211,35 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         argument, one FMA per element; with a softcap alone likewise on ``tanh(cap_in · s)``
         with ``cap_out``."""
         sl = sc[2] if TANH_RAW else sc[0]
+        add0, add1 = ZERO, ZERO      # (ALiBi) each row's part of its scores, left out of s
         if FLOAT_POS:
             rf = F32(row0 + diag - k0 - 2 * tq4)          # the distance to the thread's first key
-            for i in range(NS):
-                s[i], _ = score(s[i], rf + F32(8 * ((i >> 1) & 1)), F32(8 * (i >> 2) + (i & 1)), ZERO, sc)
+            left = k0 + BN - 1 <= r0 + diag               # every key at or before every row's diagonal
+            if left or k0 >= r0 + ROWS - 1 + diag:        # or every key at or after it
+                # on one side of the diagonal the distance is linear, ±(rf + 8 [row 1] − o) for
+                # the key c0 + o: the bias splits into a row's part, added to its maximum and
+                # subtracted from its exponentials' argument, and a key's, one product per
+                # key shared by the two rows; per score one FMA, as against three. (The
+                # rows' parts are taken against the tile's first key k0, not c0, so that
+                # the quad sharing a row agrees on it: the maxima are reduced over the quad.)
+                ss = sc[3] if left else -sc[3]
+                add0 = -ss * F32(row0 + diag - k0)
+                add1 = add0 - ss * F32(8)
+                base = ss * F32(2 * tq4)
+                unbiased = (sc[0], sc[1], sc[2], ZERO)
+                for c in range(NS // 4):
+                    for e in range(2):
+                        kb = cuda.fma(ss, F32(8 * c + e), base)
+                        for r in range(2):
+                            i = 4 * c + e + 2 * r
+                            if CAPPED:
+                                y, _ = score(s[i], ZERO, ZERO, ZERO, unbiased)
+                                s[i] = y + kb
+                            else:        # (an explicit FMA: contracted, kb's product was made per score)
+                                s[i] = cuda.fma(s[i], sc[0], kb)
+            else:
+                for i in range(NS):
+                    s[i], _ = score(s[i], rf + F32(8 * ((i >> 1) & 1)), F32(8 * (i >> 2) + (i & 1)), ZERO, sc)
         elif TANH_RAW:
             for i in range(NS):
                 s[i] = ops.tanh_approx(s[i] * sc[1])
@@ -254,10 +280,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
         if SCALED:
             mx0, mx1 = mx0 * sl, mx1 * sl
+        if FLOAT_POS:
+            mx0, mx1 = mx0 + add0, mx1 + add1
         mn0, mn1 = max(m0, mx0), max(m1, mx1)
         mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
         mu1 = ZERO if mn1 == NEG_INF else mn1
         alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
+        if FLOAT_POS:
+            mu0, mu1 = mu0 - add0, mu1 - add1      # against s, which lacks the rows' parts
         rs0, rs1 = ZERO, ZERO
         for i in range(NS_FMA):              # (two loops: each unrolls, with one kind of exp2)
             e = ops.exp2_fma((s[i] * sl if SCALED else s[i]) - (mu1 if (i >> 1) & 1 else mu0))
