@@ -290,13 +290,19 @@ def test_hopper_backward_through_the_api(case, hkv, monkeypatch):
     check_backward_low(grads, dout, q, k, v, case.causal, case.scale)
 
 
-def test_hopper_backward_score_rules(monkeypatch):
-    """The Hopper backward with a window, softcap and ALiBi on grouped heads."""
+@pytest.mark.parametrize("rules", ["window+softcap+alibi", "alibi"])
+def test_hopper_backward_score_rules(rules, monkeypatch):
+    """The Hopper backward with a window, softcap and ALiBi on grouped heads; and ALiBi
+    alone over 200 queries and 300 keys, where some tiles lie wholly on one side of the
+    diagonal (ALiBi's linear form) in both kernels and others cross it."""
     if ON_GPU and not _hopper_gpu():
         pytest.skip("the Hopper family runs on compute capability 9.0 only")
     case = BCase((2,), 70, 90, 64, "bfloat16", magnitude=2.0, seed=43)
-    q, k, v, dout = _grouped(case, 1)
     options = dict(window=(30, 5), softcap=4.0, alibi_slopes=np.array([0.5, 0.25], np.float32))
+    if rules == "alibi":
+        case = BCase((1,), 200, 300, 64, "bfloat16", magnitude=2.0, seed=44)
+        options = dict(alibi_slopes=np.array([0.03], np.float32))
+    q, k, v, dout = _grouped(case, 1)
     grads = _hopper_run(monkeypatch, case, q, k, v, dout, **options)
     check_backward_low(grads, dout, q, k, v, dict(options, causal=False), None)
 

@@ -111,6 +111,12 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
     store_rows = make_store_rows(dtype_name, D)
     place, columns, probability, tile_needs_mask, block_tile, score_consts = make_tile_rules(
         DKDV, dtype_name, scores, BR, BC)
+    # ALiBi (without user functions) is applied here rather than by the score rule: its bias
+    # −slope·|dist| joins lse's side of exp2's argument, with distances in float32 (the rule's
+    # took a 64-bit integer-to-float conversion a score, on the unit the exponentials need)
+    ALIBI = scores.alibi and scores.mods is None
+    if ALIBI:
+        probability = make_tile_rules(DKDV, dtype_name, dataclasses.replace(scores, alibi=False), BR, BC)[2]
     column_total, column_next, column_at, column_consts = columns
     F32 = numba.float32
     ZERO, ONE = F32(0), F32(1)
@@ -124,6 +130,20 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
             at = (slot * NSUB + sub) * SUB_C
             H.tma_load_4d(base + CA_OFF + at, H.global_address(t_ca), 64 * sub, c0, head, b1, bar)
             H.tma_load_4d(base + CB_OFF + at, H.global_address(t_cb), 64 * sub, c0, head, b1, bar)
+
+    @cuda.jit(device=True, inline=True)
+    def stat_at(smf, at, i, tq4, v0, v1):
+        """The lse (or delta) of score ``i``: dK/dV, its column's from the stats ring at
+        ``at``; dQ, its row's, ``v0`` or ``v1``."""
+        if DKDV:
+            return smf[at + 8 * (i >> 2) + 2 * tq4 + (i & 1)]
+        return v1 if (i >> 1) & 1 else v0
+
+    @cuda.jit(device=True, inline=True)
+    def distance_offset(i):
+        """Score ``i``'s query-key distance less the thread's tile constant (``alibi``)."""
+        o = F32(8 * (i >> 2) + (i & 1) - 8 * ((i >> 1) & 1))     # its column's offset less its row's
+        return o if DKDV else -o
 
     @cuda.jit(device=True, inline=True)
     def column_head(b2_first, gi, group):
@@ -238,14 +258,18 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
                 masked = tile_needs_mask(c0, BC, r0, BR, geo)
             else:
                 masked = tile_needs_mask(r0, BR, c0, BC, geo) or block_tile(slopes, b1, b2q, r0 // BR, c0, BC)
+            at = stf + slot * 2 * BC                 # dK/dV: the columns' (queries') lse, then delta
+            # ALiBi: score i's distance (query + diag − key) is af + distance_offset(i), and
+            # P = exp2(score − (lse + slope·|distance|)). (The forward's split of one-sided
+            # tiles into row and key parts made ptxas spill the dK/dV kernel's loop-invariant
+            # descriptors at d = 128; this form does not.)
+            af = F32(c0 + 2 * tq4 + diag - row0) if DKDV else F32(row0 + diag - c0 - 2 * tq4)
             for i in range(NS):
-                row = row0 + 8 * ((i >> 1) & 1)
-                col = c0 + 8 * (i >> 2) + 2 * tq4 + (i & 1)
-                if DKDV:                             # the columns are queries
-                    lse_e = smf[stf + slot * 2 * BC + 8 * (i >> 2) + 2 * tq4 + (i & 1)]
-                else:
-                    lse_e = lse1 if (i >> 1) & 1 else lse0
-                s[i], gr[i] = probability(s[i], row, col, lse_e, masked, geo, diag, sc, slopes, b1, b2q)
+                lse_e = stat_at(smf, at, i, tq4, lse0, lse1)
+                if ALIBI:
+                    lse_e = cuda.fma(sc[3], abs(af + distance_offset(i)), lse_e)
+                s[i], gr[i] = probability(s[i], row0 + 8 * ((i >> 1) & 1), c0 + 8 * (i >> 2) + 2 * tq4 + (i & 1),
+                                          lse_e, masked, geo, diag, sc, slopes, b1, b2q)
             for k in range(NP):
                 ps[k] = pack(s[2 * k], s[2 * k + 1])
             if DKDV:                                 # dV += Pᵀ dO while dS is computed
@@ -262,11 +286,7 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
 
             # ---- dS = P ∘ (dP − delta) ∘ softcap′, then dK += dSᵀ Q (dQ += dS K) -----------
             for i in range(NS):
-                if DKDV:
-                    delta_e = smf[stf + slot * 2 * BC + BC + 8 * (i >> 2) + 2 * tq4 + (i & 1)]
-                else:
-                    delta_e = delta1 if (i >> 1) & 1 else delta0
-                dp[i] = s[i] * (dp[i] - delta_e) * gr[i]
+                dp[i] = s[i] * (dp[i] - stat_at(smf, at + BC, i, tq4, delta0, delta1)) * gr[i]
             for k in range(NP):
                 ds[k] = pack(dp[2 * k], dp[2 * k + 1])
             H.wgmma_fence()
