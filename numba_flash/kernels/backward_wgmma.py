@@ -258,14 +258,13 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
                 masked = tile_needs_mask(c0, BC, r0, BR, geo)
             else:
                 masked = tile_needs_mask(r0, BR, c0, BC, geo) or block_tile(slopes, b1, b2q, r0 // BR, c0, BC)
-            at = stf + slot * 2 * BC                 # dK/dV: the columns' (queries') lse, then delta
             # ALiBi: score i's distance (query + diag − key) is af + distance_offset(i), and
             # P = exp2(score − (lse + slope·|distance|)). (The forward's split of one-sided
             # tiles into row and key parts made ptxas spill the dK/dV kernel's loop-invariant
             # descriptors at d = 128; this form does not.)
             af = F32(c0 + 2 * tq4 + diag - row0) if DKDV else F32(row0 + diag - c0 - 2 * tq4)
             for i in range(NS):
-                lse_e = stat_at(smf, at, i, tq4, lse0, lse1)
+                lse_e = stat_at(smf, stf + slot * 2 * BC, i, tq4, lse0, lse1)
                 if ALIBI:
                     lse_e = cuda.fma(sc[3], abs(af + distance_offset(i)), lse_e)
                 s[i], gr[i] = probability(s[i], row0 + 8 * ((i >> 1) & 1), c0 + 8 * (i >> 2) + 2 * tq4 + (i & 1),
@@ -286,7 +285,7 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
 
             # ---- dS = P ∘ (dP − delta) ∘ softcap′, then dK += dSᵀ Q (dQ += dS K) -----------
             for i in range(NS):
-                dp[i] = s[i] * (dp[i] - stat_at(smf, at + BC, i, tq4, delta0, delta1)) * gr[i]
+                dp[i] = s[i] * (dp[i] - stat_at(smf, stf + slot * 2 * BC + BC, i, tq4, delta0, delta1)) * gr[i]
             for k in range(NP):
                 ds[k] = pack(dp[2 * k], dp[2 * k + 1])
             H.wgmma_fence()
