@@ -11,6 +11,9 @@ these tuples.
 Every attention kernel's arguments end with the score arguments of
 ``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
 """
+import copy
+import math
+
 from . import _arrays, registry, scores
 from .kernels import backward_wgmma, forward_wgmma
 from .kernels.backward_mma import stats_rows
@@ -40,7 +43,11 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     inputs it takes (the TMA needs views whose strides it can describe: else the next
     family), the ``mma.sync`` tensor-core family for the other 16-bit inputs, the
     CUDA-core one otherwise (with key splits and their merge when the grid is small; the
-    split buffers are appended to ``scratch``)."""
+    split buffers are appended to ``scratch``). Decoding with grouped heads first takes
+    each group's query heads as rows (:func:`_group_rows`)."""
+    grouped = _group_rows(inp, q, out, lse)
+    if grouped is not None:
+        inp, q, out, lse = grouped
     rows = inp.nq if inp.packed is None else inp.packed.max_q
     spec = registry.forward_specialisation(inp.dtype.name, inp.d, inp.scores, use_async, smem_limit=smem_limit,
                                            cc=cc, rows=rows)
@@ -72,6 +79,40 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
             launches += _split_launches(inp, spec, kern, g, (q4, k4, v4, o4, l3), scale_log2, tail,
                                         splits, sm_count, smem_limit, scratch)
     return launches
+
+
+def _group_rows(inp, q, out, lse):
+    """Grouped-query decoding: ``c`` query heads of a group as ``c · Nq`` rows of one query
+    head, so that a block reads its K/V head once for all of them (as the query heads of a
+    group read the same keys). ``(inputs, q, out, lse)`` with the heads folded (``c``
+    the largest divisor of the group with ``c · Nq <= registry.SPLIT_ROWS``: the decoding
+    kernel's rows), or None where the rows' positions would matter: the rules must give
+    every row the same keys (no ALiBi, no user functions, no left window bound; a right
+    bound or ``causal`` only with ``Nq = 1``, whose one query sees every key anyway), and
+    q's head axis must fold into its rows (a head stride of ``Nq`` rows, or ``Nq = 1``)."""
+    g, nq, rules = inp.group, inp.nq, inp.rules
+    if (g == 1 or inp.packed is not None or rules.mods is not None or rules.alibi or rules.left is not None
+            or (rules.right is not None and nq > 1)):
+        return None
+    c = max(c for c in range(1, g + 1) if g % c == 0 and c * nq <= registry.SPLIT_ROWS)
+    if c == 1:
+        return None
+    h = len(inp.lead) - 1
+    views = []
+    for a in (q, out, lse):
+        shape, strides = tuple(a.shape), tuple(a.strides)
+        if nq > 1 and strides[h] != nq * strides[h + 1]:
+            return None
+        row = strides[h] if nq == 1 else strides[h + 1]
+        views.append(_arrays.strided_view(a, shape[:h] + (shape[h] // c, c * nq) + shape[h + 2:],
+                                          strides[:h] + (c * strides[h], row) + strides[h + 2:]))
+    folded = copy.copy(inp)
+    folded.lead = inp.lead[:-1] + (inp.lead[-1] // c,)
+    folded.batch = math.prod(folded.lead)
+    folded.nq, folded.group = c * nq, g // c
+    folded.rules = scores.Scores(softcap=rules.softcap)
+    folded.scores = folded.rules.spec
+    return (folded, *views)
 
 
 def _heads_views(inp, arrays):

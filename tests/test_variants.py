@@ -321,6 +321,37 @@ def test_grouped_heads_over_several_launches(dtype):
         check_backward(grads, dout, q, k, v, options, None)
 
 
+@pytest.mark.parametrize("case,folds", [
+    (VCase((2,), 4, 1, 1, 37, 16, "bfloat16", causal=True, softcap=5.0, seed=41), True),   # decoding, MQA
+    (VCase((), 8, 2, 3, 29, 8, "float32", seed=42), True),                  # 3 queries x 4 heads: 12 rows
+    (VCase((), 4, 2, 1, 20, 16, "float16", window=(5, None), seed=43), False),   # a left bound: positions matter
+    (VCase((), 4, 2, 1, 20, 8, "float32", alibi="head", seed=44), False),       # a slope per query head
+    (VCase((), 4, 2, 2, 20, 8, "float64", causal=True, seed=45), False),        # causal with two queries
+    (VCase((), 4, 2, 2, 21, 16, "bfloat16", seed=46, device=True), False),      # q's heads not foldable (below)
+], ids=lambda x: x if isinstance(x, bool) else f"{x.dtype}-nq{x.nq}")
+def test_decoding_folds_group_heads_into_rows(case, folds, monkeypatch):
+    """Few queries with grouped heads (``families._group_rows``): a group's query heads are
+    one block's rows when every row sees the same keys (causal dropped with one query, a
+    softcap kept), so K/V are read once per group; not with a left window bound, ALiBi,
+    causal over several queries, or a q whose head axis does not fold into its rows (here
+    a view of a ``(Nq, Hq, d)`` layout). Either way the oracle's result."""
+    from numba_flash import families
+    found = []
+    real = families._group_rows
+    monkeypatch.setattr(families, "_group_rows", lambda *a: found.append(real(*a)) or found[-1])
+    q, k, v, _, slopes = case.inputs()
+    options = case.options(slopes)
+    args = (q, k, v)
+    if case.device:         # q (Hq, Nq, d) as a view of (Nq, Hq, d) memory: head stride d, row stride Hq·d
+        from numba_flash import _arrays
+        qt = numba_flash.to_device(np.ascontiguousarray(q.transpose(1, 0, 2)))
+        qv = _arrays.strided_view(qt, q.shape, (case.d * 2, case.hq * case.d * 2, 2))
+        args = (qv, to_device(k), to_device(v))
+    out, lse = numba_flash.attention_fwd(*args, scale=case.scale, **options)
+    assert len(found) == 1 and (found[0] is not None) == folds
+    _check_forward(case, host(out), host(lse), q, k, v, options)
+
+
 def test_oracle_groups_are_repeated_heads():
     """The oracle's GQA is its plain attention on K/V heads repeated (dk, dv summed back):
     the baselines of these tests rely on it."""
