@@ -125,25 +125,23 @@ def mma_split_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Mm
     (16 rows, the M of one ``mma``) per block, so that a block's products are not spent on
     padding rows and the keys, split across blocks, are read at the memory's pace.
 
-    A block has few rows to compute and waits on memory, so its ring has three slots: two
-    tiles in flight while one is used (with two slots, one: the decoding call read its
-    cache at 4.1 TB/s on an H200, docs/performance.md item 54).
+    * d <= 64: 64-key tiles, Q in registers (ptxas, sm_90: 164 registers, 38 KiB of
+      shared memory: five blocks per SM on an H200);
+    * d <= 128: 32-key tiles, Q in registers (204 registers, 38 KiB; 64-key tiles need
+      255 registers and spill);
+    * d <= 256: 16-key tiles, Q re-read from shared memory per tile (238 registers,
+      41 KiB; 32-key tiles need 255).
+    * In the simulator: 16-key tiles, as ``mma_tiling``.
 
-    * d <= 64: 64-key tiles, Q in registers (ptxas, sm_90: 166 registers, 56 KiB of
-      shared memory);
-    * d <= 128: 32-key tiles, Q in registers (212 registers, 55 KiB: four blocks per SM
-      on an H200; 64-key tiles need 255 registers and spill);
-    * d <= 256: 16-key tiles, Q re-read from shared memory per tile (246 registers,
-      58 KiB; 32-key tiles need 255).
-    * In the simulator: 16-key tiles, as ``mma_tiling``, and the three slots.
+    (Chosen from ptxas's counts and the byte counts, not yet a sweep on a GPU.)
     """
     if simulator:
-        return MmaTiling(WARPS=1, BN=16, Q_IN_REGS=d <= 32, STAGES=3)
+        return MmaTiling(WARPS=1, BN=16, Q_IN_REGS=d <= 32)
     if d <= 64:
-        return MmaTiling(WARPS=1, BN=64, Q_IN_REGS=True, STAGES=3)
+        return MmaTiling(WARPS=1, BN=64, Q_IN_REGS=True)
     if d <= 128:
-        return MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, STAGES=3)
-    return MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False, STAGES=3)
+        return MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True)
+    return MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False)
 
 
 def backward_tiling(dtype_name: str, d: int, simulator: bool = SIMULATOR) -> Tiling:

@@ -3,10 +3,8 @@
 One thread block of ``WARPS`` warps computes ``BM = 16 · MT · WARPS`` query rows for one
 leading index; warp ``w`` owns ``MT`` blocks of 16 rows (16 is the M extent of one
 ``mma.m16n8k16``), so each K or V fragment it reads from shared memory feeds ``MT``
-``mma``. K/V tiles of ``BN`` keys stream through a ring of ``STAGES`` slots in shared
-memory: tiles ``j + 1 … j + STAGES − 1`` are in flight (``cp.async``) while tile ``j`` is
-used (two slots for the 8-warp kernels; three for the one-warp decoding kernel, whose
-few rows leave it waiting on memory: each block keeps two tiles in flight).
+``mma``. K/V tiles of ``BN`` keys stream through a two-slot ring in shared memory: tile
+``j + 1`` is in flight (``cp.async``) while tile ``j`` is used.
 
     for each K/V tile j:                                      (log2 units)
         S    = Q Kjᵀ · scale · log2 e          mma, fp32 accumulators (16 × BN per warp)
@@ -52,7 +50,6 @@ class MmaTiling:
     BN: int           # keys per K/V tile (multiple of 16)
     Q_IN_REGS: bool   # keep Q's A fragments in registers (else re-read them per tile)
     MT: int = 1       # 16-row blocks per warp: each K/V fragment read from shared memory feeds MT mma
-    STAGES: int = 2   # K/V slots of the ring (STAGES - 1 tiles in flight while one is used)
 
     @property
     def BM(self):
@@ -69,8 +66,8 @@ class MmaTiling:
 
 
 def smem_elements(d, t: MmaTiling):
-    """Q tile plus ``STAGES`` K and ``STAGES`` V slots, rows of ``DP + ROW_PAD`` 16-bit elements."""
-    return (t.BM + 2 * t.STAGES * t.BN) * (padded_dim(d) + ROW_PAD)
+    """Q tile plus two K and two V slots, rows of ``DP + ROW_PAD`` 16-bit elements."""
+    return (t.BM + 4 * t.BN) * (padded_dim(d) + ROW_PAD)
 
 
 @functools.lru_cache(maxsize=None)
@@ -110,12 +107,10 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     KC = DP // 16                      # k16 steps of S = Q Kᵀ
     NB = BN // 8                       # 8-key blocks of S
     ND = DP // 8                       # 8-column blocks of O
-    STAGES = t.STAGES
-    assert STAGES in (2, 3)
-    K_OFF = BM * RS                    # Q tile first, then the K slots, then the V slots
-    V_OFF = K_OFF + STAGES * BN * RS
+    K_OFF = BM * RS                    # Q tile first, then the two K slots, then the two V slots
+    V_OFF = K_OFF + 2 * BN * RS
     SLOT = BN * RS
-    assert V_OFF + STAGES * SLOT == smem_elements(D, t)
+    assert V_OFF + 2 * SLOT == smem_elements(D, t)
     Q_IN_REGS = t.Q_IN_REGS
     SPLIT = split
     ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
@@ -134,17 +129,6 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     PAGED = scores.paged
     mma_pair = make_mma_pair(mma)
     a_frag, b_frag, bt_frag = make_fragments(RS)
-
-    @device
-    def copy_tile(smem, slot, k, v, b1, b2, row, k_end, key, Nk, tid, pages, page_size):
-        """K and V rows of the tile whose first key is ``key`` (row ``row`` of k and v) into
-        ring slot ``slot`` (elements past the K and V slots' starts)."""
-        if PAGED:                      # a paged cache's rows, through the page table
-            copy_kv_paged(smem, K_OFF + slot, k, V_OFF + slot, v, b1, b2, key, Nk, tid, pages, cuda.blockIdx.z,
-                          page_size)
-        else:
-            copy_kv(smem, K_OFF + slot, k, b1, b2, row, k_end, tid)
-            copy_kv(smem, V_OFF + slot, v, b1, b2, row, k_end, tid)
 
     @device
     def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs,
@@ -210,28 +194,29 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
 
         copy_q(smem, 0, q, b1, b2, q_start + q0, q_start + Nq, tid)
         k_end = k_start + Nk           # rows past this one are zero-filled
-        # One commit group per tile (Q joins the first), empty past the last tile, so that
-        # tile jj is always group jj - j0 and the wait below counts groups.
-        for st in range(STAGES - 1):
-            if j0 + st < n_j:
-                kn = key_tile_at(slopes, b1, b2, qt, n_all, kt0, j0 + st) * BN
-                copy_tile(smem, st * SLOT, k, v, b1, b2, k_start + kn, k_end, kn, Nk, tid, pages, page_size)
-            ops.cp_async_commit()
+        kf = key_tile_at(slopes, b1, b2, qt, n_all, kt0, j0) * BN       # the first tile's first key
+        if n_j > j0 and PAGED:         # a paged cache's rows, through the page table
+            copy_kv_paged(smem, K_OFF, k, V_OFF, v, b1, b2, kf, Nk, tid, pages, cuda.blockIdx.z, page_size)
+        elif n_j > j0:
+            copy_kv(smem, K_OFF, k, b1, b2, k_start + kf, k_end, tid)
+            copy_kv(smem, V_OFF, v, b1, b2, k_start + kf, k_end, tid)
+        ops.cp_async_commit()
 
         for jj in range(j0, n_j):
             k0 = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj) * BN
             sct = key_tile_consts(slopes, b1, b2, qt, n_all, jj, sc)      # (a full tile: no mask_mod)
-            slot = ((jj - j0) % STAGES) * SLOT
-            if STAGES == 2:
-                ops.cp_async_wait(0)
-            else:
-                ops.cp_async_wait(1)    # tile jj landed; tile jj + 1 may still be in flight
+            slot = ((jj - j0) & 1) * SLOT
+            ops.cp_async_wait(0)
             cuda.syncthreads()          # tile jj landed for all; every warp is done with jj - 1
-            if jj + STAGES - 1 < n_j:   # the slot that held tile jj - 1: refill it
-                kn = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj + STAGES - 1) * BN
-                copy_tile(smem, ((jj - j0 + STAGES - 1) % STAGES) * SLOT, k, v, b1, b2, k_start + kn, k_end, kn,
-                          Nk, tid, pages, page_size)
-            ops.cp_async_commit()
+            if jj + 1 < n_j:            # the other slot held tile jj - 1: refill it
+                kn = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj + 1) * BN
+                if PAGED:
+                    copy_kv_paged(smem, K_OFF + SLOT - slot, k, V_OFF + SLOT - slot, v, b1, b2, kn, Nk, tid, pages,
+                                  cuda.blockIdx.z, page_size)
+                else:
+                    copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + kn, k_end, tid)
+                    copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + kn, k_end, tid)
+                ops.cp_async_commit()
             if Q_IN_REGS and jj == j0:
                 for mt in range(MT):
                     for kc in range(KC):
