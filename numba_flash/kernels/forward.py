@@ -383,8 +383,8 @@ def make_merge(dtype_name: str, packed: bool = False):
     ``parts_ml (2·Z·B1, B2, Nq)`` (C-contiguous, as the forward writes them with ``Z``
     splits: row maxima, then row sums) into ``out (B1, B2, Nq, D)`` and
     ``lse (B1, B2, Nq)``. One block per query row: ``grid = B1 · B2 · Nq``,
-    ``block = MERGE_THREADS`` and ``merge.smem_bytes`` of dynamic shared memory (the weights:
-    at most ``MAX_SPLITS`` splits). For float16 and bfloat16 (the tensor-core forward's
+    ``block = MERGE_THREADS`` and ``merge.smem_bytes`` of dynamic shared memory (per split, at
+    most ``MAX_SPLITS``: its row max and row sum, then its weight). For float16 and bfloat16 (the tensor-core forward's
     splits) ``parts``, ``parts_ml`` and ``lse`` are float32 and ``out`` holds the uint16
     bits of the dtype. With ``packed`` a fifth argument, the forward's sequence table
     ``seqs (S, 4)``, says which rows exist (packed views may overlap between leading
@@ -414,27 +414,41 @@ def make_merge(dtype_name: str, packed: bool = False):
             row -= b * Nq
         b1 = b // B2
         b2 = b - b1 * B2
-        w = cuda.shared.array(0, nb_dt, alignment=ALIGN)   # MAX_SPLITS weights a_z / Σ a_z
+        # Each split's row max and row sum, read by one thread a split (all at once, not
+        # one dependent load after another), then its weight a_z / Σ a_z in their place.
+        w = cuda.shared.array(0, nb_dt, alignment=ALIGN)
+        if tid < Z:
+            w[tid] = parts_ml[tid * B1 + b1, b2, row]
+            w[MAX_SPLITS + tid] = parts_ml[(Z + tid) * B1 + b1, b2, row]
+        cuda.syncthreads()
         mx = NEG_INF
         for zz in range(Z):
-            mx = max(mx, parts_ml[zz * B1 + b1, b2, row])
+            mx = max(mx, w[zz])
         total = ZERO                               # Σ_z a_z; 0: no split saw a key
         if mx != NEG_INF:
             for zz in range(Z):
-                total += math.exp2(parts_ml[zz * B1 + b1, b2, row] - mx) * parts_ml[(Z + zz) * B1 + b1, b2, row]
+                total += math.exp2(w[zz] - mx) * w[MAX_SPLITS + zz]
+        cuda.syncthreads()                         # every thread has the maxima
         if tid < Z:
             a = ZERO
             if total != ZERO:
-                a = math.exp2(parts_ml[tid * B1 + b1, b2, row] - mx) * parts_ml[(Z + tid) * B1 + b1, b2, row]
-                a /= total
+                a = math.exp2(w[tid] - mx) * w[MAX_SPLITS + tid] / total
             w[tid] = a
         if tid == 0:
             lse[b1, b2, row] = NEG_INF if total == ZERO else (mx + math.log2(total)) * LN2_T
         cuda.syncthreads()
         for col in range(tid, D, NT):
             acc = ZERO
-            for zz in range(Z):
+            zz = 0
+            while zz + 4 <= Z:                     # four splits' loads in flight at a time
+                acc += ((w[zz] * parts[zz * B1 + b1, b2, row, col]
+                         + w[zz + 1] * parts[(zz + 1) * B1 + b1, b2, row, col])
+                        + (w[zz + 2] * parts[(zz + 2) * B1 + b1, b2, row, col]
+                           + w[zz + 3] * parts[(zz + 3) * B1 + b1, b2, row, col]))
+                zz += 4
+            while zz < Z:
                 acc += w[zz] * parts[zz * B1 + b1, b2, row, col]
+                zz += 1
             out[b1, b2, row, col] = store(acc)
 
     if not SIMULATOR:
@@ -449,5 +463,5 @@ def make_merge(dtype_name: str, packed: bool = False):
             merge_body(parts, parts_ml, out, lse, parts_ml)
 
     merge.threads = NT
-    merge.smem_bytes = MAX_SPLITS * np_dt.itemsize
+    merge.smem_bytes = 2 * MAX_SPLITS * np_dt.itemsize
     return merge
