@@ -94,7 +94,7 @@ def _group_rows(inp, q, out, lse):
     if (g == 1 or inp.packed is not None or rules.mods is not None or rules.alibi or rules.left is not None
             or (rules.right is not None and nq > 1)):
         return None
-    c = max(c for c in range(1, g + 1) if g % c == 0 and c * nq <= registry.SPLIT_ROWS)
+    c = max((c for c in range(1, g + 1) if g % c == 0 and c * nq <= registry.SPLIT_ROWS), default=1)
     if c == 1:
         return None
     h = len(inp.lead) - 1

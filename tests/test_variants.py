@@ -328,6 +328,7 @@ def test_grouped_heads_over_several_launches(dtype):
     (VCase((), 4, 2, 1, 20, 8, "float32", alibi="head", seed=44), False),       # a slope per query head
     (VCase((), 4, 2, 2, 20, 8, "float64", causal=True, seed=45), False),        # causal with two queries
     (VCase((), 4, 2, 2, 21, 16, "bfloat16", seed=46, device=True), False),      # q's heads not foldable (below)
+    (VCase((), 4, 2, 17, 9, 8, "float32", seed=47), False),                     # more rows than the decoding kernel's
 ], ids=lambda x: x if isinstance(x, bool) else f"{x.dtype}-nq{x.nq}")
 def test_decoding_folds_group_heads_into_rows(case, folds, monkeypatch):
     """Few queries with grouped heads (``families._group_rows``): a group's query heads are
