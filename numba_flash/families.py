@@ -360,7 +360,10 @@ def backward(inp, q, k, v, dout, out, lse, dq, dk, dv, use_async, scratch, cc=No
     stats rows of ``backward_mma`` (lse in log2 units and delta, padded)."""
     low = inp.low
     hopper = None
-    if low and inp.packed is None and registry.uses_hopper(inp.dtype.name, inp.d, cc, variant="backward_dkdv_wgmma"):
+    # (a TMA map cannot describe an empty axis: a packed batch's sequence without queries
+    # or keys takes the next family, which writes its zero gradients)
+    if (low and inp.packed is None and inp.nq and inp.nk
+            and registry.uses_hopper(inp.dtype.name, inp.d, cc, variant="backward_dkdv_wgmma")):
         hopper = _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv)
     pre = "backward_stats" if low else "backward_delta"
     specs = [registry.specialisation(name, inp.dtype.name, inp.d, inp.scores, use_async)
