@@ -21,6 +21,7 @@ from .scores import LOG2E
 
 MAX_GRID_X = 2**31 - 1
 MAX_GRID_Y = 65535
+SMEM_RESERVED = 1024   # shared memory the driver keeps per resident block (cc 8.0 and later)
 
 
 def grid(inp, rows, b, rows_per_block, cols_per_block):
@@ -315,10 +316,11 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     nq, nk = (inp.nq, inp.nk) if inp.packed is None else (inp.packed.max_q, inp.packed.max_k)
     n_kt = scores.band_tiles(inp.rules, t.BM, t.BN, nq, nk)   # key tiles a query tile sees
     # Every CUDA-core forward tiling runs one block per SM (256 threads of 128+ registers);
-    # the one-warp tensor-core kernel as many as its shared memory allows.
+    # the one-warp tensor-core kernel as many as its shared memory allows: an SM holds the
+    # per-block opt-in limit plus 1 KiB, and the driver reserves 1 KiB of it per block.
     resident = 1
     if spec.variant != "forward_simt" and smem_limit:
-        resident = max(1, smem_limit // spec.smem_bytes)
+        resident = max(1, (smem_limit + SMEM_RESERVED) // (spec.smem_bytes + SMEM_RESERVED))
     z = splits or registry.forward_splits(g[0] * g[1], n_kt, sm_count * resident, inp.scores.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
