@@ -34,6 +34,8 @@ import weakref
 
 import numpy as np
 
+from . import _simulator
+
 __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_init", "wgmma_wait", "setmaxnreg",
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
@@ -41,7 +43,8 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "encode_tensor_map_4d"]
 
 _TIMEOUT_S = 600.0
-# A slow warpgroup, for tests: ``(warpgroup, seconds)`` makes that warpgroup's threads sleep
+# A slow warpgroup, for tests: ``(warpgroup, seconds)`` makes that warpgroup's threads pause
+# (``_simulator.pause``: sleep, or give way to every runnable thread in the cooperative mode)
 # before every named-barrier sync or arrival, so that the others run ahead of it, an order
 # a GPU makes rare but allows (a protocol that counts on one warpgroup staying ahead of
 # another deadlocks here, as it could on a GPU). None by default.
@@ -88,7 +91,7 @@ class _State:
 
 def _here():
     """(this simulated thread, its block's state)."""
-    t = threading.current_thread()
+    t = _simulator.current_thread()
     manager = getattr(t, "_manager", None)
     if manager is None:
         raise RuntimeError("ops_hopper's instructions run inside a kernel launched in the simulator")
@@ -110,7 +113,10 @@ def _wait(t, st, done, missing):
         left = deadline - time.monotonic()
         if left <= 0:
             raise RuntimeError(f"{missing()} after {_TIMEOUT_S:g} s: the kernel is deadlocked")
-        st.cond.wait(left)
+        try:
+            st.cond.wait(left)
+        except _simulator.Deadlock:
+            raise RuntimeError(f"{missing()}: the kernel is deadlocked (no thread of the block can go on)") from None
 
 
 # --------------------------------------------------------------------------- shared memory
@@ -185,7 +191,7 @@ def setmaxnreg(count, increase):
 def _named(barrier, nthreads, wait):
     t, st = _here()
     if SLOW_WARPGROUP is not None and t.thread_id // _WARPGROUP == SLOW_WARPGROUP[0]:
-        time.sleep(SLOW_WARPGROUP[1])
+        _simulator.pause(SLOW_WARPGROUP[1])
     barrier, nthreads = int(barrier), int(nthreads)
     if not 0 <= barrier < 16 or nthreads <= 0 or nthreads % 32 or nthreads > st.nthreads:
         raise ValueError(f"named barrier {barrier} for {nthreads} threads: ids are 0..15 and thread counts "

@@ -443,13 +443,17 @@ else:
 
     ld_x4 = ld_shared_x4
 
-    import threading
-    _async = threading.local()   # per simulated thread: committed groups and the open one
+    import types as _types
+
+    from . import _simulator
 
     def _groups():
-        if not hasattr(_async, "groups"):
-            _async.groups, _async.open = [], []
-        return _async
+        """This simulated thread's committed cp.async groups and its open one."""
+        t = _simulator.current_thread()
+        st = t.__dict__.get("_cp_async")
+        if st is None:
+            st = t._cp_async = _types.SimpleNamespace(groups=[], open=[])
+        return st
 
     def cp_async16(dst, dst_idx, src, i0, i1, i2, i3, src_bytes):
         # Deferred until cp_async_wait, as late as the hardware may complete it, so a

@@ -3,12 +3,12 @@
 Kernels call ``warp.shfl_xor_sync`` etc. from this module, never ``cuda.shfl_*``
 directly. Compiled, these are numba's own intrinsics. The simulator has none of
 them, so there they are emulated: each lane of a warp writes its value into a
-32-slot buffer, waits for the other participating lanes at a ``threading.Barrier`` and
+32-slot buffer, waits for the other participating lanes at a barrier (``_simulator.Barrier``) and
 reads the lane it asked for; the next exchange uses a second buffer (and the one after it
 the first again, which by then every lane has read).
 
-The emulation leans on two simulator internals (``BlockThread.thread_id`` and
-``BlockThread._manager``), which is one reason numba-cuda is pinned.
+The emulation leans on simulator internals (``BlockThread.thread_id``, the block state
+``numba_flash._simulator`` keeps), which is one reason numba-cuda is pinned.
 """
 import threading
 
@@ -26,6 +26,8 @@ if not SIMULATOR:
 else:
     # A guard against a hang (a lane named in the mask that exited or took another branch),
     # not a time budget: lanes of a busy 2-core machine reach a shuffle seconds apart at most.
+    from . import _simulator
+
     _TIMEOUT_S = 600.0
     _slots_lock = threading.Lock()
 
@@ -33,16 +35,17 @@ else:
         """A warp's rendezvous: two value buffers used in turn (a lane writes the next
         exchange's buffer only after every lane passed this one's barrier, so after every
         lane read the buffer before it: one barrier per exchange, not two)."""
-        def __init__(self, parties):
+        def __init__(self, block, parties):
             self.values = ([None] * 32, [None] * 32)
             self.turn = [0] * 32
-            self.barrier = threading.Barrier(parties)
+            self.barrier = _simulator.Barrier(block, parties)
 
     def _slot(thread, mask):
         mgr = thread._manager
+        block = mgr._block
         warp = thread.thread_id // 32
         with _slots_lock:
-            table = mgr.__dict__.setdefault("_numba_flash_warps", {})
+            table = block.extra.setdefault("warps", {})
             slot = table.get((warp, mask))
             if slot is None:
                 nthreads = 1
@@ -50,12 +53,12 @@ else:
                     nthreads *= n
                 lanes = min(32, nthreads - 32 * warp)
                 parties = bin(mask & ((1 << lanes) - 1)).count("1")
-                slot = table[(warp, mask)] = _Slot(parties)
+                slot = table[(warp, mask)] = _Slot(block, parties)
         return slot
 
     def _exchange(mask, value):
         """Rendezvous of the lanes in ``mask``; returns (my lane, every lane's value)."""
-        t = threading.current_thread()
+        t = _simulator.current_thread()
         lane = t.thread_id % 32
         s = _slot(t, int(mask))
         buf = s.values[s.turn[lane]]

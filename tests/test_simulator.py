@@ -1,11 +1,24 @@
-"""numba_flash._simulator: the event-driven block manager keeps the simulator's semantics."""
+"""numba_flash._simulator: the event-driven block manager keeps the simulator's semantics,
+with greenlets (the cooperative mode) and with OS threads."""
 import numpy as np
 import pytest
 
 import numba_flash
+import numba_flash.api
 from numba import cuda
 
 pytestmark = pytest.mark.skipif(not numba_flash.SIMULATOR, reason="the simulator's block manager")
+
+
+@pytest.fixture(params=["greenlets", "threads"])
+def mode(request, monkeypatch):
+    """Each test in both modes (the cooperative one where greenlet is installed)."""
+    from numba_flash import _simulator
+    cooperative = request.param == "greenlets"
+    if cooperative and _simulator._greenlet is None:
+        pytest.skip("greenlet is not installed")
+    monkeypatch.setattr(_simulator, "COOPERATIVE", cooperative)
+    return request.param
 
 
 def test_installed():
@@ -31,7 +44,7 @@ def _reverse_in_phases(x, out, phases):
     out[cuda.blockIdx.x, t] = buf[t]
 
 
-def test_barriers_with_exited_threads():
+def test_barriers_with_exited_threads(mode):
     rng = np.random.default_rng()
     x = rng.standard_normal((3, 40))
     out = np.full_like(x, np.nan)
@@ -46,7 +59,7 @@ def _count(flags, out):
     out[cuda.blockIdx.x] = cuda.syncthreads_count(flags[cuda.threadIdx.x])
 
 
-def test_syncthreads_count():
+def test_syncthreads_count(mode):
     flags = np.random.default_rng().integers(0, 2, 33).astype(np.int32)
     out = np.zeros(2, np.int64)
     _count[2, 33](flags, out)
@@ -61,6 +74,45 @@ def _out_of_bounds(x):
     cuda.syncthreads()
 
 
-def test_an_exception_in_one_thread_is_raised_by_the_launch():
+def test_an_exception_in_one_thread_is_raised_by_the_launch(mode):
     with pytest.raises(IndexError, match="tid=\\[7, 0, 0\\]"):
         _out_of_bounds[1, 8](np.zeros(8))
+    _reverse_in_phases[1, 8](np.zeros((1, 8)), np.zeros((1, 8)), 2)     # the next launch runs as usual
+
+
+@cuda.jit
+def _shuffle_with_a_lane_gone(out):
+    from numba_flash import warp
+    t = cuda.threadIdx.x
+    if t == 5:
+        return              # lane 5 never reaches the shuffle that names it
+    out[t] = warp.shfl_xor_sync(warp.FULL_MASK, t, 1)
+
+
+def test_a_deadlocked_warp_is_reported(mode, monkeypatch):
+    """Greenlets: found at once (no thread can go on); threads: after the guard's timeout."""
+    from numba_flash import warp
+    monkeypatch.setattr(warp, "_TIMEOUT_S", 0.5)
+    with pytest.raises(RuntimeError, match="never arrived"):
+        _shuffle_with_a_lane_gone[1, 32](np.zeros(32))
+
+
+def test_tensor_core_forward_is_the_same_in_both_modes(monkeypatch):
+    """A float16 tensor-core forward (warp shuffles, cp.async groups, mma twins: the state
+    each simulated thread keeps) gives the same bits in either mode, and the oracle's answer."""
+    from numba_flash import _simulator
+    from numba_flash.testing import assert_attention_close
+    if _simulator._greenlet is None:
+        pytest.skip("greenlet is not installed")
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((1, 2, n, 32)).astype(np.float16) for n in (19, 37, 37))
+    _, launches = numba_flash.api.plan_forward(q, k, v, causal=True)
+    assert any("mma" in kern.py_func.__qualname__ for kern, *_ in launches), launches
+    results = []
+    for cooperative in (True, False):
+        monkeypatch.setattr(_simulator, "COOPERATIVE", cooperative)
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+        assert_attention_close(out, q, k, v, lse=lse, causal=True)
+        results.append((np.asarray(out), np.asarray(lse)))
+    np.testing.assert_array_equal(results[0][0], results[1][0])
+    np.testing.assert_array_equal(results[0][1], results[1][1])
