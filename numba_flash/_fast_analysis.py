@@ -21,6 +21,13 @@ took 4 of the 8.7 seconds of the Hopper forward's compile (profile, numba-cuda 0
   :func:`_run_ssa` lists once which variables each block names and the rewrites pass the
   other blocks through as they are (new blocks holding the same statements, as before).
 
+* **Flag comparisons** (``TargetConfig.values``, behind the ``__hash__`` and ``__eq__``
+  of the compile flags that every typing template's cache lookup hashes and compares:
+  tens of thousands of times per kernel, a tenth of a compile): numba builds the dict of
+  every option through one property call each; :func:`_flag_values` builds the same dict
+  (same keys, in the same order, and values) from the class's defaults and the options
+  set.
+
 ``tests/test_runtime.py`` compares the liveness with numba's on the IR of real kernels and
 compiles kernels both ways to the same PTX. Installed for the numba-cuda this package pins
 (0.30.4) only, and not when ``NUMBA_FLASH_FAST_ANALYSIS=0``.
@@ -127,6 +134,18 @@ def _run_block_rewrite(blocks, states, handler):
     return newblocks
 
 
+_DEFAULTS = {}     # TargetConfig subclass -> {option: default}, in the options' order
+
+
+def _flag_values(self):
+    """``TargetConfig.values``: every option's value, set or default."""
+    cls = type(self)
+    defaults = _DEFAULTS.get(cls)
+    if defaults is None:
+        defaults = _DEFAULTS[cls] = {name: option.default for name, option in cls.options.items()}
+    return {**defaults, **self._values} if self._values else dict(defaults)
+
+
 def install():
     """Use this module's analyses in numba-cuda (once; True if they apply)."""
     if _originals:
@@ -137,10 +156,12 @@ def install():
     if getattr(ir_utils, "compute_live_map", None) is not getattr(analysis, "compute_live_map", False) \
             or not all(hasattr(ssa, name) for name in ("_run_ssa", "_run_block_rewrite")):
         return False
+    from numba.cuda.core.targetconfig import TargetConfig
     _originals.update(compute_live_map=analysis.compute_live_map, _run_ssa=ssa._run_ssa,
-                      _run_block_rewrite=ssa._run_block_rewrite)
+                      _run_block_rewrite=ssa._run_block_rewrite, values=TargetConfig.values)
     analysis.compute_live_map = ir_utils.compute_live_map = compute_live_map    # (ir_utils: dead code removal)
     ssa._run_ssa, ssa._run_block_rewrite = _run_ssa, _run_block_rewrite
+    TargetConfig.values = _flag_values
     return True
 
 
@@ -149,6 +170,8 @@ def uninstall():
     if not _originals:
         return
     from numba.cuda.core import analysis, ir_utils, ssa
+    from numba.cuda.core.targetconfig import TargetConfig
+    TargetConfig.values = _originals["values"]
     analysis.compute_live_map = ir_utils.compute_live_map = _originals["compute_live_map"]
     ssa._run_ssa, ssa._run_block_rewrite = _originals["_run_ssa"], _originals["_run_block_rewrite"]
     _originals.clear()

@@ -85,7 +85,7 @@ def test_faster_compiles_compile_the_same_code():
     """numba_flash._inline_copies and _fast_analysis (installed at import, outside the
     simulator) make the inliner's IR copies, the liveness analysis and the SSA rewrites
     cheaper, not different: every liveness map computed while a kernel built from inlined
-    device functions compiles equals numba's own, set for set, and the kernel compiles to
+    device functions compiles equals numba's own, set for set, the compile flags list the same values, and the kernel compiles to
     the same PTX with and without them (but for the names Numba numbers per compile)."""
     code = (
         "import re\n"
@@ -99,6 +99,11 @@ def test_faster_compiles_compile_the_same_code():
         "    checked.append(len(ours))\n"
         "    return ours\n"
         "analysis.compute_live_map = ir_utils.compute_live_map = both\n"
+        "from numba.cuda.flags import CUDAFlags\n"
+        "flags = CUDAFlags(); flags.debuginfo = True; flags.fastmath = {'contract'}\n"
+        "for f in (CUDAFlags(), flags, flags.copy()):\n"
+        "    ours, theirs = _fast_analysis._flag_values(f), _fast_analysis._originals['values'](f)\n"
+        "    assert ours == theirs and list(ours.items()) == list(theirs.items()), (ours, theirs)\n"
         "spec = registry.specialisation('forward_simt', 'float32', 32, registry.FULL, True, False)\n"
         "norm = lambda t: re.sub(r'_cudapy_smem_[0-9]+', 'S', re.sub(r'_ZN[0-9A-Za-z_]+', 'Z', t))\n"
         "with_patch = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
