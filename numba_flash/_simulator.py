@@ -181,11 +181,13 @@ def current_thread():
 
 def pause(seconds):
     """Let the other threads of the block run ahead of this one: in the cooperative mode
-    it goes to the back of the queue of runnable threads, with OS threads it sleeps."""
+    it goes to the back of the queue of runnable threads, with OS threads it sleeps.
+    ``time.sleep`` called by a simulated thread does the same (:func:`install`), so a
+    delay put in a kernel to provoke a race does so in either mode."""
     g = _greenlet.getcurrent() if _greenlet is not None else None
     sim = getattr(g, "sim", None)
     if sim is None:
-        time.sleep(seconds)
+        _original_sleep(seconds)
         return
     block = sim._manager._block
     block.ready.append(g)
@@ -200,6 +202,17 @@ class _ThreadingForNumba:
         return getattr(threading, name)
 
     current_thread = staticmethod(current_thread)
+
+
+_original_sleep = time.sleep
+
+
+def _sleep(seconds):
+    """``time.sleep``: :func:`pause` in a simulated thread of the cooperative mode."""
+    if _greenlet is not None and getattr(_greenlet.getcurrent(), "sim", None) is not None:
+        pause(seconds)
+    else:
+        _original_sleep(seconds)
 
 
 def _syncthreads(self):
@@ -354,4 +367,5 @@ def install():
     _kernel.BlockManager.run = _manager_run
     _kernel.FakeCUDAKernel.__call__ = _kernel_call
     _kernelapi.threading = _ThreadingForNumba()
+    time.sleep = _sleep
     _accept_launch_bounds()

@@ -116,3 +116,18 @@ def test_tensor_core_forward_is_the_same_in_both_modes(monkeypatch):
         results.append((np.asarray(out), np.asarray(lse)))
     np.testing.assert_array_equal(results[0][0], results[1][0])
     np.testing.assert_array_equal(results[0][1], results[1][1])
+
+
+@cuda.jit
+def _arrival_order(order, counter):
+    import time
+    t = cuda.threadIdx.x
+    if t == 0:
+        time.sleep(0.05)            # a delay put in to provoke a race: the others go first
+    order[t] = cuda.atomic.add(counter, 0, 1)
+
+
+def test_a_sleeping_thread_lets_the_others_run_first(mode):
+    order, counter = np.full(8, -1, np.int64), np.zeros(1, np.int64)
+    _arrival_order[1, 8](order, counter)
+    assert order[0] == 7 and sorted(order) == list(range(8)), order
