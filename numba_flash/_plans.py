@@ -182,23 +182,22 @@ class Plan:
                 return None
         roots = list(sig.pointers)
         blocks = []                     # pool memory freed after the launches
-        if uploads:
-            offsets = np.cumsum([0] + [-(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN for a in uploads])
-            err, block = cu.cuMemAllocFromPoolAsync(max(int(offsets[-1]), 1), self.pool, stream)
+        # one block from the pool for the uploads, then the scratch
+        offsets = np.cumsum([0] + [-(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN for a in uploads]) \
+            if uploads else (0,)
+        total = int(offsets[-1]) + self.scratch_bytes
+        if total or uploads:
+            total = max(total, 1)
+            err, block = cu.cuMemAllocFromPoolAsync(total, self.pool, stream)
             if err != cu.CUresult.CUDA_SUCCESS:
                 return None
             blocks.append(block)
-            _upload(uploads, offsets, int(block), stream)
-            roots += [int(block) + int(offset) for offset in offsets[:-1]]
+            if uploads:
+                _upload(uploads, offsets, int(block), stream)
+                roots += [int(block) + int(offset) for offset in offsets[:-1]]
         roots += [o.data_ptr() if torch_outs else _arrays.device_pointer(o) for o in outs]
         if self.scratch_bytes:
-            err, scratch = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
-            if err != cu.CUresult.CUDA_SUCCESS:
-                for b in blocks:
-                    cu.cuMemFreeAsync(b, stream)
-                return None
-            blocks.append(scratch)
-            roots.append(int(scratch))
+            roots.append(int(blocks[0]) + int(offsets[-1]))
         maps = []       # the tensor maps whose addresses the launches take: alive until launched
         try:
             with self.lock:

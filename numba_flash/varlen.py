@@ -88,16 +88,17 @@ def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
     return cu_q, cu_k, lens_q, lens_k
 
 
-def _table(starts_q, lens_q, starts_k, lens_k):
+def _table(starts_q, lens_q, starts_k, lens_k, order=True):
     """The sequence table ``(S, 6)`` int32 on the host: q_start, q_len, k_start, k_len per
-    sequence, then the Hopper forward's work order (``forward_wgmma.work_order``)."""
+    sequence, then the Hopper forward's work order (``forward_wgmma.work_order``; zeros
+    without ``order``: KV-cache calls, which that family never takes)."""
     count = len(lens_q)
     if count > MAX_SEQUENCES:
         raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {count}: call once per part "
                          "of the batch.")
     table = np.empty((count, 6), np.int32)
     table[:, 0], table[:, 1], table[:, 2], table[:, 3] = starts_q, lens_q, starts_k, lens_k
-    table[:, 4:] = forward_wgmma.work_order(lens_q, lens_k)
+    table[:, 4:] = forward_wgmma.work_order(lens_q, lens_k) if order else 0
     return table
 
 
@@ -539,7 +540,7 @@ class _KVCall:
 def _kv_uploads(q_starts, q_lens, k_starts, lens, n_new, pages, append):
     """A KV-cache call's host tables in the order its launches read them: the sequence
     table, then a paged cache's page table, then the appends' positions."""
-    uploads = [_table(q_starts, q_lens, k_starts, lens + n_new)]
+    uploads = [_table(q_starts, q_lens, k_starts, lens + n_new, order=False)]     # (gaps: mma.sync only)
     if pages is not None:
         uploads.append(_int32(pages))
     if append:
