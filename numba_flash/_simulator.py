@@ -18,6 +18,8 @@ with its traceback.
 simulated thread is a greenlet, and one OS thread runs the block's greenlets in turn, each
 until it waits (a barrier, a warp's shuffle, an mbarrier, a wgmma's rendezvous) or ends;
 whoever completes a wait makes its waiters runnable again, in the order they arrived.
+Blocks start their threads in turn in thread order and in reverse (by the parity of the
+block's index), so that a missing barrier shows whichever thread of a racing pair writes.
 Nothing is preempted, so no lock is contended and no OS thread switches: a launch spends
 its time in the kernel's own Python (OS threads spent half of theirs in the kernel's
 scheduler, switching between threads that wait for the GIL). A block whose live threads
@@ -249,16 +251,19 @@ if _greenlet is not None:
         sim = None
 
 
-def _run_greenlets(block, threads):
+def _run_greenlets(block, threads, reverse=False):
     """Cooperative mode: run the block's threads, each in a greenlet, until every one has
-    ended or one has raised (the others are then killed where they wait)."""
+    ended or one has raised (the others are then killed where they wait). ``reverse``: the
+    last thread starts first (a fixed order hides the races in which the earlier thread
+    is the writer; blocks alternate the two orders, so a launch of two blocks or more
+    meets either kind)."""
     greenlets = []
     for t in threads:
         g = _Greenlet(t.run, block.main)
         g.sim = t
         greenlets.append(g)
     ready = block.ready
-    ready.extend(greenlets)
+    ready.extend(reversed(greenlets) if reverse else greenlets)
     while block.live and block.failed is None:
         if ready:
             ready.popleft().switch()
@@ -285,7 +290,7 @@ def _manager_run(self, grid_point, *args):
     threads = [_kernel.BlockThread(target, self, grid_point, point, self._debug)
                for point in np.ndindex(*self._block_dim)]
     if block.cooperative:
-        _run_greenlets(block, threads)
+        _run_greenlets(block, threads, reverse=sum(grid_point) % 2 == 1)
         failed = block.failed
     else:
         for t in threads:

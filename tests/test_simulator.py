@@ -131,3 +131,27 @@ def test_a_sleeping_thread_lets_the_others_run_first(mode):
     order, counter = np.full(8, -1, np.int64), np.zeros(1, np.int64)
     _arrival_order[1, 8](order, counter)
     assert order[0] == 7 and sorted(order) == list(range(8)), order
+
+
+@cuda.jit
+def _racy_neighbour(out, step):
+    buf = cuda.shared.array(32, np.float64)
+    t = cuda.threadIdx.x
+    buf[t] = cuda.blockIdx.x * 100 + t
+    # (a barrier belongs here)
+    out[cuda.blockIdx.x, t] = buf[(t + step) % 32]
+
+
+@pytest.mark.parametrize("step", [1, -1])
+def test_greenlets_show_a_missing_barrier_whichever_thread_writes(step, monkeypatch):
+    """Blocks alternate the order their threads start in, so a launch of two blocks reads
+    a neighbour's value before it is written somewhere, whichever side the neighbour is."""
+    from numba_flash import _simulator
+    if _simulator._greenlet is None:
+        pytest.skip("greenlet is not installed")
+    monkeypatch.setattr(_simulator, "COOPERATIVE", True)
+    out = np.full((2, 32), np.nan)
+    _racy_neighbour[2, 32](out, step)
+    written = np.arange(2)[:, None] * 100 + (np.arange(32) + step) % 32
+    inner = slice(0, 31) if step == 1 else slice(1, 32)     # not the thread that wraps around
+    assert not np.array_equal(out[:, inner], written[:, inner])
