@@ -10,8 +10,9 @@ import platform
 import sys
 from importlib import metadata
 
-PACKAGES = ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "ml_dtypes", "torch", "cupy", "jax")
-ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES", "NUMBA_FLASH_FAST_ANALYSIS",
+PACKAGES = ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "ml_dtypes", "greenlet", "torch", "cupy",
+            "jax")
+ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_SIMULATOR_THREADS", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES", "NUMBA_FLASH_FAST_ANALYSIS",
        "NUMBA_FLASH_CACHE",
        "NUMBA_FLASH_CACHE_DIR", "CUDA_VISIBLE_DEVICES")
 
@@ -29,7 +30,12 @@ def _device():
 
     from ._runtime import SIMULATOR
     if SIMULATOR:
-        return ["device: none: Numba's CUDA simulator runs the kernels (correct, slow: tiny inputs)"], None, 1
+        from . import _simulator
+        mode = ("greenlets, one OS thread taking a block's threads in turn" if _simulator.COOPERATIVE else
+                "an OS thread per GPU thread" + ("" if _simulator._greenlet is not None else
+                                                 " (greenlet is not installed)"))
+        return ["device: none: Numba's CUDA simulator runs the kernels (correct, slow: tiny inputs)",
+                f"simulator: {mode}"], None, 1
     dev = cuda.get_current_device()
     cc = tuple(dev.compute_capability)
     lines = [f"device: {dev.name.decode() if isinstance(dev.name, bytes) else dev.name}, compute capability "

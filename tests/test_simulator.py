@@ -155,3 +155,15 @@ def test_greenlets_show_a_missing_barrier_whichever_thread_writes(step, monkeypa
     written = np.arange(2)[:, None] * 100 + (np.arange(32) + step) % 32
     inner = slice(0, 31) if step == 1 else slice(1, 32)     # not the thread that wraps around
     assert not np.array_equal(out[:, inner], written[:, inner])
+
+
+def test_report_names_the_mode(monkeypatch):
+    """``python -m numba_flash`` says how the simulator runs threads."""
+    from numba_flash import _simulator
+    from numba_flash.__main__ import report
+    for cooperative, words in ((True, "greenlets"), (False, "an OS thread per GPU thread")):
+        if cooperative and _simulator._greenlet is None:
+            continue
+        monkeypatch.setattr(_simulator, "COOPERATIVE", cooperative)
+        line = next(line for line in report().splitlines() if line.startswith("simulator:"))
+        assert words in line, line
