@@ -209,14 +209,6 @@ class _ThreadingForNumba:
 _original_sleep = time.sleep
 
 
-def _sleep(seconds):
-    """``time.sleep``: :func:`pause` in a simulated thread of the cooperative mode."""
-    if _greenlet is not None and getattr(_greenlet.getcurrent(), "sim", None) is not None:
-        pause(seconds)
-    else:
-        _original_sleep(seconds)
-
-
 def _syncthreads(self):
     if self.abort:
         raise RuntimeError("abort flag set on syncthreads call")
@@ -372,5 +364,5 @@ def install():
     _kernel.BlockManager.run = _manager_run
     _kernel.FakeCUDAKernel.__call__ = _kernel_call
     _kernelapi.threading = _ThreadingForNumba()
-    time.sleep = _sleep
+    time.sleep = pause          # (outside a simulated greenlet it sleeps, as before)
     _accept_launch_bounds()
