@@ -464,11 +464,13 @@ def _register_a(kind, regs):
     return a
 
 
-def _swizzled_rows(st, kind, desc, nrows, nchunks):
+def _swizzled_rows(st, kind, desc, nrows, nchunks, atom=0):
     """(nrows, 8 · nchunks) values read through a 128-byte-swizzle descriptor: row r, chunk
-    c (8 elements) at ``start + (r // 8) · SBO + (r % 8) · 128 + 16 c``, swizzled."""
+    c (8 elements) at ``start + atom · LBO + (r // 8) · SBO + (r % 8) · 128 + 16 c``,
+    swizzled (``atom``: which 64-element atom along an MN-major operand's rows)."""
     d = int(desc)
     start, sbo, swizzle = (d & 0x3FFF) << 4, ((d >> 32) & 0x3FFF) << 4, (d >> 62) & 3
+    start += atom * (((d >> 16) & 0x3FFF) << 4)
     if swizzle != 1:
         raise NotImplementedError(f"wgmma descriptor with swizzle code {swizzle}: the simulator models the "
                                   "128-byte swizzle (code 1) only")
@@ -491,11 +493,9 @@ def _product(st, spec, values):
         raise RuntimeError("wgmma: descriptors and the accumulate flag differ between the warpgroup's threads")
     desc_b, accumulate = uniform[-2], uniform[-1]
     a = _register_a(kind, [o[1] for o in ops]) if a_in_registers else _swizzled_rows(st, kind, uniform[0], 64, 2)
-    if trans_b:                  # MN-major: 16 k-rows of n elements
-        if n > 64:
-            raise NotImplementedError(f"wgmma n = {n} with an MN-major B: the simulator models n <= 64 (one "
-                                      "128-byte row per k)")
-        b = _swizzled_rows(st, kind, desc_b, 16, n // 8)
+    if trans_b:                  # MN-major: 16 k-rows of n elements, 64 per 128-byte row, atoms LBO apart
+        b = np.hstack([_swizzled_rows(st, kind, desc_b, 16, min(n - 64 * a, 64) // 8, a)
+                       for a in range(-(-n // 64))])
     else:                        # K-major: n rows of 16 k
         b = _swizzled_rows(st, kind, desc_b, n, 2).T
     d = a @ b

@@ -70,7 +70,9 @@ def sample_kernel():
 # K, V (128 × 128, rows past the array's end zero-filled by TMA) in 64-column sub-tiles with
 # the 128-byte swizzle; S = Q Kᵀ by m64n128k16 products from shared memory; O = P V with P
 # (S rounded to bf16) from registers and V as a transposed (MN-major) B, two m64n64k16 per
-# 16 keys. Byte sizes: a 64-column sub-tile of R rows is R · 128.
+# 16 keys, and again one m64n128k16 per 16 keys whose descriptor's leading byte offset spans
+# both sub-tiles (``wgmma_parts.make_column_product``). Byte sizes: a 64-column sub-tile of R
+# rows is R · 128.
 LM, LN, LD = 64, 128, 128
 SUB_Q, SUB_K = LM * 128, LN * 128
 Q_OFF, K_OFF, V_OFF = 0, 2 * SUB_Q, 2 * SUB_Q + 2 * SUB_K
@@ -86,13 +88,15 @@ def layout_kernel():
 
     s_mma = H.wgmma(LN, "bfloat16")
     o_mma = H.wgmma(64, "bfloat16", a_in_registers=True, trans_b=1)
-    zeros_s, zeros_o = H.accumulator(LN), H.accumulator(64)
+    wide_mma = H.wgmma(LD, "bfloat16", a_in_registers=True, trans_b=1)
+    zeros_s, zeros_o, zeros_wide = H.accumulator(LN), H.accumulator(64), H.accumulator(LD)
     k_major = H.smem_descriptor(16, 1024, 1)
     mn_major = H.smem_descriptor(16, 1024, 1)
+    mn_wide = H.smem_descriptor(SUB_K, 1024, 1)       # LBO: the second 64-column atom, a sub-tile on
     wait0 = H.wgmma_wait(0)
     pack = ops.pack_bf16x2
 
-    def kern(tq, tk, tv, s_out, o_out):
+    def kern(tq, tk, tv, s_out, o_out, wide_out):
         sm = cuda.shared.array(0, types.uint8, alignment=1024)
         tid = cuda.threadIdx.x
         base = (H.shared_address(sm) + 1023) & ~1023
@@ -139,8 +143,18 @@ def layout_kernel():
                 r, c = 16 * w + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * q + i % 2
                 o_out[r, c] = o0[i]
                 o_out[r, 64 + c] = o1[i]
+            H.wgmma_fence()
+            o = zeros_wide()
+            for t in range(LN // 16):
+                a0, a1 = pack(s[8 * t], s[8 * t + 1]), pack(s[8 * t + 2], s[8 * t + 3])
+                a2, a3 = pack(s[8 * t + 4], s[8 * t + 5]), pack(s[8 * t + 6], s[8 * t + 7])
+                o = wide_mma(o, a0, a1, a2, a3, mn_wide(base + V_OFF + 2048 * t), 1 if t > 0 else 0)
+            H.wgmma_commit()
+            wait0()
+            for i in range(LD // 2):
+                wide_out[16 * w + g + 8 * ((i // 2) % 2), 8 * (i // 4) + 2 * q + i % 2] = o[i]
     return kern, (types.uint8[::1], types.uint8[::1], types.uint8[::1], types.float32[:, ::1],
-                  types.float32[:, ::1])
+                  types.float32[:, ::1], types.float32[:, ::1])
 
 
 def forward_drafts(ptx, cc, tool):
@@ -194,7 +208,8 @@ def test_hopper_intrinsics_compile_for_sm_90a():
     # S = Q Kᵀ: d / 16 products, O += P V: 8 per 64 columns of d (128-key tiles), each written
     # twice (tile 0's S before the loop, the last P V after it): unrolled, in registers
     for d, (mmas, local, spills) in report["forward"].items():
-        assert mmas == 2 * (int(d) // 16 + 8 * int(d) // 64) and local == 0 and spills in (0, None), (d, report)
+        # per product site: S = Q Kᵀ in d / 16 k-steps, P V in one per 16 of the tile's 128 keys
+        assert mmas == 2 * (int(d) // 16 + 8) and local == 0 and spills in (0, None), (d, report)
     if "assembled" not in report:
         pytest.skip("no ptxas: PTX checked, not assembled")
     assert report["assembled"] and report.get("spill_stores", 0) == 0, report
@@ -224,9 +239,9 @@ def check_layouts():
     k, v = (rng.standard_normal((1, 1, nk, LD)).astype(ml_dtypes.bfloat16) for _ in range(2))
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
     tq, tk, tv = H.tensor_map_4d(dq, LM), H.tensor_map_4d(dk, LN), H.tensor_map_4d(dv, LN)
-    s_out, o_out = (cuda.to_device(np.full((LM, n), np.nan, np.float32)) for n in (LN, LD))
+    s_out, o_out, wide_out = (cuda.to_device(np.full((LM, n), np.nan, np.float32)) for n in (LN, LD, LD))
     kern, _ = layout_kernel()
-    launch(cuda.jit(launch_bounds=(256, 1))(kern), 1, 256, LAYOUT_SMEM, (tq, tk, tv, s_out, o_out))
+    launch(cuda.jit(launch_bounds=(256, 1))(kern), 1, 256, LAYOUT_SMEM, (tq, tk, tv, s_out, o_out, wide_out))
     s, o = s_out.copy_to_host(), o_out.copy_to_host()
     f64 = lambda x: x.astype(np.float64)[0, 0]          # noqa: E731
     kz = np.zeros((LN, LD))
@@ -236,6 +251,7 @@ def check_layouts():
     np.testing.assert_allclose(s, f64(q) @ kz.T, rtol=1e-5, atol=1e-4)
     p = s.astype(ml_dtypes.bfloat16).astype(np.float64)
     np.testing.assert_allclose(o, p @ vz, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(wide_out.copy_to_host(), o, rtol=1e-6, atol=1e-6)   # the same products
 
 
 # The forward kernel's parameters, in order: a kernel that takes others needs this test updated.

@@ -19,8 +19,8 @@ A block has 384 threads in three warpgroups:
 * warpgroups 1 and 2 consume, 64 query rows each, with the registers the producer gave up.
   Per key tile ``j``: S_j = Q K_jᵀ (``wgmma`` m64n128k16 from 128-byte-swizzled shared
   memory, d / 16 products), then O += P_{j−1} V_{j−1} (P from registers, V as a transposed
-  B, one m64n64k16 per 64 columns of d and 16 keys) issued before the softmax of S_j, so
-  the tensor cores multiply while the warpgroup computes exponentials (intra-warpgroup
+  B, one m64n{d}k16 per 16 keys: ``wgmma_parts.make_column_product``) issued before the
+  softmax of S_j, so the tensor cores multiply while the warpgroup computes exponentials (intra-warpgroup
   overlap); the two consumer warpgroups interleave on their own.
 
 Scores, softmax and accumulation in float32 (``exp2`` on log2-scaled scores), P rounded

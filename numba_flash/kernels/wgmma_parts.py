@@ -15,6 +15,9 @@ from .. import ops_hopper as H
 
 SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
 DESC = H.smem_descriptor(16, 1024, 1)   # 128-byte swizzle, 8-row groups 1024 bytes apart
+# D = 128: a column product's B (MN-major) spans both 64-column sub-tiles in one m64n128k16
+# per 16 keys, rather than one m64n64k16 per sub-tile (False: the two narrow products)
+WIDE_COLUMNS = True
 
 
 def consumer_registers(producer, threads, producer_threads=128):
@@ -71,12 +74,26 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
     packed registers, ``p[4 t] .. p[4 t + 3]`` the A operand of k-step ``t`` (an
     accumulator's columns ``16 t .. 16 t + 15`` in pairs), B's ``n_k`` rows (the k dim) at
     shared address ``b_at``, MN-major (rows along d, read transposed), its second
-    sub-tile ``sub_b`` bytes on. O += P V, dQ += dS K, dK += dSᵀ Q, dV += Pᵀ dO."""
+    sub-tile ``sub_b`` bytes on. O += P V, dQ += dS K, dK += dSᵀ Q, dV += Pᵀ dO.
+
+    At ``D = 128`` each k-step is one m64n128k16 (:data:`WIDE_COLUMNS`): an MN-major
+    descriptor's leading byte offset (LBO) is the distance between its 64-element atoms
+    along N, here the two sub-tiles, so one product reads both; its accumulator is ``o0``'s
+    32 registers then ``o1``'s (columns 0-63, then 64-127). A is read once per k-step
+    instead of twice."""
     mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
+    wide = H.wgmma(128, dtype_name, a_in_registers=True, trans_b=1)
     desc = DESC
+    wide_desc = H.smem_descriptor(sub_b, 1024, 1)
+    WIDE = D == 128 and WIDE_COLUMNS
 
     @cuda.jit(device=True, inline=True)
     def product(o0, o1, p, b_at):
+        if WIDE:
+            o = o0 + o1
+            for t in range(n_k // 16):
+                o = wide(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], wide_desc(b_at + 2048 * t), 1)
+            return o[:32], o[32:]
         for t in range(n_k // 16):
             o0 = mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + 2048 * t), 1)
             if D == 128:
