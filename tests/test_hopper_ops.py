@@ -259,11 +259,12 @@ FORWARD_PARAMS = ("tq", "tk", "tv", "out", "lse", "nk", "group", "scale_log2", "
                   "cap_out", "slopes")
 
 
-def check_forward(d, causal, nq, nk, heads, grid=None):
+def check_forward(d, causal, nq, nk, heads, grid=None, bn=None):
     """The Hopper forward (``kernels/forward_wgmma``, launched with its own ``BM``, ``BN``,
     ``THREADS`` and ``smem_bytes``) on bf16 inputs of ``heads = (B1, B2)`` against the float64 oracle (the
     FlashAttention rule of the tensor-core tests: outputs within a few units of the last place).
-    ``grid``: blocks launched (default: one per work item; fewer make each block take several)."""
+    ``grid``: blocks launched (default: one per work item; fewer make each block take several);
+    ``bn``: keys per tile (default the family's)."""
     import inspect
     import math
     import ml_dtypes
@@ -276,7 +277,8 @@ def check_forward(d, causal, nq, nk, heads, grid=None):
     from numba_flash.scores import LOG2E, parse
 
     rules = parse(causal=causal)
-    kern = F.make_forward_wgmma("bfloat16", d, rules.spec)
+    bn = bn or F.BN
+    kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn)
     params = tuple(inspect.signature(kern.py_func).parameters)
     if params != FORWARD_PARAMS:
         pytest.skip(f"the forward kernel's parameters changed to {params}: update check_forward")
@@ -284,14 +286,14 @@ def check_forward(d, causal, nq, nk, heads, grid=None):
     q = rng.standard_normal((*heads, nq, d)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((*heads, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
-    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, F.BM), (dk, F.BN), (dv, F.BN))]
+    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, F.BM), (dk, bn), (dv, bn))]
     out = cuda.to_device(np.full((*heads, nq, d), 0x7FC0, np.uint16))          # NaN bits
     pairs = _arrays.pairs_view(out)
     lse = cuda.to_device(np.full((*heads, nq), np.nan, np.float32))
     slopes = cuda.to_device(np.zeros((*heads, 1), np.float32))
     scale = 1 / math.sqrt(d)
     args = (*maps, pairs, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes)
-    launch(kern, grid or -(-nq // F.BM) * heads[0] * heads[1], F.THREADS, F.smem_bytes(d), args)
+    launch(kern, grid or -(-nq // F.BM) * heads[0] * heads[1], F.THREADS, kern.smem_bytes, args)
     got = out.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float64)
     want, want_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
     assert not np.isnan(got).any()
@@ -312,17 +314,18 @@ def test_forward_draft_on_gpu(d, causal, nq, nk):
     check_forward(d, causal, nq, nk, (2, 3))
 
 
-@pytest.mark.parametrize("d,causal,nq,nk,heads,grid", [
-    (64, True, 300, 100, (1, 2), 2),      # items without keys between others; rounds dealt both ways
-    (128, False, 200, 140, (1, 2), 2),    # query tiles fastest; the ring runs on across items
+@pytest.mark.parametrize("d,causal,nq,nk,heads,grid,bn", [
+    (64, True, 300, 100, (1, 2), 2, None),      # items without keys between others; rounds dealt both ways
+    (128, False, 200, 140, (1, 2), 2, None),    # query tiles fastest; the ring runs on across items
+    (64, True, 200, 450, (1, 2), 2, 192),       # 192-key tiles: the diagonal inside a tile, a ragged last one
 ])
-def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid):
+def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn):
     """Blocks that take several work items each (``grid`` below the item count): Q's and
     the ring's barriers across items, items that see no key, the causal schedule's rounds;
     in the simulator through the twins, and on a Hopper GPU."""
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
-    check_forward(d, causal, nq, nk, heads, grid)
+    check_forward(d, causal, nq, nk, heads, grid, bn)
 
 
 @pytest.mark.parametrize("slow", [1, 2])

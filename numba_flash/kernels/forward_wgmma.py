@@ -99,9 +99,9 @@ def buffers(D):
     return (1, 3) if D > 64 else (2, 4)
 
 
-def _layout(D, qbuf, stages):
+def _layout(D, qbuf, stages, bn=BN):
     nsub = D // 64
-    sub_q, sub_k = BM * SUB, BN * SUB          # bytes of one 64-column sub-tile
+    sub_q, sub_k = BM * SUB, bn * SUB          # bytes of one 64-column sub-tile
     q_off = 0
     k_off = q_off + qbuf * nsub * sub_q
     v_off = k_off + stages * nsub * sub_k
@@ -109,24 +109,27 @@ def _layout(D, qbuf, stages):
     return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
 
 
-def smem_bytes(D, qbuf=None, stages=None):
+def smem_bytes(D, qbuf=None, stages=None, bn=BN):
     """Q's buffers, the K and V rings, the mbarriers (full and empty per Q buffer, per K
     stage and per V stage), and room to align the base to 1024 bytes."""
     qbuf, stages = buffers(D) if qbuf is None else (qbuf, stages)
-    return _layout(D, qbuf, stages)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
+    return _layout(D, qbuf, stages, bn)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
-                       stages: int = None, exp2_fma: int = None):
+                       stages: int = None, exp2_fma: int = None, bn: int = BN):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
     ``exp2_fma``: of every four exponentials of the softmax, how many ``ops.exp2_fma``
     computes on the FMA units rather than the special-function unit (default
     :data:`EXP2_FMA_SOFTCAP` with a softcap, whose tanh is a second special-function
-    instruction per score, else 0)."""
+    instruction per score, else 0); ``bn``: keys per tile (a multiple of 16 up to 256; the
+    registry's tiling is :data:`BN`: 192 at d = 64 and 176 at d = 128 were no faster on an
+    H200, docs/performance.md item 57)."""
     assert D in HEAD_DIMS, D
+    BN = bn
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
     mods = scores.mods
@@ -152,7 +155,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     FLOAT_POS = scores.alibi and scores.mods is None
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
-    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES)
+    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
@@ -580,7 +583,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
             forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes)
 
-    forward.smem_bytes = smem_bytes(D, QBUF, STAGES)
+    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN)
     return forward
 
 
