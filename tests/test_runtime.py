@@ -85,7 +85,8 @@ def test_faster_compiles_compile_the_same_code():
     """numba_flash._inline_copies and _fast_analysis (installed at import, outside the
     simulator) make the inliner's IR copies, the liveness analysis and the SSA rewrites
     cheaper, not different: every liveness map computed while a kernel built from inlined
-    device functions compiles equals numba's own, set for set, the compile flags list the same values, and the kernel compiles to
+    device functions compiles equals numba's own, set for set, the compile flags list the same values,
+    every answer of the array-operator template equals numba's, and the kernel compiles to
     the same PTX with and without them (but for the names Numba numbers per compile)."""
     code = (
         "import re\n"
@@ -99,6 +100,15 @@ def test_faster_compiles_compile_the_same_code():
         "    checked.append(len(ours))\n"
         "    return ours\n"
         "analysis.compute_live_map = ir_utils.compute_live_map = both\n"
+        "from numba.cuda.typing.npydecl import NumpyRulesArrayOperator\n"
+        "operators = []\n"
+        "def operator_both(self, args, kws):\n"
+        "    ours = _fast_analysis._array_operator(self, args, kws)\n"
+        "    theirs = _fast_analysis._originals['array_operator'](self, args, kws)\n"
+        "    assert ours == theirs, (args, ours, theirs)\n"
+        "    operators.append(ours is None)\n"
+        "    return ours\n"
+        "NumpyRulesArrayOperator.generic = operator_both\n"
         "from numba.cuda.flags import CUDAFlags\n"
         "flags = CUDAFlags(); flags.debuginfo = True; flags.fastmath = {'contract'}\n"
         "for f in (CUDAFlags(), flags, flags.copy()):\n"
@@ -110,13 +120,15 @@ def test_faster_compiles_compile_the_same_code():
         "_fast_analysis.uninstall()\n"
         "_inline_copies.uninstall()\n"
         "without = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
-        "print(with_patch == without, len(without), with_patch.count('fma.rn'), len(checked), max(checked))\n")
+        "print(with_patch == without, len(without), with_patch.count('fma.rn'), len(checked), max(checked),\n"
+        "      sum(operators), len(operators) - sum(operators))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    same, size, fmas, maps, blocks = proc.stdout.split()
+    same, size, fmas, maps, blocks, scalar_ops, array_ops = proc.stdout.split()
     assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
     assert int(maps) > 50 and int(blocks) > 50, proc.stdout     # the kernel's own IR among them
+    assert int(scalar_ops) > 100, proc.stdout                   # the template's answers compared
 
 
 def test_live_map_matches_numba_on_random_graphs():
