@@ -20,7 +20,8 @@ then block masks (an exact one, masked by its rows' runs, and one with holes, wh
 ``mask_mod`` the kernel calls) on the first shape, forward and backward. ``--masks``: the
 block masks alone (every dtype, or as ``--low``/``--hopper`` say), a run short enough for
 racecheck. ``--backward``: the backward kernels alone (out and lse from the float64
-oracle; no block masks), with the other flags' shapes and dtypes.
+oracle; no block masks), with the other flags' shapes and dtypes. ``--d D``: only the
+shapes of head dim ``D`` (``--quick`` then takes the first of them).
 """
 import os
 import sys
@@ -204,14 +205,17 @@ def main():
         return 1 if serving(rng, "--hopper" in sys.argv) else 0
     bad = 0
     shapes, options, dtypes = SHAPES, OPTIONS, DTYPES
-    if "--quick" in sys.argv:
-        shapes = SHAPES[:1]
     if "--transforms" in sys.argv:
         shapes, options, dtypes = SHAPES[1:2], OPTIONS[4:], DTYPES[::3]
     if "--hopper" in sys.argv:
         os.environ["NUMBA_FLASH_HOPPER"] = "1"
-        shapes = HOPPER_SHAPES[:1] if "--quick" in sys.argv else HOPPER_SHAPES
+        shapes = HOPPER_SHAPES
         _few_blocks()
+    if "--d" in sys.argv:
+        head_dim = int(sys.argv[sys.argv.index("--d") + 1])
+        shapes = [s for s in shapes if s[-1] == head_dim]
+    if "--quick" in sys.argv and "--transforms" not in sys.argv:
+        shapes = shapes[:1]
     if "--low" in sys.argv or "--hopper" in sys.argv:
         dtypes = [(dt, tol) for dt, tol in dtypes if dt in ("float16", "bfloat16")]
     if "--masks" in sys.argv:
