@@ -128,7 +128,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     instruction per score, else 0); ``bn``: keys per tile (a multiple of 16 up to 256; the
     registry's tiling is :data:`BN`: 192 at d = 64 and 176 at d = 128 were no faster on an
     H200, docs/performance.md item 57)."""
-    assert D in HEAD_DIMS, D
+    assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256, (D, bn)
     BN = bn
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
