@@ -32,6 +32,10 @@ took 4 of the 8.7 seconds of the Hopper forward's compile (profile, numba-cuda 0
   NumPy ufunc (its loop found by casting rules) and only then returns None when no operand
   is an array, which scalars never are: 15% of the Hopper forward's typing.
   :func:`_array_operator` returns the same None before the resolution.
+* **ABI sizes** (``BaseContext.get_abi_sizeof``, asked at every stack slot the lowering
+  makes): llvmlite prints a module holding a global of the type and parses it with LLVM
+  each time (2% of a compile). :func:`_abi_sizeof` keeps the answer per type, by its
+  text, for the types whose text is their whole definition (all but named structs).
 
 ``tests/test_runtime.py`` compares the liveness with numba's on the IR of real kernels and
 compiles kernels both ways to the same PTX. Installed for the numba-cuda this package pins
@@ -160,6 +164,22 @@ def _array_operator(self, args, kws):
     return _originals["array_operator"](self, args, kws)
 
 
+_ABI_SIZES = {}     # (target data, type text) -> ABI size
+
+
+def _abi_sizeof(self, ty):
+    """``BaseContext.get_abi_sizeof``: remembered per target data and type text (a named
+    struct's text is its name, not its fields: asked afresh)."""
+    from llvmlite import ir
+    if isinstance(ty, ir.IdentifiedStructType):
+        return _originals["abi_sizeof"](self, ty)
+    key = (self.target_data, str(ty))
+    found = _ABI_SIZES.get(key)
+    if found is None:
+        found = _ABI_SIZES[key] = _originals["abi_sizeof"](self, ty)
+    return found
+
+
 def install():
     """Use this module's analyses in numba-cuda (once; True if they apply)."""
     if _originals:
@@ -172,13 +192,15 @@ def install():
         return False
     from numba.cuda.core.targetconfig import TargetConfig
     from numba.cuda.typing.npydecl import NumpyRulesArrayOperator
+    from numba.cuda.core.base import BaseContext
     _originals.update(compute_live_map=analysis.compute_live_map, _run_ssa=ssa._run_ssa,
                       _run_block_rewrite=ssa._run_block_rewrite, values=TargetConfig.values,
-                      array_operator=NumpyRulesArrayOperator.generic)
+                      array_operator=NumpyRulesArrayOperator.generic, abi_sizeof=BaseContext.get_abi_sizeof)
     analysis.compute_live_map = ir_utils.compute_live_map = compute_live_map    # (ir_utils: dead code removal)
     ssa._run_ssa, ssa._run_block_rewrite = _run_ssa, _run_block_rewrite
     TargetConfig.values = _flag_values
     NumpyRulesArrayOperator.generic = _array_operator
+    BaseContext.get_abi_sizeof = _abi_sizeof
     return True
 
 
@@ -191,6 +213,8 @@ def uninstall():
     from numba.cuda.typing.npydecl import NumpyRulesArrayOperator
     TargetConfig.values = _originals["values"]
     NumpyRulesArrayOperator.generic = _originals["array_operator"]
+    from numba.cuda.core.base import BaseContext
+    BaseContext.get_abi_sizeof = _originals["abi_sizeof"]
     analysis.compute_live_map = ir_utils.compute_live_map = _originals["compute_live_map"]
     ssa._run_ssa, ssa._run_block_rewrite = _originals["_run_ssa"], _originals["_run_block_rewrite"]
     _originals.clear()

@@ -86,7 +86,7 @@ def test_faster_compiles_compile_the_same_code():
     simulator) make the inliner's IR copies, the liveness analysis and the SSA rewrites
     cheaper, not different: every liveness map computed while a kernel built from inlined
     device functions compiles equals numba's own, set for set, the compile flags list the same values,
-    every answer of the array-operator template equals numba's, and the kernel compiles to
+    every answer of the array-operator template and every ABI size equal numba's, and the kernel compiles to
     the same PTX with and without them (but for the names Numba numbers per compile)."""
     code = (
         "import re\n"
@@ -109,6 +109,14 @@ def test_faster_compiles_compile_the_same_code():
         "    operators.append(ours is None)\n"
         "    return ours\n"
         "NumpyRulesArrayOperator.generic = operator_both\n"
+        "from numba.cuda.core.base import BaseContext\n"
+        "sizes = []\n"
+        "def size_both(self, ty):\n"
+        "    ours, theirs = _fast_analysis._abi_sizeof(self, ty), _fast_analysis._originals['abi_sizeof'](self, ty)\n"
+        "    assert ours == theirs, (str(ty), ours, theirs)\n"
+        "    sizes.append(ours)\n"
+        "    return ours\n"
+        "BaseContext.get_abi_sizeof = size_both\n"
         "from numba.cuda.flags import CUDAFlags\n"
         "flags = CUDAFlags(); flags.debuginfo = True; flags.fastmath = {'contract'}\n"
         "for f in (CUDAFlags(), flags, flags.copy()):\n"
@@ -121,14 +129,15 @@ def test_faster_compiles_compile_the_same_code():
         "_inline_copies.uninstall()\n"
         "without = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
         "print(with_patch == without, len(without), with_patch.count('fma.rn'), len(checked), max(checked),\n"
-        "      sum(operators), len(operators) - sum(operators))\n")
+        "      sum(operators), len(operators) - sum(operators), len(sizes))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    same, size, fmas, maps, blocks, scalar_ops, array_ops = proc.stdout.split()
+    same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes = proc.stdout.split()
     assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
     assert int(maps) > 50 and int(blocks) > 50, proc.stdout     # the kernel's own IR among them
     assert int(scalar_ops) > 100, proc.stdout                   # the template's answers compared
+    assert int(sizes) > 100, proc.stdout                        # ABI sizes compared
 
 
 def test_live_map_matches_numba_on_random_graphs():
