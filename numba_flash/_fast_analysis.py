@@ -209,11 +209,11 @@ def uninstall():
     if not _originals:
         return
     from numba.cuda.core import analysis, ir_utils, ssa
+    from numba.cuda.core.base import BaseContext
     from numba.cuda.core.targetconfig import TargetConfig
     from numba.cuda.typing.npydecl import NumpyRulesArrayOperator
     TargetConfig.values = _originals["values"]
     NumpyRulesArrayOperator.generic = _originals["array_operator"]
-    from numba.cuda.core.base import BaseContext
     BaseContext.get_abi_sizeof = _originals["abi_sizeof"]
     analysis.compute_live_map = ir_utils.compute_live_map = _originals["compute_live_map"]
     ssa._run_ssa, ssa._run_block_rewrite = _originals["_run_ssa"], _originals["_run_block_rewrite"]
