@@ -41,8 +41,7 @@ def _torch_sig(x, streams):
     device = x.device
     stream = streams.get(device)
     if stream is None:
-        import torch
-        stream = streams[device] = torch.cuda.current_stream(device).cuda_stream
+        stream = streams[device] = _arrays.torch_stream(device)
     return (x.dtype, x.shape, x.stride(), device), x.data_ptr(), stream
 
 
@@ -76,11 +75,11 @@ def array_kind(x):
 
 class Signature:
     """What identifies a call for :func:`lookup` / :func:`remember`, and the per-call
-    facts a plan needs: the inputs' data pointers and the stream."""
-    __slots__ = ("key", "pointers", "stream")
+    facts a plan needs: the inputs' data pointers, the stream and the context handle."""
+    __slots__ = ("key", "pointers", "stream", "context")
 
-    def __init__(self, key, pointers, stream):
-        self.key, self.pointers, self.stream = key, pointers, stream
+    def __init__(self, key, pointers, stream, context):
+        self.key, self.pointers, self.stream, self.context = key, pointers, stream, context
 
 
 def signature(name, arrays, options):
@@ -91,7 +90,7 @@ def signature(name, arrays, options):
     Numba: none) must agree, as the full path then launches on that one stream."""
     if SIMULATOR:
         return None
-    key, ptrs, streams, asked = [], [], set(), {}
+    key, ptrs, asked, named, aligned = [name], [], {}, None, 0
     for x in arrays:
         t = type(x)
         sig = _kind_of(t)
@@ -99,17 +98,17 @@ def signature(name, arrays, options):
         if found is None:
             return None
         items, ptr, stream = found
-        key += (t, *items)
+        key.append((t, items))
         ptrs.append(ptr)
+        aligned = aligned << 1 | (ptr & 15 == 0)
         if stream is not None:
-            streams.add(stream)
-    if len(streams) > 1:
-        return None
-    stream = _stream(streams.pop() if streams else None)
+            if named is not None and stream != named:
+                return None
+            named = stream
+    stream, context = _stream(named), _launch.context_handle()
     # Options compare with their types: causal=1 must not find causal=True's plan.
-    key += [(type(o), o) for o in options]
-    key += (name, tuple(p % 16 == 0 for p in ptrs), stream, _launch.context_handle())
-    return Signature(tuple(key), ptrs, stream)
+    key += (tuple(map(type, options)), tuple(options), aligned, stream, context)
+    return Signature(tuple(key), ptrs, stream, context)
 
 
 def lookup(sig):
@@ -183,9 +182,10 @@ class Plan:
         roots = list(sig.pointers)
         blocks = []                     # pool memory freed after the launches
         # one block from the pool for the uploads, then the scratch
-        offsets = np.cumsum([0] + [-(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN for a in uploads]) \
-            if uploads else (0,)
-        total = int(offsets[-1]) + self.scratch_bytes
+        offsets = [0]
+        for a in uploads:
+            offsets.append(offsets[-1] + -(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN)
+        total = offsets[-1] + self.scratch_bytes
         if total or uploads:
             total = max(total, 1)
             err, block = cu.cuMemAllocFromPoolAsync(total, self.pool, stream)
@@ -193,11 +193,11 @@ class Plan:
                 return None
             blocks.append(block)
             if uploads:
-                _upload(uploads, offsets, int(block), stream)
-                roots += [int(block) + int(offset) for offset in offsets[:-1]]
+                _upload(uploads, offsets, int(block), stream, sig.context)
+                roots += [int(block) + offset for offset in offsets[:-1]]
         roots += [o.data_ptr() if torch_outs else _arrays.device_pointer(o) for o in outs]
         if self.scratch_bytes:
-            roots.append(int(blocks[0]) + int(offsets[-1]))
+            roots.append(int(blocks[0]) + offsets[-1])
         maps = []       # the tensor maps whose addresses the launches take: alive until launched
         try:
             with self.lock:
@@ -294,11 +294,10 @@ class _Staging:
 _STAGING = {}       # context handle -> _Staging
 
 
-def _upload(uploads, offsets, dst, stream):
+def _upload(uploads, offsets, dst, stream, ctx):
     """Copy the host arrays ``uploads`` to ``dst`` + ``offsets``, queued on ``stream``:
     through pinned memory (:class:`_Staging`), else from the arrays themselves."""
     from cuda.bindings import driver as cu
-    ctx = _launch.context_handle()
     staging = _STAGING.get(ctx)
     if staging is None:
         staging = _STAGING[ctx] = _Staging()

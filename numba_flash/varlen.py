@@ -62,6 +62,17 @@ def _host_ints(x, name, length=None):
     return x.astype(np.int64)
 
 
+def _bounds(x):
+    """``(min, max)`` of a 1-D integer array ((0, 0) if empty); through a Python list for
+    a decoding batch's few entries (two NumPy reductions cost microseconds each)."""
+    if x.size == 0:
+        return 0, 0
+    if x.size <= 256:
+        values = x.tolist()
+        return min(values), max(values)
+    return int(x.min()), int(x.max())
+
+
 def _prefix_sums(cu, name, total, total_name):
     """Checked ``cu_seqlens``: starts at 0, never decreases, ends at ``total``."""
     if cu.shape[0] < 1:
@@ -473,7 +484,8 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     starts = np.arange(b, dtype=np.int64)
     q_starts, q_lens = (starts * row_step, np.full(b, group)) if grouped else (starts * nq, np.full(b, nq))
     k_starts = starts * nmax if pages is None else np.zeros(b, np.int64)
-    uploads = _kv_uploads(q_starts, q_lens, k_starts, lens, n_new, pages, append is not None)
+    table = _table(q_starts, q_lens, k_starts, 0, order=False)     # (gaps: mma.sync only)
+    uploads = _kv_uploads(table, lens, n_new, pages, append is not None)
     sig_arrays = [q, k_cache, v_cache] + ([k_new, k_cache, v_new, v_cache] if append is not None else [])
     made = []
     out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q,
@@ -482,7 +494,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
         if len(_KV_CALLS) >= _plans.MAX_PLANS:
             _KV_CALLS.clear()        # (the plans' own table waits for queued work when it drops plans)
         _KV_CALLS[fast.key] = _KVCall(made[0], b, nmax, n_new, ks[1] if pages is not None else 0, ks[0],
-                                      q_starts, q_lens, k_starts, append is not None)
+                                      table, append is not None)
     return (out, lse) if return_lse else out
 
 
@@ -519,9 +531,7 @@ class _KVCall:
     n_new: int
     page_size: int          # 0: a contiguous cache
     num_pages: int
-    q_starts: np.ndarray    # the sequence table's columns that do not depend on the metadata
-    q_lens: np.ndarray
-    k_starts: np.ndarray
+    table: np.ndarray       # the sequence table but its key lengths (which the metadata gives)
     append: bool
 
     def run(self, sig, q, cache_seqlens, block_table):
@@ -532,15 +542,18 @@ class _KVCall:
         if self.page_size:
             pages = _page_table(block_table, self.batch)
             _check_pages(pages, lens + self.n_new, self.page_size, self.num_pages)
-        uploads = _kv_uploads(self.q_starts, self.q_lens, self.k_starts, lens, self.n_new, pages, self.append)
+        uploads = _kv_uploads(self.table, lens, self.n_new, pages, self.append)
         found = self.plan.run(sig, api._POISON, uploads, like=q)
         return None if found is None else _arrays.like(q, found)
 
 
-def _kv_uploads(q_starts, q_lens, k_starts, lens, n_new, pages, append):
+def _kv_uploads(table, lens, n_new, pages, append):
     """A KV-cache call's host tables in the order its launches read them: the sequence
-    table, then a paged cache's page table, then the appends' positions."""
-    uploads = [_table(q_starts, q_lens, k_starts, lens + n_new, order=False)]     # (gaps: mma.sync only)
+    table (a copy of ``table`` with the key lengths ``lens + n_new``), then a paged
+    cache's page table, then the appends' positions."""
+    table = table.copy()
+    table[:, 3] = lens + n_new if n_new else lens
+    uploads = [table]
     if pages is not None:
         uploads.append(_int32(pages))
     if append:
@@ -551,7 +564,8 @@ def _kv_uploads(q_starts, q_lens, k_starts, lens, n_new, pages, append):
 def _cache_lens(cache_seqlens, batch, nmax):
     """``cache_seqlens`` on the host, checked to lie in ``[0, Nmax]``."""
     lens = _host_ints(cache_seqlens, "cache_seqlens", batch)
-    if lens.size and (lens.min() < 0 or lens.max() > nmax):
+    low, high = _bounds(lens)
+    if lens.size and (low < 0 or high > nmax):
         raise ValueError(f"cache_seqlens must lie in [0, Nmax={nmax}], got {lens.tolist() if batch <= 16 else lens}.")
     return lens
 

@@ -137,6 +137,21 @@ def test_torch_packed_qkv_on_a_side_stream(dtype, plan_runs, monkeypatch):
 
 
 @GPU_ONLY
+def test_torch_stream_handle():
+    """The raw stream query the plans use names PyTorch's current stream, on the default
+    stream and on a side stream."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    from numba_flash import _arrays
+    device = torch.zeros(1, device="cuda").device
+    assert _arrays.torch_stream(device) == torch.cuda.current_stream(device).cuda_stream
+    s = torch.cuda.Stream()
+    with torch.cuda.stream(s):
+        assert _arrays.torch_stream(device) == s.cuda_stream != 0
+
+
+@GPU_ONLY
 def test_cupy_repeat_calls(plan_runs):
     cp = pytest.importorskip("cupy")
     rng = cp.random.default_rng(6)
@@ -288,7 +303,7 @@ def test_plan_table_is_bounded(monkeypatch):
     monkeypatch.setattr(_plans, "_PLANS", {})
     monkeypatch.setattr(_plans, "MAX_PLANS", 3)
     for i in range(7):
-        _plans.remember(_plans.Signature(("key", i), [], 0), object())
+        _plans.remember(_plans.Signature(("key", i), [], 0, None), object())
         assert len(_plans._PLANS) <= 3
     assert ("key", 6) in _plans._PLANS
     _plans.remember(None, object())            # no signature (simulator, NumPy): nothing kept
