@@ -604,7 +604,8 @@ def _grouped_rows(q, hkv, group):
 
 
 def _page_table(block_table, batch):
-    """The page table on the host, int32 ``(batch, max_pages)``."""
+    """The page table on the host, ``(batch, max_pages)``: int32 as given, other integer
+    types as int64."""
     x = _arrays.host_view(block_table)
     if not isinstance(x, np.ndarray):
         if not _arrays.is_device_array(x):
@@ -613,11 +614,13 @@ def _page_table(block_table, batch):
     if x.ndim != 2 or x.dtype.kind not in "iu" or x.shape[0] != batch or x.shape[1] < 1:
         raise ValueError(f"block_table must be an integer (batch={batch}, max_pages >= 1) array, got dtype "
                          f"{x.dtype} and shape {x.shape}.")
-    return x.astype(np.int64)
+    return x if x.dtype == np.int32 else x.astype(np.int64)
 
 
 def _int32(pages):
     """The page table as the kernels read it (the entries in use are checked to fit)."""
+    if pages.dtype == np.int32:
+        return np.ascontiguousarray(pages)
     return np.ascontiguousarray(np.clip(pages, -1, 2**31 - 1).astype(np.int32))
 
 
@@ -625,6 +628,9 @@ def _check_pages(pages, used, page_size, num_pages):
     """Every page a sequence uses (its first ``ceil(used / page_size)`` entries) exists."""
     if page_size < 1:
         raise ValueError(f"a paged cache's page_size (axis 1) must be at least 1, got {page_size}.")
+    unsigned = np.uint32 if pages.dtype.itemsize == 4 else np.uint64
+    if pages.size and pages.view(unsigned).max() < num_pages:
+        return                  # every entry names a page (a negative one reads as a huge unsigned)
     n_used = -(-np.asarray(used, np.int64) // page_size)          # entries each sequence uses
     bad = (np.arange(pages.shape[1]) < n_used[:, None]) & ((pages < 0) | (pages >= num_pages))
     if bad.any():
