@@ -537,9 +537,10 @@ def plan_forward(q, k, v, causal=False, scale=None, splits=None, *, window=None,
     return _plan_forward(q, k, v, alibi_slopes, causal, scale, window, softcap, mods, splits=splits)[:2]
 
 
-def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, splits=None):
+def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, splits=None, keep_lse=True):
     """:func:`plan_forward`, and a third item: ``capture(stream)``, the call's
-    :class:`numba_flash._plans.Plan` (or None) once its launches have run."""
+    :class:`numba_flash._plans.Plan` (or None) once its launches have run; without
+    ``keep_lse`` that plan returns ``(out,)``, its ``lse`` in the plan's scratch."""
     inp = _Inputs({"q": q, "k": k, "v": v}, (causal, window, softcap, mods), scale, slopes, "forward")
     out = inp.empty_like(inp.lead + (inp.nq, inp.d))
     lse = inp.empty_like(inp.lead + (inp.nq,), inp.acc_dtype)
@@ -555,10 +556,16 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, sp
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
     inputs = [qd, kd, vd] + ([inp.device_slopes] if inp.slopes is not None else []) + inp.mod_arrays()
+    outputs = [(out, inp.dtype)] + ([(lse, inp.acc_dtype)] if keep_lse else [])
     capture = lambda stream: _plans.capture(  # noqa: E731
-        inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish, stream,
+        inputs, outputs, scratch + ([] if keep_lse else [lse]), launches, finish, stream,
         constants=inp.mod_tables)
     return result, launches, capture
+
+
+def _plan_attention(q, k, v, slopes, causal, scale, window, softcap, mods=None):
+    """:func:`_plan_forward` for :func:`attention`, whose repeat calls allocate no ``lse``."""
+    return _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods, keep_lse=False)
 
 
 def _finish(low_dtype, outs):
@@ -621,7 +628,7 @@ def _mod_plan_key(mods, slopes):
 def _call(name, planner, arrays, options):
     """The results in the kind of the call's ``q`` (:func:`_arrays.like`; PyTorch CPU
     tensors go in as NumPy views), computed by :func:`_compute`."""
-    q = arrays[0 if name == "forward" else 1]
+    q = arrays[1 if name == "backward" else 0]
     found = _compute(name, planner, tuple(_arrays.host_view(a) for a in arrays), options)
     return _arrays.like(q, found)
 
@@ -641,7 +648,7 @@ def _compute(name, planner, arrays, options):
                            base + mods_key + (registry.hopper_choice(),))
     plan = _plans.lookup(sig)
     if plan is not None:
-        found = plan.run(sig, _POISON, like=arrays[0 if name == "forward" else 1])
+        found = plan.run(sig, _POISON, like=arrays[1 if name == "backward" else 0])
         if found is not None:
             return found
     planned = planner(*arrays, *base, mods)
@@ -772,7 +779,7 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
     Raises ``TypeError`` / ``ValueError``, naming the argument and the fix, before any
     kernel runs. Streams, memory and non-finite inputs: see :func:`attention_fwd`.
     """
-    return _call("forward", _plan_forward, (q, k, v, alibi_slopes),
+    return _call("attention", _plan_attention, (q, k, v, alibi_slopes),
                  (causal, scale, window, softcap, _mod_call(score_mod, mask_mod, None, mod_args, block_mask)))[0]
 
 

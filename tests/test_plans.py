@@ -58,6 +58,27 @@ def test_repeat_calls_match_the_oracle(shape, causal, plan_runs):
 
 
 @GPU_ONLY
+@pytest.mark.parametrize("kind", ["numba", "torch"])
+def test_attention_repeat_calls_return_out_alone(kind, plan_runs):
+    """``attention`` (no lse) has plans of its own, whose lse lives in their scratch: one
+    output per call, matching the oracle, fresh data and NaN-poisoned outputs each call."""
+    if kind == "torch":
+        torch = pytest.importorskip("torch")
+        if not torch.cuda.is_available():
+            pytest.skip("torch without CUDA")
+        to_device = lambda x: torch.as_tensor(x, device="cuda")   # noqa: E731
+    else:
+        to_device = cuda.to_device
+    for call in range(3):
+        q, k, v = make_qkv(200 + call, (2, 3), 37, 300, 32, "float32")
+        out = numba_flash.attention(*(to_device(x) for x in (q, k, v)), causal=True)
+        check_forward(host(out), None, q, k, v, True, None)
+        assert len(plan_runs) == call
+    (plan,) = _plans._PLANS.values()
+    assert len(plan.outputs) == 1 and plan.scratch_bytes > 0
+
+
+@GPU_ONLY
 def test_plan_keeps_the_argument_checks(plan_runs):
     q, k, v = (cuda.to_device(x) for x in make_qkv(1, (), 40, 50, 16, "float32"))
     numba_flash.attention_fwd(q, k, v, causal=True, scale=1.0)
