@@ -17,8 +17,16 @@ Each call site of a device function also ran the callee's whole front end again 
 IR, its own inlining) before the copy: :func:`install` keeps each callee's IR for the
 compile under way (numba's ``Flags`` object of that compile) and hands the inliner that,
 which copies it before changing anything, as it copied a fresh one before (the Hopper
-forward: 4.3 → 3.6 s to PTX). ``tests/test_runtime.py`` compiles kernels both ways and
-compares their PTX. It applies to the numba-cuda this package pins (0.30.4) and is left
+forward: 4.3 → 3.6 s to PTX).
+
+``inline_ir`` also copies the callee's IR a second time, "an unmutated copy of the callee
+IR to return", which both of numba-cuda's callers discard (``_, _, _, new_blocks =
+...``): within an ``inline_ir`` call, :func:`install` has ``copy.deepcopy`` of a block
+that the same call's first copy made return that block (half the copying). And source
+locations (``ir.Loc``: file, line, column, and a cache of the file's lines) are shared by
+copies instead of copied: nothing changes a ``Loc`` after it is made (the compiler makes
+new ones), and each IR node holds one. ``tests/test_runtime.py`` compiles kernels both
+ways and compares their PTX. It applies to the numba-cuda this package pins (0.30.4) and is left
 out for any other, or when ``NUMBA_FLASH_SHARED_SCOPE_COPIES=0``.
 """
 import copy
@@ -47,6 +55,31 @@ def _scope_deepcopy(self, memo):
     return new
 
 
+class _CopyModule:
+    """What ``inline_closurecall`` sees as its ``copy`` module: ``deepcopy`` of a block
+    that this ``inline_ir`` call's first copy made returns that block (its only other
+    copy is the discarded one); everything else is the ``copy`` module's."""
+
+    def __getattr__(self, name):
+        return getattr(copy, name)
+
+    @staticmethod
+    def deepcopy(x, memo=None):
+        made = getattr(_local, "made", None)
+        if made is None:
+            return copy.deepcopy(x, memo)
+        if id(x) in made:
+            return x
+        new = copy.deepcopy(x, memo)
+        made[id(new)] = new                     # (kept alive, so its id stays unique)
+        return new
+
+
+def _share_loc(self, memo):
+    """``copy.deepcopy`` of an ``ir.Loc``: the same object (see the module's doc)."""
+    return self
+
+
 def install():
     """Patch numba-cuda's inliner as described above (once; True if it applies)."""
     global _installed
@@ -56,19 +89,20 @@ def install():
         return False
     from numba.cuda.core import inline_closurecall, ir
     worker = inline_closurecall.InlineWorker
-    if "__deepcopy__" in vars(ir.Scope) or not all(hasattr(worker, name) for name in (
-            "inline_ir", "inline_function", "run_untyped_passes")):
+    if "__deepcopy__" in vars(ir.Scope) or "__deepcopy__" in vars(ir.Loc) or not all(
+            hasattr(worker, name) for name in ("inline_ir", "inline_function", "run_untyped_passes")) \
+            or inline_closurecall.copy is not copy:
         return False
     original = worker.inline_ir
     original_function = worker.inline_function
 
     def inline_ir(self, *args, **kwargs):
-        outer = getattr(_local, "scopes", None)
-        _local.scopes = {}
+        outer = getattr(_local, "scopes", None), getattr(_local, "made", None)
+        _local.scopes, _local.made = {}, {}
         try:
             return original(self, *args, **kwargs)
         finally:
-            _local.scopes = outer
+            _local.scopes, _local.made = outer
 
     def inline_function(self, caller_ir, block, i, function, arg_typs=None):
         flags, callees = getattr(_local, "callees", (None, None))
@@ -86,6 +120,8 @@ def install():
     worker.inline_ir = inline_ir
     worker.inline_function = inline_function
     ir.Scope.__deepcopy__ = _scope_deepcopy
+    ir.Loc.__deepcopy__ = _share_loc
+    inline_closurecall.copy = _CopyModule()
     _installed = True
     return True
 
@@ -101,4 +137,6 @@ def uninstall():
     worker.inline_function = worker.inline_function.__wrapped__
     _local.callees = (None, None)
     del ir.Scope.__deepcopy__
+    del ir.Loc.__deepcopy__
+    inline_closurecall.copy = copy
     _installed = False
