@@ -436,6 +436,38 @@ def test_paged_kvcache_bad_input():
         numba_flash.attention_with_kvcache(q, kc, kc, np.array([3, 4], np.int32), block_table=table[:1])
 
 
+def test_page_table_checks_read_only_the_entries_in_use():
+    """Entries past a sequence's pages may hold anything (-1 padding, huge values), in any
+    integer type, and change nothing; a bad entry in use is named; cache lengths are
+    bounded for small and large batches alike."""
+    from numba_flash import varlen
+    used = np.array([5, 8])                                  # pages of 4: two entries each
+    for dtype, junk in ((np.int32, -1), (np.int64, 2**40), (np.uint32, 2**32 - 1), (np.int16, -7)):
+        table = np.array([[3, 1, junk], [0, 2, junk]], dtype)
+        varlen._check_pages(varlen._page_table(table, 2), used, 4, 4)
+        bad = table.copy()
+        bad[1, 1] = junk
+        with pytest.raises(ValueError, match=rf"block_table\[1\] names page {int(bad[1, 1])},"):
+            varlen._check_pages(varlen._page_table(bad, 2), used, 4, 4)
+    for n in (3, 300):
+        lens = np.full(n, 8, np.int32)
+        assert varlen._cache_lens(lens, n, 8).tolist() == [8] * n
+        for wrong in (9, -1):
+            lens[n // 2] = wrong
+            with pytest.raises(ValueError, match=r"lie in \[0, Nmax=8\]"):
+                varlen._cache_lens(lens, n, 8)
+    rng = np.random.default_rng(7)
+    q = rng.standard_normal((2, 1, 2, 8)).astype(np.float32)
+    kc, vc = (rng.standard_normal((4, 4, 2, 8)).astype(np.float32) for _ in range(2))
+    lens = np.array([5, 8], np.int32)
+    padded = numba_flash.attention_with_kvcache(q, kc, vc, lens, block_table=np.array([[3, 1, -1], [0, 2, -1]],
+                                                                                    np.int32))
+    valid = numba_flash.attention_with_kvcache(q, kc, vc, lens, block_table=np.array([[3, 1, 0], [0, 2, 1]],
+                                                                                   np.int32))
+    assert not np.isnan(padded).any()
+    np.testing.assert_array_equal(padded, valid)
+
+
 @pytest.mark.parametrize("dtype,device,hopper", [("float32", False, False), ("bfloat16", True, False),
                                                 ("float64", True, False), ("bfloat16", False, True)])
 def test_varlen_backward_matches_oracle(dtype, device, hopper, monkeypatch):
