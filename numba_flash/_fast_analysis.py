@@ -255,15 +255,14 @@ def uninstall():
     """Undo :func:`install` (tests compare the two)."""
     if not _originals:
         return
-    from numba.cuda.core import analysis, ir_utils, ssa
+    from llvmlite import ir
+    from numba.cuda.core import analysis, ir_utils, postproc, ssa
     from numba.cuda.core.base import BaseContext
     from numba.cuda.core.targetconfig import TargetConfig
     from numba.cuda.typing.npydecl import NumpyRulesArrayOperator
     TargetConfig.values = _originals["values"]
     NumpyRulesArrayOperator.generic = _originals["array_operator"]
     BaseContext.get_abi_sizeof = _originals["abi_sizeof"]
-    from llvmlite import ir
-    from numba.cuda.core import postproc
     ir.Type.as_pointer = _originals["as_pointer"]
     postproc.PostProcessor.run = _originals["postproc_run"]
     analysis.compute_live_map = ir_utils.compute_live_map = _originals["compute_live_map"]

@@ -565,7 +565,7 @@ def _cache_lens(cache_seqlens, batch, nmax):
     """``cache_seqlens`` on the host, checked to lie in ``[0, Nmax]``."""
     lens = _host_ints(cache_seqlens, "cache_seqlens", batch)
     low, high = _bounds(lens)
-    if lens.size and (low < 0 or high > nmax):
+    if low < 0 or high > nmax:
         raise ValueError(f"cache_seqlens must lie in [0, Nmax={nmax}], got {lens.tolist() if batch <= 16 else lens}.")
     return lens
 
