@@ -166,7 +166,7 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     # depends only on what a launch plan's signature holds, so a replayed plan fits every call)
     rows, seqs = (inp.nq, ()) if inp.packed is None else (
         inp.packed.count * -(-inp.packed.max_q // t.BM) * t.BM, (inp.packed.table,))
-    return [(kern, forward_wgmma.grid_size(rows, q4.shape[0] * q4.shape[1], sm_count), t.threads, spec.smem_bytes,
+    return [(kern, forward_wgmma.grid_size(rows, q4.shape[0] * q4.shape[1], sm_count, t.BM), t.threads, spec.smem_bytes,
              (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), *seqs), inp.stream)
             for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs)]
 

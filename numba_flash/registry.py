@@ -220,6 +220,7 @@ class Variant:
     paged: bool = False     # takes paged KV caches (scores.ScoreSpec.paged)
     ptx_dims: tuple = None  # the head dims specialisations() builds it at (None: HEAD_DIMS)
     ptx_rules: bool = True  # specialisations() builds it with scores.RULE_SPECS too
+    rules_tiling: object = None   # (dtype, d, scores) -> Tiling: the tiling where it depends on the rules
 
 
 def _sig_scores(acc):
@@ -324,9 +325,10 @@ VARIANTS = {v.name: v for v in (
             direction="forward", async_only=True, packed=True, paged=True,
             ptx_dims=(128,), ptx_rules=False),    # forward_mma's code: its shapes and rules are checked there
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
-            lambda dt, d, sim: forward_wgmma.TILING, lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
-            lambda d, t: forward_wgmma.smem_bytes(d) // 2, _sig_forward_wgmma, LOW_DTYPES,
-            lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True),
+            lambda dt, d, sim: forward_wgmma.tiling(d, FULL), lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
+            lambda d, t: forward_wgmma.smem_bytes(d, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
+            lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True,
+            rules_tiling=lambda dt, d, scores: forward_wgmma.tiling(d, scores)),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
@@ -442,6 +444,8 @@ def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FU
         raise ValueError(f"{variant} does not take {'paged caches' if scores.paged else 'packed sequences'} "
                          f"(scores {scores.tag})")
     t = v.tiling(dtype_name, d, simulator)
+    if t is not None and v.rules_tiling is not None:
+        t = v.rules_tiling(dtype_name, d, scores)
     if t is None:                                       # shape-independent kernels
         return Specialisation(variant, dtype_name, 0, PACKED if scores.packed else FULL, False, None)
     use_async = (use_async or v.async_only) and async_possible(dtype_name, d)

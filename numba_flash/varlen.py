@@ -99,17 +99,18 @@ def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
     return cu_q, cu_k, lens_q, lens_k
 
 
-def _table(starts_q, lens_q, starts_k, lens_k, order=True):
+def _table(starts_q, lens_q, starts_k, lens_k, block_q=0):
     """The sequence table ``(S, 6)`` int32 on the host: q_start, q_len, k_start, k_len per
-    sequence, then the Hopper forward's work order (``forward_wgmma.work_order``; zeros
-    without ``order``: KV-cache calls, which that family never takes)."""
+    sequence, then the Hopper forward's work order for its ``block_q``-row query tiles
+    (``forward_wgmma.work_order``; zeros for ``block_q = 0``: KV-cache calls, which that
+    family never takes)."""
     count = len(lens_q)
     if count > MAX_SEQUENCES:
         raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {count}: call once per part "
                          "of the batch.")
     table = np.empty((count, 6), np.int32)
     table[:, 0], table[:, 1], table[:, 2], table[:, 3] = starts_q, lens_q, starts_k, lens_k
-    table[:, 4:] = forward_wgmma.work_order(lens_q, lens_k) if order else 0
+    table[:, 4:] = forward_wgmma.work_order(lens_q, lens_k, block_q) if block_q else 0
     return table
 
 
@@ -299,7 +300,8 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     inp = api._Inputs({"q": _swap01(q), "k": _swap01(k), "v": _swap01(v)}, options, scale, slopes, "forward")
     count = lens_q.shape[0]
     max_q, max_k = (int(lens_q.max()), int(lens_k.max())) if count else (0, 0)
-    return _forward(inp, [q, k, v], [_table(cu_q[:-1], lens_q, cu_k[:-1], lens_k)], max_q, max_k, (total_q,), q)
+    table = _table(cu_q[:-1], lens_q, cu_k[:-1], lens_k, forward_wgmma.BM)   # (packed: BM rows, forward_wgmma.tiling)
+    return _forward(inp, [q, k, v], [table], max_q, max_k, (total_q,), q)
 
 
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
@@ -484,7 +486,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     starts = np.arange(b, dtype=np.int64)
     q_starts, q_lens = (starts * row_step, np.full(b, group)) if grouped else (starts * nq, np.full(b, nq))
     k_starts = starts * nmax if pages is None else np.zeros(b, np.int64)
-    table = _table(q_starts, q_lens, k_starts, 0, order=False)     # (gaps: mma.sync only)
+    table = _table(q_starts, q_lens, k_starts, 0)     # (gaps: mma.sync only)
     uploads = _kv_uploads(table, lens, n_new, pages, append is not None)
     sig_arrays = [q, k_cache, v_cache] + ([k_new, k_cache, v_new, v_cache] if append is not None else [])
     made = []

