@@ -266,7 +266,8 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None):
     ``THREADS`` and ``smem_bytes``) on bf16 inputs of ``heads = (B1, B2)`` against the float64 oracle (the
     FlashAttention rule of the tensor-core tests: outputs within a few units of the last place).
     ``grid``: blocks launched (default: one per work item; fewer make each block take several);
-    ``bn``: keys per tile (default the family's)."""
+    ``bn``: keys per tile (default the family's; with wider tiles 128 query rows, as
+    192 rows of each would not fit in shared memory)."""
     import inspect
     import math
     import ml_dtypes
@@ -280,7 +281,8 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None):
 
     rules = parse(causal=causal)
     bn = bn or F.BN
-    kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn)
+    bm = F.tiling(d, rules.spec).BM if bn == F.BN else F.BM
+    kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn, bm=bm)
     params = tuple(inspect.signature(kern.py_func).parameters)
     if params != FORWARD_PARAMS:
         pytest.skip(f"the forward kernel's parameters changed to {params}: update check_forward")
@@ -288,7 +290,6 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None):
     q = rng.standard_normal((*heads, nq, d)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((*heads, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
-    bm = F.tiling(d, rules.spec).BM
     maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, bm), (dk, bn), (dv, bn))]
     out = cuda.to_device(np.full((*heads, nq, d), 0x7FC0, np.uint16))          # NaN bits
     pairs = _arrays.pairs_view(out)

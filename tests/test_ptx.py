@@ -211,8 +211,8 @@ KNOWN_SPILLS = {
              # packed sequences with every rule: values kept across an item (the table's
              # lookups), reloaded once per item by each role, none in the loop over key tiles
              "forward_wgmma/bfloat16/d64/window+softcap+alibi+packed/async": 28,
-             # d = 64, causal: three consumer warpgroups of 160 registers (forward_wgmma.tiling)
-             # keep one value in local memory
+             # d = 64, causal: three consumer warpgroups of 160 registers (forward_wgmma.tiling);
+             # in the SASS one STL and one LDL, both before the consumers' first product
              "forward_wgmma/float16/d64/causal/async": 4,
              "forward_wgmma/bfloat16/d64/causal/async": 4},
 }

@@ -80,6 +80,7 @@ HEAD_DIMS = (64, 128)
 # factory's ``exp2_fma`` keeps the option, tested.
 EXP2_FMA_SOFTCAP = 0
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
+SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,10 +96,11 @@ class WgmmaTiling:
 
 def tiling(D, scores):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
-    or ``BM`` for a window (192-row tiles would cover more of the band's masked corners),
-    ALiBi, user functions and packed sequences (their consumers would spill registers at
-    192 rows: 16-144 bytes, ptxas 13)."""
-    narrow = scores.window or scores.alibi or scores.packed or scores.mods is not None
+    or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
+    3-5% slower at d = 64), a softcap (causal: 6% slower; full: no faster), ALiBi, user
+    functions and packed sequences (their consumers would spill registers at 192 rows:
+    16-144 bytes, ptxas 13). Measured on an H200: docs/performance.md item 60."""
+    narrow = scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
     bm = BM if narrow else BLOCK_ROWS.get(D, BM)
     return WgmmaTiling(BM=bm, threads=threads_for(bm))
 
@@ -182,6 +184,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
+    assert smem_bytes(D, QBUF, STAGES, BN, BM) <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
