@@ -332,6 +332,25 @@ def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn):
     check_forward(d, causal, nq, nk, heads, grid, bn)
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_block_rows_follow_the_rules(d):
+    """The forward's tile shape per head dim and rules, as the registry hands it to the
+    launches: 192 rows in four warpgroups at d = 64 without a window, softcap, ALiBi or
+    packed rows, else 128 in three; the launch's threads and shared memory are the
+    kernel's own."""
+    from numba_flash import registry
+    from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.scores import ScoreSpec
+    for rules in (ScoreSpec(), ScoreSpec(causal=True), ScoreSpec(window=True), ScoreSpec(causal=True, softcap=True),
+                  ScoreSpec(alibi=True), ScoreSpec(causal=True, packed=True)):
+        spec = registry.specialisation("forward_wgmma", "bfloat16", d, rules, True)
+        wide = d == 64 and not (rules.window or rules.softcap or rules.alibi or rules.packed)
+        assert (spec.tiling.BM, spec.tiling.threads) == ((192, 512) if wide else (128, 384)), (d, rules)
+        kern = spec.kernel()
+        assert kern.threads == spec.tiling.threads
+        assert kern.smem_bytes == spec.smem_bytes == F.smem_bytes(d, bm=spec.tiling.BM) <= F.SMEM_LIMIT
+
+
 @pytest.mark.parametrize("slow", [1, 2, 3])
 def test_forward_with_a_slow_consumer(slow, monkeypatch):
     """The consumer warpgroups' turns (named barriers, a ring of three at d = 64) across a
