@@ -300,7 +300,8 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     inp = api._Inputs({"q": _swap01(q), "k": _swap01(k), "v": _swap01(v)}, options, scale, slopes, "forward")
     count = lens_q.shape[0]
     max_q, max_k = (int(lens_q.max()), int(lens_k.max())) if count else (0, 0)
-    table = _table(cu_q[:-1], lens_q, cu_k[:-1], lens_k, forward_wgmma.BM)   # (packed: BM rows, forward_wgmma.tiling)
+    rows = forward_wgmma.tiling(inp.d, dataclasses.replace(inp.scores, packed=True)).BM   # its query tiles
+    table = _table(cu_q[:-1], lens_q, cu_k[:-1], lens_k, rows)
     return _forward(inp, [q, k, v], [table], max_q, max_k, (total_q,), q)
 
 
