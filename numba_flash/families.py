@@ -164,11 +164,18 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     # packed sequences: the grid for as many query tiles as the longest sequence has, per
     # sequence (the kernel takes its items from the table, so any grid covers them; this one
     # depends only on what a launch plan's signature holds, so a replayed plan fits every call)
-    rows, seqs = (inp.nq, ()) if inp.packed is None else (
-        inp.packed.count * -(-inp.packed.max_q // t.BM) * t.BM, (inp.packed.table,))
-    return [(kern, forward_wgmma.grid_size(rows, q4.shape[0] * q4.shape[1], sm_count, t.BM), t.threads, spec.smem_bytes,
-             (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), *seqs), inp.stream)
-            for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs)]
+    rows = inp.nq if inp.packed is None else inp.packed.count * -(-inp.packed.max_q // t.BM) * t.BM
+    launches = []
+    for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs):
+        b = q4.shape[0] * q4.shape[1]
+        g = forward_wgmma.grid_size(rows, b, sm_count, t.BM)
+        # the sequence table, or the causal schedule's pairs (forward_wgmma.paired_places)
+        last = inp.packed.table if inp.packed is not None else (
+            forward_wgmma.paired_places(-(-rows // t.BM), b, g) if forward_wgmma.paired(inp.scores, t.BM) else 0)
+        launches.append((kern, g, t.threads, spec.smem_bytes,
+                         (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), last),
+                         inp.stream))
+    return launches
 
 
 _MAPS = {}          # (context, stream, pointer, shape, strides, box rows) -> tensor map

@@ -163,7 +163,7 @@ def forward_drafts(ptx, cc, tool):
     from numba_flash.kernels.forward_wgmma import make_forward_wgmma
     from numba_flash.scores import ScoreSpec
     sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint16[:, :, :, ::1], T.float32[:, :, ::1], T.int64, T.int64,
-           T.float32, T.int64, T.int64, T.float32, T.float32, T.float32[:, :, :])
+           T.float32, T.int64, T.int64, T.float32, T.float32, T.float32[:, :, :], T.int64)
     found = {}
     for d, scores in ((64, ScoreSpec(causal=True)), (128, ScoreSpec())):
         kern = make_forward_wgmma("bfloat16", d, scores)
@@ -258,10 +258,10 @@ def check_layouts():
 
 # The forward kernel's parameters, in order: a kernel that takes others needs this test updated.
 FORWARD_PARAMS = ("tq", "tk", "tv", "out", "lse", "nk", "group", "scale_log2", "left", "right", "cap_in",
-                  "cap_out", "slopes")
+                  "cap_out", "slopes", "sched")
 
 
-def check_forward(d, causal, nq, nk, heads, grid=None, bn=None):
+def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None):
     """The Hopper forward (``kernels/forward_wgmma``, launched with its own ``BM``, ``BN``,
     ``THREADS`` and ``smem_bytes``) on bf16 inputs of ``heads = (B1, B2)`` against the float64 oracle (the
     FlashAttention rule of the tensor-core tests: outputs within a few units of the last place).
@@ -296,8 +296,12 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None):
     lse = cuda.to_device(np.full((*heads, nq), np.nan, np.float32))
     slopes = cuda.to_device(np.zeros((*heads, 1), np.float32))
     scale = 1 / math.sqrt(d)
-    args = (*maps, pairs, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes)
-    launch(kern, grid or -(-nq // bm) * heads[0] * heads[1], kern.threads, kern.smem_bytes, args)
+    grid = grid or -(-nq // bm) * heads[0] * heads[1]
+    if sched is None:       # the schedule a launch would take (the pairs of causal rows, where they pay)
+        sched = F.paired_places(-(-nq // bm), heads[0] * heads[1], grid) if F.paired(rules.spec, bm) else 0
+    args = (*maps, pairs, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes,
+            sched)
+    launch(kern, grid, kern.threads, kern.smem_bytes, args)
     got = out.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float64)
     want, want_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
     assert not np.isnan(got).any()
@@ -330,6 +334,35 @@ def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn):
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
     check_forward(d, causal, nq, nk, heads, grid, bn)
+
+
+@pytest.mark.parametrize("nq,nk,heads,grid", [
+    (300, 300, (1, 2), 1),      # three query tiles: the pairs (2, 0), then the middle tiles
+    (256, 200, (1, 3), 2),      # three pairs on two blocks: the last round's pair after the whole one;
+])                              # fewer keys than queries: the first rows see none
+def test_forward_causal_pairs(nq, nk, heads, grid):
+    """The pairs schedule of causal rows (``forward_wgmma.paired_places``, forced here
+    whatever the model says): query tiles ``n_qt - 1 - p`` and ``p`` of one head to one
+    block, then the last round's pairs and odd counts' middle tiles; every tile once."""
+    if not _simulator() and not _hopper_gpu():
+        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
+    n_qt, b = -(-nq // 128), heads[0] * heads[1]
+    check_forward(128, True, nq, nk, heads, grid, sched=2 * (b * (n_qt // 2) // grid * grid))
+
+
+def test_pairs_where_the_model_says():
+    """``paired_places``: the whole rounds' places of the pairs, or 0 (longest first)
+    where its modelled makespan is not within ``PAIRS_SLACK`` of the other's; only causal
+    rows without other rules at 128 rows take it."""
+    from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.scores import ScoreSpec
+    for n_qt, b, grid in ((32, 64, 132), (32, 256, 132), (128, 16, 132), (33, 64, 132), (2, 144, 132), (1, 16, 132)):
+        got = F.paired_places(n_qt, b, grid)
+        assert got in (0, 2 * (b * (n_qt // 2) // grid * grid)), (n_qt, b, got)
+    assert F.paired_places(32, 256, 132) > 0            # (16, 16, 4096, 128): 31 whole rounds of equal pairs
+    assert F.paired_places(2, 144, 132) == 0            # 144 pairs on 132 blocks: 12 of them twice as long
+    assert F.paired(ScoreSpec(causal=True), 128) and not F.paired(ScoreSpec(causal=True), 192)
+    assert not F.paired(ScoreSpec(causal=True, window=True), 128) and not F.paired(ScoreSpec(), 128)
 
 
 @pytest.mark.parametrize("d", [64, 128])

@@ -214,7 +214,12 @@ KNOWN_SPILLS = {
              # d = 64, causal: three consumer warpgroups of 160 registers (forward_wgmma.tiling);
              # in the SASS one STL and one LDL, both before the consumers' first product
              "forward_wgmma/float16/d64/causal/async": 4,
-             "forward_wgmma/bfloat16/d64/causal/async": 4},
+             "forward_wgmma/bfloat16/d64/causal/async": 4,
+             # causal rows at 128 rows: the pairs schedule's arithmetic per work item (both
+             # roles compute each item's place; docs/performance.md item 62)
+             "forward_wgmma/float16/d128/causal/async": 48,
+             "forward_wgmma/bfloat16/d128/causal/async": 48,
+             "forward_wgmma/bfloat16/d64/causal+softcap+alibi/async": 52},
 }
 
 

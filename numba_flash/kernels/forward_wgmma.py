@@ -4,7 +4,8 @@ The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A wo
 ``BM`` query rows of one (batch, head) (128, or 192 at d = 64 where the rules allow:
 :func:`tiling`); the grid is persistent (at most one block per
 multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
-order of ``work_item``, so a block's start (barriers, tensor maps, registers) is paid once
+order of ``work_item`` (for causal rows, where it pays, pairs of query tiles that together see
+``n_qt + 1`` key tiles, head by head: :func:`paired_places`), so a block's start (barriers, tensor maps, registers) is paid once
 and the next item's Q and first K/V tiles load while the consumers finish the last one.
 A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
 
@@ -72,7 +73,9 @@ THREADS = 384
 # run while the third's products do, where the rules leave their registers room (160 each
 # beside a producer of 24: :func:`tiling`); else, and at d = 128, two.
 BLOCK_ROWS = {64: 192, 128: 128}
-PACKED_PRODUCER_REGS = 32
+# the producer's registers where its work item takes a table lookup (packed sequences) or the
+# pairs schedule's arithmetic (causal rows): 24 otherwise
+SCHEDULE_PRODUCER_REGS = 32
 HEAD_DIMS = (64, 128)
 # With a softcap every score takes two special-function instructions (tanh, then exp2).
 # Moving half the exponentials to the FMA units (about ten instructions each: ops.exp2_fma)
@@ -115,6 +118,47 @@ def grid_size(nq, b, sm_count, bm=BM):
     """The persistent grid: one block per multiprocessor (``sm_count``), or one per work
     item (``ceil(nq / bm) · b`` of them) when there are fewer."""
     return max(min(-(-nq // bm) * b, sm_count), 1)
+
+
+# The pairs schedule of causal rows (:func:`paired_places`): taken where its modelled
+# makespan is within this fraction of the longest-first order's (its heads-at-a-time reads of
+# K and V are the gain: at (16, 16, 4096, 128) 2.47 -> 2.12 ms, elsewhere within noise), and
+# an item's fixed work in key tiles' worth (first product and softmax, last P V, epilogue).
+PAIRS_SLACK = 0.03
+ITEM_COST = 3
+
+
+def paired(scores, bm):
+    """Whether the kernel for ``scores`` at ``bm`` rows takes the pairs schedule where its
+    launch asks for it: causal rows without a window, user functions or packed sequences,
+    at 128 rows (at 192 the pairs are few and coarse: 22 query tiles per head at N = 4096)."""
+    return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed and bm == BM)
+
+
+@functools.lru_cache(maxsize=1024)
+def paired_places(n_qt, b, grid):
+    """The places of the pairs schedule's whole rounds, ``2 (U − U mod grid)`` with ``U = b ·
+    floor(n_qt / 2)`` pairs (``work_item`` in :func:`make_forward_wgmma`), or 0 for the
+    longest-first order: whichever the model of every block's work (key tiles of a causal
+    item plus :data:`ITEM_COST`) ends sooner, the pairs within :data:`PAIRS_SLACK`."""
+    import numpy as np
+    P = n_qt // 2
+    U = b * P
+    U0 = U // grid * grid
+    if U0 == 0:
+        return 0
+    n = n_qt * b
+    place = np.arange(n)
+    r = place // grid                             # longest first, rounds in alternating directions
+    w = np.where((r & 1 == 1) & ((r + 1) * grid <= n), r * grid + grid - 1 - (place - r * grid), place)
+    lpt = np.bincount(place % grid, n_qt - w // b + ITEM_COST, grid).max()
+    tail = np.arange(2 * U0, n)                   # after the whole rounds' pairs (equal for every block)
+    j = tail - 2 * U0
+    ut, mids = U - U0, (b if n_qt & 1 else 0)
+    u = U0 + np.where(j < ut, j, j - ut - mids) % max(U, 1)
+    qt = np.where(j < ut, n_qt - 1 - u % P, np.where(j < ut + mids, P, u % P))
+    pairs = U0 // grid * (n_qt + 1 + 2 * ITEM_COST) + np.bincount(tail % grid, qt + 1 + ITEM_COST, grid).max()
+    return 2 * U0 if pairs <= lpt * (1 + PAIRS_SLACK) else 0
 
 
 def buffers(D):
@@ -165,6 +209,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     assert not scores.paged, "the TMA reads a paged cache's rows only page by page: not this family"
     # rows see different numbers of keys (or sequences differ in length)
     LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks) or PACKED
+    # causal rows: the pairs schedule where the launch asks for it (:func:`paired`)
+    PAIRED = paired(scores, BM)
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
     # bits, then masked (one loop calling the function per score kept the scores in local
     # memory: a 416-byte stack)
@@ -191,9 +237,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K)        # S = Q Kᵀ of one key tile
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
     zeros_o = H.accumulator(64)
-    # the producer's registers (packed sequences: more, for the table's lookups), and the
+    # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the
     # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
-    PRODUCER_REGS = PACKED_PRODUCER_REGS if PACKED else 24
+    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED else 24
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
@@ -348,13 +394,43 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
 
     @cuda.jit(device=True, inline=True)
-    def work_item(i, G, n_qt, B):
+    def work_item(i, G, n_qt, B, paired_places):
         """The work item at place ``i`` of the persistent schedule (block ``i % G``'s
         ``i // G``-th): ``(query tile, leading index)``. Without a mask that shortens rows
         the items are alike and go head by head, query tiles fastest, so the blocks
         running at once share K and V in L2; with one (causal, window), longest tiles
         first and leading indices fastest, each round of ``G`` items dealt in alternating
-        directions so that every block gets as much work."""
+        directions so that every block gets as much work. Where the launch asks for it
+        (causal rows, ``paired_places = 2 (U - U mod G) > 0``: :func:`paired_places`) a block takes query tiles ``n_qt - 1 - p`` and ``p`` of one head in
+        two consecutive rounds, ``n_qt + 1`` key tiles in all whatever ``p``: the pairs
+        go head by head as full attention's items do (at (16, 16, 4096, 128) the longest
+        tiles of every head at once had 7% L2 hits), the ``U mod G`` pairs of the last
+        round (``U = B · floor(n_qt / 2)``) after them, then the middle tiles of odd ``n_qt``.
+        (A kernel argument rather than computed here: held in registers, the schedule's
+        values spilled from the producer's.)"""
+        if PAIRED and paired_places > 0:
+            P = n_qt >> 1
+            U = B * P
+            U0 = paired_places >> 1
+            if i < paired_places:
+                r = i // G
+                u = (r >> 1) * G + (i - r * G)
+                b = u // P
+                p = u - b * P
+                return (p if (r & 1) == 1 else n_qt - 1 - p), b
+            j = i - paired_places
+            if j < U - U0:                    # the last round's first tiles of its pairs
+                u = U0 + j
+                b = u // P
+                return n_qt - 1 - (u - b * P), b
+            j -= U - U0
+            if (n_qt & 1) == 1:
+                if j < B:
+                    return P, j
+                j -= B
+            u = U0 + j                        # and their second tiles
+            b = u // P
+            return u - b * P, b
         if LONGEST_FIRST:
             r = i // G
             w = i
@@ -385,20 +461,19 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return key_tile_consts(slopes, b1, b2, q0 // BM, (geo[0] + BN - 1) // BN, j, sc)
 
     @cuda.jit(device=True, inline=True)
-    def load(ring, tmap, full0, empty0, st, phase, count, k0, b2k, b1):
-        """The producer's load of one K or V tile (``ring``: the ring's first byte) into
-        stage ``st``, once the consumers released the stage's previous tile (``count``:
-        tiles of this ring loaded so far); returns the next ``(st, phase, count)``."""
+    def load(ring, tmap, full0, empty0, count, k0, b2k, b1):
+        """The producer's load of the ``count``-th K or V tile (``ring``: the ring's first
+        byte) into its stage once the consumers released the stage's previous tile; returns
+        ``count + 1``. (The stage and its phase follow from ``count``: held as registers
+        across an item, with the schedule's, they spilled from the producer's few.)"""
+        r = count // STAGES
+        st = count - r * STAGES
         if count >= STAGES:
-            wait_phase(empty0 + 8 * st, phase ^ 1)
+            wait_phase(empty0 + 8 * st, (r - 1) & 1)
         H.mbarrier_arrive_expect_tx(full0 + 8 * st, TILE_BYTES)
         for sub in range(NSUB):
             H.tma_load_4d(ring + (st * NSUB + sub) * SUB_K, tmap, 64 * sub, k0, b2k, b1, full0 + 8 * st)
-        st += 1
-        if st == STAGES:
-            st = 0
-            phase ^= 1
-        return st, phase, count + 1
+        return count + 1
 
     @cuda.jit(device=True, inline=True)
     def advance(st, phase):
@@ -423,12 +498,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return z, (seqs[z, 1] + BM - 1) // BM - 1 - (u - first)
 
     @cuda.jit(device=True, inline=True)
-    def place(i, G, n_qt, B, B2, geo, slopes, seqs):
+    def place(i, G, n_qt, B, B2, sched, geo, slopes, seqs):
         """Work item ``i`` (:func:`work_item`) as both roles need it: ``(b1, b2, first
         query row, first key tile, key tiles, the sequence's first query row and first key
         row, its query rows, its geometry)`` (one sequence of ``Nq`` rows and ``geo``
         unless packed)."""
-        qt, b = work_item(i, G, n_qt, B)
+        qt, b = work_item(i, G, n_qt, B, sched)
         b1 = b // B2
         b2 = b - b1 * B2
         qs, ks, nq, g = numba.int32(0), numba.int32(0), geo[0] - geo[1], geo
@@ -441,7 +516,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
     @cuda.jit(device=True, inline=True)
-    def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
+    def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, sched):
         Nq = out.shape[2]
         B2 = out.shape[1]
         B = out.shape[0] * B2
@@ -479,11 +554,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.tensormap_acquire(H.global_address(tq))
                 H.tensormap_acquire(H.global_address(tk))
                 H.tensormap_acquire(H.global_address(tv))
-                ak, bk, ck = 0, 0, 0     # K ring: stage, phase, tiles loaded (all items)
-                av, bv, cv = 0, 0, 0     # V ring
+                ck, cv = 0, 0            # K and V tiles loaded (all items)
                 n_q = 0                  # Q tiles loaded so far
                 for i in range(cuda.blockIdx.x, n_items, G):
-                    b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, geo, slopes, seqs)
+                    b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                     if tiles > 0:
                         buf = n_q % QBUF
                         if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
@@ -495,15 +569,15 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                         n_q += 1
                         b2k = b2 // group
                         # K_0, then K_j with V_{j-1}: the order the consumers use them in
-                        ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                          ak, bk, ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
+                        ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                                          ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
                         for j in range(1, tiles):
-                            ak, bk, ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                              ak, bk, ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
-                            av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                              av, bv, cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
-                        av, bv, cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                          av, bv, cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
+                            ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                                              ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
+                            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                                              cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
+                        cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                                          cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
@@ -525,7 +599,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         if wg == NWG - 1:
             their_turn(wg)
         for i in range(cuda.blockIdx.x, n_items, G):
-            b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, geo, slopes, seqs)
+            b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
             diag = geo[1]
             r0 = q0 + ROWS * wg                    # this warpgroup's first row
             row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
@@ -609,11 +683,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     if PACKED:
         @cuda.jit(launch_bounds=(THREADS, 1))
         def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
-            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs)
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0)
     else:
         @cuda.jit(launch_bounds=(THREADS, 1))
-        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes):
-            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes)
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, sched):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
+                         sched)
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
     forward.threads = THREADS
