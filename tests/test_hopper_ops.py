@@ -298,7 +298,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None):
     scale = 1 / math.sqrt(d)
     grid = grid or -(-nq // bm) * heads[0] * heads[1]
     if sched is None:       # the schedule a launch would take (the pairs of causal rows, where they pay)
-        sched = F.paired_places(-(-nq // bm), heads[0] * heads[1], grid) if F.paired(rules.spec, bm) else 0
+        sched = F.paired_places(-(-nq // bm), heads[0] * heads[1], grid, F.L2_KV_BYTES + 1) if F.paired(rules.spec, bm) else 0
     args = (*maps, pairs, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes,
             sched)
     launch(kern, grid, kern.threads, kern.smem_bytes, args)
@@ -352,15 +352,18 @@ def test_forward_causal_pairs(nq, nk, heads, grid):
 
 def test_pairs_where_the_model_says():
     """``paired_places``: the whole rounds' places of the pairs, or 0 (longest first)
-    where its modelled makespan is not within ``PAIRS_SLACK`` of the other's; only causal
-    rows without other rules at 128 rows take it."""
+    where every head's K and V fit in L2 or the pairs' modelled makespan is not within
+    ``PAIRS_SLACK`` of the other's; only causal rows without other rules at 128 rows take it."""
     from numba_flash.kernels import forward_wgmma as F
     from numba_flash.scores import ScoreSpec
+    kv = lambda b, n: b * n * 128 * 4      # noqa: E731 (bytes of K and V at d = 128, 16-bit)
     for n_qt, b, grid in ((32, 64, 132), (32, 256, 132), (128, 16, 132), (33, 64, 132), (2, 144, 132), (1, 16, 132)):
-        got = F.paired_places(n_qt, b, grid)
+        got = F.paired_places(n_qt, b, grid, kv(b, 128 * n_qt))
         assert got in (0, 2 * (b * (n_qt // 2) // grid * grid)), (n_qt, b, got)
-    assert F.paired_places(32, 256, 132) > 0            # (16, 16, 4096, 128): 31 whole rounds of equal pairs
-    assert F.paired_places(2, 144, 132) == 0            # 144 pairs on 132 blocks: 12 of them twice as long
+    assert F.paired_places(32, 256, 132, kv(256, 4096)) > 0     # (16, 16, 4096, 128): 31 rounds of equal pairs
+    assert F.paired_places(32, 64, 132, kv(64, 4096)) > 0       # (4, 16, 4096, 128)
+    assert F.paired_places(32, 16, 132, kv(16, 4096)) == 0      # (1, 16, 4096, 128): its K and V fit in L2
+    assert F.paired_places(2, 144, 132, kv(144, 256)) == 0      # 144 pairs on 132 blocks: 12 twice as long
     assert F.paired(ScoreSpec(causal=True), 128) and not F.paired(ScoreSpec(causal=True), 192)
     assert not F.paired(ScoreSpec(causal=True, window=True), 128) and not F.paired(ScoreSpec(), 128)
 

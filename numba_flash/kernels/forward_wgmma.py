@@ -120,10 +120,12 @@ def grid_size(nq, b, sm_count, bm=BM):
     return max(min(-(-nq // bm) * b, sm_count), 1)
 
 
-# The pairs schedule of causal rows (:func:`paired_places`): taken where its modelled
-# makespan is within this fraction of the longest-first order's (its heads-at-a-time reads of
-# K and V are the gain: at (16, 16, 4096, 128) 2.47 -> 2.12 ms, elsewhere within noise), and
-# an item's fixed work in key tiles' worth (first product and softmax, last P V, epilogue).
+# The pairs schedule of causal rows (:func:`paired_places`): taken where the longest-first
+# order's blocks would read more K and V at once than L2_KV_BYTES (every head's: its gain is
+# heads at a time, as full attention goes) and the pairs' modelled makespan is within
+# PAIRS_SLACK of that order's; ITEM_COST: an item's fixed work in key tiles' worth (first
+# product and softmax, last P V, epilogue). docs/performance.md item 62.
+L2_KV_BYTES = 32 << 20
 PAIRS_SLACK = 0.03
 ITEM_COST = 3
 
@@ -136,16 +138,18 @@ def paired(scores, bm):
 
 
 @functools.lru_cache(maxsize=1024)
-def paired_places(n_qt, b, grid):
+def paired_places(n_qt, b, grid, kv_bytes):
     """The places of the pairs schedule's whole rounds, ``2 (U − U mod grid)`` with ``U = b ·
     floor(n_qt / 2)`` pairs (``work_item`` in :func:`make_forward_wgmma`), or 0 for the
-    longest-first order: whichever the model of every block's work (key tiles of a causal
-    item plus :data:`ITEM_COST`) ends sooner, the pairs within :data:`PAIRS_SLACK`."""
+    longest-first order: that one where the K and V of all ``b`` leading indices
+    (``kv_bytes``) fit in :data:`L2_KV_BYTES`, else whichever the model of every block's
+    work (key tiles of a causal item plus :data:`ITEM_COST`) ends sooner, the pairs within
+    :data:`PAIRS_SLACK`."""
     import numpy as np
     P = n_qt // 2
     U = b * P
     U0 = U // grid * grid
-    if U0 == 0:
+    if U0 == 0 or kv_bytes <= L2_KV_BYTES:
         return 0
     n = n_qt * b
     place = np.arange(n)
