@@ -298,7 +298,8 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None):
     scale = 1 / math.sqrt(d)
     grid = grid or -(-nq // bm) * heads[0] * heads[1]
     if sched is None:       # the schedule a launch would take (the pairs of causal rows, where they pay)
-        sched = F.paired_places(-(-nq // bm), heads[0] * heads[1], grid, F.L2_KV_BYTES + 1) if F.paired(rules.spec, bm) else 0
+        n_qt, b = -(-nq // bm), heads[0] * heads[1]
+        sched = F.paired_places(n_qt, b, grid, F.L2_KV_BYTES + 1) if F.paired(rules.spec, bm) else 0
     args = (*maps, pairs, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes,
             sched)
     launch(kern, grid, kern.threads, kern.smem_bytes, args)

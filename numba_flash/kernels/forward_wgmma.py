@@ -4,9 +4,10 @@ The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A wo
 ``BM`` query rows of one (batch, head) (128, or 192 at d = 64 where the rules allow:
 :func:`tiling`); the grid is persistent (at most one block per
 multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
-order of ``work_item`` (for causal rows, where it pays, pairs of query tiles that together see
-``n_qt + 1`` key tiles, head by head: :func:`paired_places`), so a block's start (barriers, tensor maps, registers) is paid once
-and the next item's Q and first K/V tiles load while the consumers finish the last one.
+order of ``work_item`` (for causal rows, where it pays, pairs of query tiles that see
+``n_qt + 1`` key tiles together, head by head: :func:`paired_places`), so a block's start
+(barriers, tensor maps, registers) is paid once and the next item's Q and first K/V tiles
+load while the consumers finish the last one.
 A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
 
 * warpgroup 0 produces: it gives registers up (``setmaxnreg``), and one thread issues the
@@ -35,13 +36,15 @@ V_{j−1}``, all relative to the running maximum ``m_{j−1}``; it is rescaled b
 
 Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) from
 ``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 2)``
-uint32 (the output's 16-bit values in pairs: one 4-byte store per pair), ``lse (B1, B2, Nq)`` float32, ``nk``, ``group`` (query heads per K/V
-head), ``scale_log2`` and the score arguments of ``forward.make_forward``. Launch with
+uint32 (the output's 16-bit values in pairs: one 4-byte store per pair), ``lse (B1, B2,
+Nq)`` float32, ``nk``, ``group`` (query heads per K/V head), ``scale_log2``, the score
+arguments of ``forward.make_forward`` and ``sched`` (int64: :func:`paired_places` for
+causal rows, else 0). Launch with
 ``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``kernel.threads`` threads and
 ``kernel.smem_bytes`` of dynamic shared memory. Head dims 64 and 128.
 
 Packed sequences (``scores.packed``: varlen batches, the rows of every sequence in one
-``(B1, B2, tokens, d)`` view, back to back): a last argument ``seqs (S, 6)``
+``(B1, B2, tokens, d)`` view, back to back): in place of ``sched`` a last argument ``seqs (S, 6)``
 int32 gives per sequence ``q_start, q_len, k_start, k_len`` and, as its two last columns,
 the order the work items take (:func:`work_order`: at position ``p`` the running count of
 query tiles and the sequence), and ``out``, ``lse`` may have any strides; launch with
@@ -398,31 +401,31 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
 
     @cuda.jit(device=True, inline=True)
-    def work_item(i, G, n_qt, B, paired_places):
+    def work_item(i, G, n_qt, B, sched):
         """The work item at place ``i`` of the persistent schedule (block ``i % G``'s
         ``i // G``-th): ``(query tile, leading index)``. Without a mask that shortens rows
         the items are alike and go head by head, query tiles fastest, so the blocks
         running at once share K and V in L2; with one (causal, window), longest tiles
         first and leading indices fastest, each round of ``G`` items dealt in alternating
         directions so that every block gets as much work. Where the launch asks for it
-        (causal rows, ``paired_places = 2 (U - U mod G) > 0``: :func:`paired_places`) a block takes query tiles ``n_qt - 1 - p`` and ``p`` of one head in
-        two consecutive rounds, ``n_qt + 1`` key tiles in all whatever ``p``: the pairs
-        go head by head as full attention's items do (at (16, 16, 4096, 128) the longest
-        tiles of every head at once had 7% L2 hits), the ``U mod G`` pairs of the last
-        round (``U = B · floor(n_qt / 2)``) after them, then the middle tiles of odd ``n_qt``.
-        (A kernel argument rather than computed here: held in registers, the schedule's
-        values spilled from the producer's.)"""
-        if PAIRED and paired_places > 0:
+        (causal rows: ``sched``, the places of the whole rounds of pairs ``2 (U − U mod G)``
+        from the host's :func:`paired_places`, else 0) a block takes query tiles
+        ``n_qt − 1 − p`` and ``p`` of one head in two consecutive rounds, ``n_qt + 1`` key
+        tiles together whatever ``p``: the pairs go head by head as full attention's items
+        do (at (16, 16, 4096, 128) the longest tiles of every head at once had 7% L2 hits),
+        the ``U mod G`` pairs of the last round (``U = B · floor(n_qt / 2)``) after them,
+        then the middle tiles of odd ``n_qt``."""
+        if PAIRED and sched > 0:
             P = n_qt >> 1
             U = B * P
-            U0 = paired_places >> 1
-            if i < paired_places:
+            U0 = sched >> 1
+            if i < sched:
                 r = i // G
                 u = (r >> 1) * G + (i - r * G)
                 b = u // P
                 p = u - b * P
                 return (p if (r & 1) == 1 else n_qt - 1 - p), b
-            j = i - paired_places
+            j = i - sched
             if j < U - U0:                    # the last round's first tiles of its pairs
                 u = U0 + j
                 b = u // P
@@ -468,8 +471,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     def load(ring, tmap, full0, empty0, count, k0, b2k, b1):
         """The producer's load of the ``count``-th K or V tile (``ring``: the ring's first
         byte) into its stage once the consumers released the stage's previous tile; returns
-        ``count + 1``. (The stage and its phase follow from ``count``: held as registers
-        across an item, with the schedule's, they spilled from the producer's few.)"""
+        ``count + 1``. (The stage and its phase follow from ``count``: two registers fewer
+        across an item for the producer, whose few the schedule's arithmetic shares.)"""
         r = count // STAGES
         st = count - r * STAGES
         if count >= STAGES:
@@ -503,10 +506,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     @cuda.jit(device=True, inline=True)
     def place(i, G, n_qt, B, B2, sched, geo, slopes, seqs):
-        """Work item ``i`` (:func:`work_item`) as both roles need it: ``(b1, b2, first
-        query row, first key tile, key tiles, the sequence's first query row and first key
-        row, its query rows, its geometry)`` (one sequence of ``Nq`` rows and ``geo``
-        unless packed)."""
+        """Work item ``i`` (:func:`work_item`, with the launch's ``sched``) as both roles
+        need it: ``(b1, b2, first query row, first key tile, key tiles, the sequence's first
+        query row and first key row, its query rows, its geometry)`` (one sequence of ``Nq``
+        rows and ``geo`` unless packed)."""
         qt, b = work_item(i, G, n_qt, B, sched)
         b1 = b // B2
         b2 = b - b1 * B2
@@ -574,14 +577,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                         b2k = b2 // group
                         # K_0, then K_j with V_{j-1}: the order the consumers use them in
                         ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                          ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
+                                  ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
                         for j in range(1, tiles):
                             ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                              ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
+                                      ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
                             cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                              cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
+                                      cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
                         cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                          cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
+                                  cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
