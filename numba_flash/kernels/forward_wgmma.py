@@ -162,8 +162,8 @@ def paired_places(n_qt, b, grid, kv_bytes):
     tail = np.arange(2 * U0, n)                   # after the whole rounds' pairs (equal for every block)
     j = tail - 2 * U0
     ut, mids = U - U0, (b if n_qt & 1 else 0)
-    u = U0 + np.where(j < ut, j, j - ut - mids) % max(U, 1)
-    qt = np.where(j < ut, n_qt - 1 - u % P, np.where(j < ut + mids, P, u % P))
+    p = (U0 + np.where(j < ut, j, j - ut - mids)) % P     # each first or second tile's pair
+    qt = np.where(j < ut, n_qt - 1 - p, np.where(j < ut + mids, P, p))
     pairs = U0 // grid * (n_qt + 1 + 2 * ITEM_COST) + np.bincount(tail % grid, qt + 1 + ITEM_COST, grid).max()
     return 2 * U0 if pairs <= lpt * (1 + PAIRS_SLACK) else 0
 
