@@ -261,13 +261,13 @@ FORWARD_PARAMS = ("tq", "tk", "tv", "out", "lse", "nk", "group", "scale_log2", "
                   "cap_out", "slopes", "sched")
 
 
-def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None):
+def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, window=None):
     """The Hopper forward (``kernels/forward_wgmma``, launched with its own ``BM``, ``BN``,
     ``THREADS`` and ``smem_bytes``) on bf16 inputs of ``heads = (B1, B2)`` against the float64 oracle (the
     FlashAttention rule of the tensor-core tests: outputs within a few units of the last place).
     ``grid``: blocks launched (default: one per work item; fewer make each block take several);
     ``bn``: keys per tile (default the family's; with wider tiles 128 query rows, as
-    192 rows of each would not fit in shared memory)."""
+    192 rows of each would not fit in shared memory); ``window``: the public option."""
     import inspect
     import math
     import ml_dtypes
@@ -279,7 +279,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None):
     from numba_flash.launch import launch
     from numba_flash.scores import LOG2E, parse
 
-    rules = parse(causal=causal)
+    rules = parse(causal=causal, window=window)
     bn = bn or F.BN
     bm = F.tiling(d, rules.spec).BM if bn == F.BN else F.BM
     kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn, bm=bm)
@@ -304,7 +304,8 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None):
             sched)
     launch(kern, grid, kern.threads, kern.smem_bytes, args)
     got = out.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float64)
-    want, want_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)), causal=causal)
+    want, want_lse = reference.attention_fwd(*(x.astype(np.float64) for x in (q, k, v)), causal=causal,
+                                             window=window)
     assert not np.isnan(got).any()
     np.testing.assert_allclose(got, want, atol=2e-2, rtol=2e-2)
     np.testing.assert_allclose(lse.copy_to_host(), want_lse, atol=1e-3, rtol=1e-3)
@@ -323,18 +324,20 @@ def test_forward_draft_on_gpu(d, causal, nq, nk):
     check_forward(d, causal, nq, nk, (2, 3))
 
 
-@pytest.mark.parametrize("d,causal,nq,nk,heads,grid,bn", [
-    (64, True, 300, 100, (1, 2), 2, None),      # items without keys between others; rounds dealt both ways
-    (128, False, 200, 140, (1, 2), 2, None),    # query tiles fastest; the ring runs on across items
-    (64, True, 200, 450, (1, 2), 2, 192),       # 192-key tiles: the diagonal inside a tile, a ragged last one
+@pytest.mark.parametrize("d,causal,nq,nk,heads,grid,bn,window", [
+    (64, True, 300, 100, (1, 2), 2, None, None),    # items without keys between others; rounds dealt both ways
+    (128, False, 200, 140, (1, 2), 2, None, None),  # query tiles fastest; the ring runs on across items
+    (64, True, 200, 450, (1, 2), 2, 192, None),     # 192-key tiles: the diagonal inside a tile, a ragged last one
+    (64, True, 420, 400, (1, 1), 2, None, (200, None)),  # a window: 1 to 4 key tiles per item
 ])
-def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn):
+def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn, window):
     """Blocks that take several work items each (``grid`` below the item count): Q's and
-    the ring's barriers across items, items that see no key, the causal schedule's rounds;
+    the ring's barriers across items, items that see no key, the causal schedule's rounds,
+    a window's band across items;
     in the simulator through the twins, and on a Hopper GPU."""
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
-    check_forward(d, causal, nq, nk, heads, grid, bn)
+    check_forward(d, causal, nq, nk, heads, grid, bn, window=window)
 
 
 @pytest.mark.parametrize("nq,nk,heads,grid", [
