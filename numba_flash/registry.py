@@ -220,7 +220,9 @@ class Variant:
     paged: bool = False     # takes paged KV caches (scores.ScoreSpec.paged)
     ptx_dims: tuple = None  # the head dims specialisations() builds it at (None: HEAD_DIMS)
     ptx_rules: bool = True  # specialisations() builds it with scores.RULE_SPECS too
-    rules_tiling: object = None   # (dtype, d, scores) -> Tiling: the tiling where it depends on the rules
+    # (dtype, d, scores, rows) -> Tiling: the tiling where it depends on the rules or on the
+    # call's query rows per sequence (``rows``; None where unknown)
+    rules_tiling: object = None
 
 
 def _sig_scores(acc):
@@ -325,10 +327,11 @@ VARIANTS = {v.name: v for v in (
             direction="forward", async_only=True, packed=True, paged=True,
             ptx_dims=(128,), ptx_rules=False),    # forward_mma's code: its shapes and rules are checked there
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
-            lambda dt, d, sim: forward_wgmma.tiling(d, FULL), lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores),
+            lambda dt, d, sim: forward_wgmma.tiling(d, FULL),
+            lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores, bm=s.tiling.BM),
             lambda d, t: forward_wgmma.smem_bytes(d, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
             lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True,
-            rules_tiling=lambda dt, d, scores: forward_wgmma.tiling(d, scores)),
+            rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows)),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
@@ -403,11 +406,12 @@ class Specialisation:
     use_async: bool   # cp.async tile loads (needs 16-byte aligned rows and unit inner stride)
     tiling: Tiling
     compact: bool = False   # the variant's tiling for GPUs with less shared memory
+    rows_tag: str = ""      # "/rows<BM>" where the call's query rows chose the tiling (``rules_tiling``)
 
     @property
     def name(self):
         return (f"{self.variant}/{self.dtype}/d{self.d}/{self.scores.tag}"
-                f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}")
+                f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}{self.rows_tag}")
 
     @property
     def smem_bytes(self):
@@ -434,22 +438,27 @@ def async_possible(dtype_name: str, d: int):
 
 
 def specialisation(variant: str, dtype_name: str, d: int, scores: ScoreSpec = FULL, use_async: bool = False,
-                   simulator: bool = SIMULATOR, smem_limit: int = None, compact: bool = False):
+                   simulator: bool = SIMULATOR, smem_limit: int = None, compact: bool = False, rows: int = None):
     """The specialisation the API launches for these inputs: the variant's tiling, or its
     compact one when ``compact`` is set, when the first needs more than ``smem_limit``
     bytes of shared memory per block (the GPU's opt-in maximum), or for plain loads where
-    the variant says so (``plain_compact``)."""
+    the variant says so (``plain_compact``). ``rows``: the call's query rows per sequence,
+    for a variant whose tiling depends on them (``rules_tiling``; its name then says the
+    block's rows where they differ from those of unknown ``rows``)."""
     v = VARIANTS[variant]
     if scores.packed and not v.packed or scores.paged and not v.paged:
         raise ValueError(f"{variant} does not take {'paged caches' if scores.paged else 'packed sequences'} "
                          f"(scores {scores.tag})")
     t = v.tiling(dtype_name, d, simulator)
+    rows_tag = ""
     if t is not None and v.rules_tiling is not None:
-        t = v.rules_tiling(dtype_name, d, scores)
+        t = v.rules_tiling(dtype_name, d, scores, rows)
+        if rows is not None and t != v.rules_tiling(dtype_name, d, scores, None):
+            rows_tag = f"/rows{t.BM}"
     if t is None:                                       # shape-independent kernels
         return Specialisation(variant, dtype_name, 0, PACKED if scores.packed else FULL, False, None)
     use_async = (use_async or v.async_only) and async_possible(dtype_name, d)
-    spec = Specialisation(variant, dtype_name, d, scores, use_async, t)
+    spec = Specialisation(variant, dtype_name, d, scores, use_async, t, rows_tag=rows_tag)
     if v.compact is not None and (compact or smem_limit is not None and spec.smem_bytes > smem_limit
                                   or not use_async and v.plain_compact and v.plain_compact(dtype_name, d)):
         tc = v.compact(dtype_name, d, simulator)
@@ -492,7 +501,7 @@ def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR
     if dtype_name in LOW_DTYPES and rows is not None and rows <= SPLIT_ROWS:
         return specialisation("forward_mma_split", dtype_name, d, scores, True, simulator)
     if not scores.paged and uses_hopper(dtype_name, d, cc, simulator):
-        return specialisation("forward_wgmma", dtype_name, d, scores, True, simulator)
+        return specialisation("forward_wgmma", dtype_name, d, scores, True, simulator, rows=rows)
     if dtype_name in LOW_DTYPES:
         return specialisation("forward_mma", dtype_name, d, scores, True, simulator)
     return specialisation("forward_simt", dtype_name, d, scores, use_async, simulator, smem_limit)
@@ -560,7 +569,9 @@ def specialisations(simulator: bool = False):
     ``HEAD_DIMS`` that produces it, for the rule sets of ``scores.SCORE_SPECS``; those of
     ``scores.RULE_SPECS`` (windows, softcap, ALiBi), ``PACKED_SPECS`` and ``PAGED_SPECS``
     once per variant and dtype (of the 16-bit dtypes, ``RULE_LOW_DTYPE`` only: the rule
-    code does not depend on which), at ``RULE_SPEC_D`` with cp.async loads.
+    code does not depend on which), at ``RULE_SPEC_D`` with cp.async loads. A variant whose
+    tiling depends on the call's query rows (``rules_tiling``) also appears with the tiling
+    of short sequences (``rows = 1``) where that differs.
     """
     seen = set()
     for variant, v in VARIANTS.items():
@@ -570,8 +581,11 @@ def specialisations(simulator: bool = False):
                     continue
                 for scores in SCORE_SPECS:
                     for use_async in (True,) if v.async_only else (True, False):
-                        for compact in (False, True) if v.compact else (False,):
-                            spec = specialisation(variant, dt, d, scores, use_async, simulator, compact=compact)
+                        for compact, rows in ((False, None), (True, None), (False, 1)):
+                            if compact and not v.compact or rows is not None and not v.rules_tiling:
+                                continue
+                            spec = specialisation(variant, dt, d, scores, use_async, simulator, compact=compact,
+                                                  rows=rows)
                             if compact and not spec.compact:
                                 continue
                             key = (variant, dt, spec.scores, spec.use_async) + _shape_key(spec.tiling, d)

@@ -376,8 +376,9 @@ def test_pairs_where_the_model_says():
 def test_block_rows_follow_the_rules(d):
     """The forward's tile shape per head dim and rules, as the registry hands it to the
     launches: 192 rows in four warpgroups at d = 64 without a window, softcap, ALiBi or
-    packed rows, else 128 in three; the launch's threads and shared memory are the
-    kernel's own."""
+    packed rows, nor causal rows of calls with at most ``NARROW_CAUSAL_ROWS`` query rows,
+    else 128 in three (a kernel of its own name where the call's rows chose it); the
+    launch's threads and shared memory are the kernel's own."""
     from numba_flash import registry
     from numba_flash.kernels import forward_wgmma as F
     from numba_flash.scores import ScoreSpec
@@ -389,6 +390,13 @@ def test_block_rows_follow_the_rules(d):
         kern = spec.kernel()
         assert kern.threads == spec.tiling.threads
         assert kern.smem_bytes == spec.smem_bytes == F.smem_bytes(d, bm=spec.tiling.BM) <= F.SMEM_LIMIT
+    for rules, rows in ((ScoreSpec(causal=True), F.NARROW_CAUSAL_ROWS), (ScoreSpec(causal=True), 1 + F.NARROW_CAUSAL_ROWS),
+                        (ScoreSpec(), 100)):
+        spec = registry.specialisation("forward_wgmma", "bfloat16", d, rules, True, rows=rows)
+        narrow = d == 128 or (rules.causal and rows <= F.NARROW_CAUSAL_ROWS)
+        assert spec.tiling.BM == (128 if narrow else 192), (d, rules, rows)
+        assert spec.name.endswith("/rows128") == (d == 64 and narrow), spec.name
+        assert spec.kernel().threads == spec.tiling.threads
 
 
 @pytest.mark.parametrize("slow", [1, 2, 3])

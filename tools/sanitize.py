@@ -23,8 +23,9 @@ racecheck. ``--backward``: the backward kernels alone (out and lse from the floa
 oracle; no block masks), with the other flags' shapes and dtypes. ``--d D``: only the
 shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs`` (with
 ``--hopper``): the Hopper forward's pairs schedule of causal rows forced wherever a grid
-of three blocks has a whole round of pairs (``forward_wgmma.paired_places``), at a shape
-with an odd count of query tiles and rows that see no key; forward only.
+of three blocks has a whole round of pairs (``forward_wgmma.paired_places``), at shapes
+with an odd count of query tiles and rows that see no key, d = 128 and d = 64 (whose
+calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``); forward only.
 """
 import os
 import sys
@@ -46,7 +47,7 @@ OPTIONS = [
 # (Hq, Hkv, Nq, Nk, d): ragged against every tile size, Nq > Nk and Nq < Nk, GQA and MQA
 SHAPES = [(2, 2, 37, 53, 40), (4, 2, 70, 29, 64), (3, 1, 17, 131, 24)]
 HOPPER_SHAPES = [(4, 2, 130, 200, 64), (2, 1, 70, 29, 128), (2, 2, 200, 330, 128)]
-PAIRS_SHAPES = [(2, 2, 300, 260, 128)]      # three query tiles, two heads of two batches
+PAIRS_SHAPES = [(2, 2, 300, 260, 128), (2, 2, 300, 260, 64)]   # three query tiles, two heads of two batches
 DTYPES = (("float32", 1e-4), ("float64", 1e-10), ("float16", 2e-2), ("bfloat16", 8e-2))   # and tolerances
 
 

@@ -100,13 +100,23 @@ class WgmmaTiling:
     DO: int = 256
 
 
-def tiling(D, scores):
+# Causal rows at d = 64 with at most this many query rows per sequence take 128-row blocks
+# (and the pairs schedule where L2 calls for it: :func:`paired`) rather than 192: measured
+# on an H200 5-13% faster at N = 1024-4096, 2-5% slower at N = 8192-16384 (docs/performance.md
+# item 63)
+NARROW_CAUSAL_ROWS = 4096
+
+
+def tiling(D, scores, rows=None):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
     or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
     3-5% slower at d = 64), a softcap (causal: 6% slower; full: no faster), ALiBi, user
     functions and packed sequences (their consumers would spill registers at 192 rows:
-    16-144 bytes, ptxas 13). Measured on an H200: docs/performance.md item 60."""
-    narrow = scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
+    16-144 bytes, ptxas 13), and causal rows where the call's query rows per sequence
+    (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200:
+    docs/performance.md items 60 and 63."""
+    narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
+              or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
     bm = BM if narrow else BLOCK_ROWS.get(D, BM)
     return WgmmaTiling(BM=bm, threads=threads_for(bm))
 
