@@ -150,7 +150,7 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     if not pingpong:
         plain = forward_wgmma.make_forward_wgmma
         monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                            lambda dt, d, scores: plain(dt, d, scores, pingpong=False, exp2_fma=2))
+                            lambda dt, d, scores, **kw: plain(dt, d, scores, pingpong=False, exp2_fma=2, **kw))
     rng = np.random.default_rng(13 + pingpong)
     q = rng.standard_normal((2, 70, 64)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((2, 140, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
