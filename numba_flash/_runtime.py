@@ -173,6 +173,9 @@ def _thread_safe_static_shared_arrays():
 
 
 SIMULATOR = _decide()
+if pinned_numba_cuda("NUMBA_FLASH_DEFER_ML_DTYPES"):
+    from . import _deferred_ml_dtypes
+    _deferred_ml_dtypes.load_numba_cuda()     # `import numba_flash` 0.8-1.4 s sooner on a slow host
 if SIMULATOR:
     _thread_safe_static_shared_arrays()
     from . import _simulator

@@ -81,6 +81,35 @@ def test_import_numba_first():
         assert got["where"] == [["<string>", 5]]
 
 
+def test_ml_dtypes_deferred_until_imported():
+    """``numba.cuda`` loads without ``ml_dtypes`` (``numba_flash/_deferred_ml_dtypes.py``);
+    importing it afterwards gives numba-cuda the same bfloat16 entry as its own import does
+    (``NUMBA_FLASH_DEFER_ML_DTYPES=0``), and bfloat16 arrays go to the device and back, and
+    through an attention call, as before."""
+    script = (
+        "import json, sys\n"
+        "import numba_flash\n"
+        "early = 'ml_dtypes' in sys.modules\n"
+        "import ml_dtypes, numpy as np\n"
+        "from numba.cuda.np import numpy_support\n"
+        "x = (np.arange(48).reshape(1, 2, 3, 8) / 16).astype(ml_dtypes.bfloat16)\n"
+        "back = numba_flash.to_device(x).copy_to_host()\n"
+        "out = numba_flash.attention(x, x, x)\n"
+        "print(json.dumps({'early': early, 'entry': str(numpy_support.FROM_DTYPE.get(np.dtype(ml_dtypes.bfloat16))),"
+        " 'back': back.astype(float).ravel().tolist(), 'out': out.astype(float).ravel().tolist(),"
+        " 'dtype': str(out.dtype)}))\n")
+    got = {}
+    for defer in ("1", "0"):
+        proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
+                              env=project_env(NUMBA_FLASH_DEFER_ML_DTYPES=defer), timeout=HANG_GUARD_S)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        got[defer] = json.loads(proc.stdout.splitlines()[-1])
+    if not _runtime.pinned_numba_cuda("NUMBA_FLASH_DEFER_ML_DTYPES"):
+        pytest.skip("another numba-cuda than the pinned one: nothing is deferred")
+    assert got["1"].pop("early") is False and got["0"].pop("early") is True
+    assert got["1"] == got["0"] and got["1"]["entry"] != "None" and got["1"]["dtype"] == "bfloat16"
+
+
 def test_faster_compiles_compile_the_same_code():
     """numba_flash._inline_copies and _fast_analysis (installed at import, outside the
     simulator) make the inliner's IR copies, the liveness analysis and the SSA rewrites
