@@ -42,6 +42,9 @@ class _Loader(importlib.abc.Loader):
         self.loader.exec_module(module)
         register(module)
 
+    def __getattr__(self, name):      # get_data, get_resource_reader, ...: the wrapped loader's
+        return getattr(self.loader, name)
+
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds ``ml_dtypes`` as the other finders do, its loader wrapped (once)."""
