@@ -50,12 +50,32 @@ def project_env(**overrides):
 
 def start_ptx_compile(args, env):
     """``python -m numba_flash.ptx *args`` in the background at a lower priority, so the
-    compiles use the CPU that the simulator tests leave idle (collected with communicate())."""
+    compiles use the CPU that the simulator tests leave idle (collected with
+    :func:`collect_ptx_compile`). Its output goes to temporary files, not pipes: a pipe
+    that nobody reads until the end fills at 64 KiB and stops the process at its next
+    line (the compiles then waited for the tests they were meant to overlap, and each
+    for the one collected before it)."""
     import subprocess
     import sys
+    import tempfile
     nice = (lambda: os.nice(10)) if hasattr(os, "nice") else None
-    return subprocess.Popen([sys.executable, "-m", "numba_flash.ptx", *args], cwd=ROOT, env=env, preexec_fn=nice,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    p = subprocess.Popen([sys.executable, "-m", "numba_flash.ptx", *args], cwd=ROOT, env=env, preexec_fn=nice,
+                         stdout=out, stderr=err, text=True)
+    p.output_files = (out, err)
+    return p
+
+
+def collect_ptx_compile(p, timeout=None):
+    """``(stdout, stderr)`` of a :func:`start_ptx_compile` process once it has ended
+    (``subprocess.TimeoutExpired`` after ``timeout`` seconds)."""
+    p.wait(timeout=timeout)
+    texts = []
+    for f in p.output_files:
+        f.seek(0)
+        texts.append(f.read())
+        f.close()
+    return tuple(texts)
 
 _QUIET = dict(deadline=None, print_blob=True, suppress_health_check=[HealthCheck.too_slow])
 settings.register_profile("ci", derandomize=True, max_examples=40 if ON_GPU else 12, **_QUIET)

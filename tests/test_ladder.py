@@ -21,7 +21,7 @@ import numba_flash  # noqa: F401  (before numba: decides the simulator)
 from numba import cuda
 from numba_flash import ladder, reference
 from numba_flash.ladder import RUNGS
-from conftest import HANG_GUARD_S, ON_GPU, baseline_fwd32, project_env, start_ptx_compile
+from conftest import HANG_GUARD_S, ON_GPU, baseline_fwd32, collect_ptx_compile, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 CCS = ("8.0", "9.0")
@@ -87,7 +87,7 @@ def stop_runs():
     for p in _PTX.values():
         if p.poll() is None:
             p.kill()
-            p.communicate()
+            p.wait()
 
 
 # --------------------------------------------------------------------------- registry
@@ -234,7 +234,7 @@ def test_bench_ladder_tiny(tmp_path):
 def ptx_rows():
     """{cc: {rung name: JSON row}} from the run ``start_runs`` started."""
     try:
-        out, err = start_runs()["ladder"].communicate(timeout=HANG_GUARD_S)
+        out, err = collect_ptx_compile(start_runs()["ladder"], timeout=HANG_GUARD_S)
         assert _PTX["ladder"].returncode == 0, f"python -m numba_flash.ptx --ladder failed:\n{err[-4000:]}"
     finally:
         stop_runs()

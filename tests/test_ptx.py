@@ -14,7 +14,7 @@ import pytest
 
 from numba_flash import registry
 from numba_flash.scores import PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, SOFTCAP_TANH
-from conftest import HANG_GUARD_S, project_env, start_ptx_compile
+from conftest import HANG_GUARD_S, collect_ptx_compile, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPECTED = {s.name for s in registry.specialisations()}
@@ -77,7 +77,7 @@ def stop_runs():
     for p in _PROCS.values():
         if p.poll() is None:
             p.kill()
-            p.communicate()
+            p.wait()
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +86,7 @@ def ptx_runs():
     results = {}
     try:
         for name, p in start_runs().items():
-            out, err = p.communicate(timeout=HANG_GUARD_S)
+            out, err = collect_ptx_compile(p, timeout=HANG_GUARD_S)
             rows = [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
             results[name] = (p.returncode, rows, err)
     finally:
