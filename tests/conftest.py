@@ -116,8 +116,10 @@ def pytest_collection_modifyitems(session, config, items):
 def pytest_collection_finish(session):
     """Start the slow PTX compiles of test_ptx.py and test_ladder.py in the background right
     away, if those modules were selected: they use the CPU that the single-threaded simulator
-    tests leave idle."""
-    if session.config.option.collectonly:
+    tests leave idle. Under pytest-xdist every worker collects every test: only the first
+    (``gw0``) starts them here; a worker that runs those tests without having started them
+    starts its own (``start_runs`` in their fixtures)."""
+    if session.config.option.collectonly or os.environ.get("PYTEST_XDIST_WORKER", "gw0") != "gw0":
         return
     started = set()
     for item in session.items:
