@@ -171,7 +171,8 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
         g = forward_wgmma.grid_size(rows, b, sm_count, t.BM)
         # the sequence table, or the causal schedule's pairs (forward_wgmma.paired_places)
         last = inp.packed.table if inp.packed is not None else (
-            forward_wgmma.paired_places(-(-rows // t.BM), b, g, math.prod(k4.shape[:2]) * inp.nk * inp.d * 4)
+            forward_wgmma.paired_places(-(-rows // t.BM), b, g, 2 * math.prod(k4.shape[:2]) * inp.nk * inp.d
+                                        * inp.dtype.itemsize)      # (the bytes of K and V)
             if forward_wgmma.paired(inp.scores, t.BM) else 0)
         launches.append((kern, g, t.threads, spec.smem_bytes,
                          (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), last),
