@@ -27,8 +27,8 @@ def warmup(shapes, dtypes=("float32",), causal=(False,), backward=False):
     described call would: the kernel choice depends on the dtype, the head dim ``d``,
     the causal flag, whether a sequence has at most ``registry.SPLIT_ROWS`` query rows
     (16-bit decoding runs its own kernel) and the device, not on the batch, the heads or
-    the key count. CUDA-core dtypes (float32, float64) also run with key splits, so the
-    merge kernel that large-grid-starved calls need is compiled too.
+    the key count. CUDA-core dtypes (float32, float64) and 16-bit decoding also run with
+    key splits, so the merge kernel that large-grid-starved calls need is compiled too.
 
     Args:
         shapes: shapes of ``q``, ``(..., Nq, d)`` each, e.g. ``[(B, H, N, d)]``
@@ -76,7 +76,8 @@ def _warm(name, dtype, nq, d, causal, backward):
     q = rng.standard_normal((1, 1, rows, d)).astype(dtype)
     k, v = (rng.standard_normal((1, 1, keys, d)).astype(dtype) for _ in range(2))
     ran = set()
-    result, launches = api.plan_forward(q, k, v, causal, splits=None if low else 2)
+    split = not low or spec.variant == "forward_mma_split"
+    result, launches = api.plan_forward(q, k, v, causal, splits=2 if split else None)
     for args in launches:
         launch(*args)
         ran.add(_kernel_cache.kernel_name(args[0]))

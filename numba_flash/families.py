@@ -318,8 +318,8 @@ def _tma_map(a, rows, stream):
 def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_count, smem_limit, scratch):
     """The launches of a forward with key splits (the CUDA-core family, and the tensor
     cores' one-warp kernel for few query rows): one, or with Z key splits (Z blocks per
-    query tile) the forward into per-split partial results and then the merge kernel
-    (always, for the tensor-core kernel, whose results are partial)."""
+    query tile) the forward into per-split partial results and then the merge kernel.
+    (The one-warp kernel writes the final results itself when Z = 1.)"""
     q4, k4, v4, o4, l3 = arrays
     t = spec.tiling
     nq, nk = (inp.nq, inp.nk) if inp.packed is None else (inp.packed.max_q, inp.packed.max_k)
@@ -341,9 +341,19 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
         return [(kern, g, t.threads, spec.smem_bytes,
                  (q4, k4, v4, o4, l3, scale_log2, max(split_keys, inp.nk), *tail), inp.stream)]
     b1, b2 = q4.shape[0], q4.shape[1]
-    parts = inp.empty_like((z * b1, b2, inp.nq, inp.d), inp.acc_dtype)
-    parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
+    one_warp = spec.variant != "forward_simt"     # (which takes the final results too)
+    if z == 1:          # the one-warp kernel's partial results are final: only their split count is read
+        parts = inp.empty_like((b1, 1, 1, 1), inp.acc_dtype)
+        parts_ml = inp.empty_like((2 * b1, 1, 1), inp.acc_dtype)
+    else:
+        parts = inp.empty_like((z * b1, b2, inp.nq, inp.d), inp.acc_dtype)
+        parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
     scratch += (parts, parts_ml)
+    forward = (kern, (g[0] * z,) + g[1:], t.threads, spec.smem_bytes,
+               (q4, k4, v4, parts, parts_ml) + ((o4, l3) if one_warp else ()) + (scale_log2, split_keys, *tail),
+               inp.stream)
+    if z == 1:
+        return [forward]
     merge = registry.specialisation("forward_merge", inp.dtype.name, 0,
                                     scores.PACKED if inp.packed is not None else scores.FULL).kernel()
     if inp.packed is None:
@@ -351,8 +361,7 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     else:         # the rows each sequence has (packed views may overlap between leading indices)
         merged = (merge, (b1 * b2 * inp.packed.max_q, 1, inp.packed.count), merge.threads, merge.smem_bytes,
                   (parts, parts_ml, o4, l3, inp.packed.table), inp.stream)
-    return [(kern, (g[0] * z,) + g[1:], t.threads, spec.smem_bytes,
-             (q4, k4, v4, parts, parts_ml, scale_log2, split_keys, *tail), inp.stream), merged]
+    return [forward, merged]
 
 
 # --------------------------------------------------------------------------- backward

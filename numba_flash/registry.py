@@ -255,7 +255,8 @@ def _sig_forward_mma(dt, layout, packed=False):
 
 def _sig_forward_mma_split(dt, layout, packed=False):
     a = _a4("uint16", layout)
-    return (f"void({a}, {a}, {a}, float32[:, :, :, ::1], float32[:, :, ::1], float32, int64, "
+    o, l = ("uint16[:, :, :, :]", "float32[:, :, :]") if packed else ("uint16[:, :, :, ::1]", "float32[:, :, ::1]")
+    return (f"void({a}, {a}, {a}, float32[:, :, :, ::1], float32[:, :, ::1], {o}, {l}, float32, int64, "
             f"{_sig_scores('float32')}{_SEQS if packed else ''})")
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import numba_flash
 from numba import cuda
-from numba_flash import reference, registry
+from numba_flash import api, reference, registry
 from conftest import ON_GPU, check_forward, host, np_dtype
 from numba_flash.testing import check_forward_low
 
@@ -356,17 +356,21 @@ def test_packed_specialisations_are_registered():
 
 @pytest.mark.parametrize("dtype", LOW)
 @pytest.mark.parametrize("packed", [False, True])
-def test_key_splits_of_few_query_rows(dtype, packed, monkeypatch):
+@pytest.mark.parametrize("splits", [1, 3])
+def test_key_splits_of_few_query_rows(dtype, packed, splits, monkeypatch):
     """At most ``registry.SPLIT_ROWS`` query rows: the one-warp tensor-core kernel with key
-    splits (forced to 3, as a GPU with idle SMs would choose) and their merge, plain and
-    packed (a KV cache), causal and with a window, against the oracle."""
-    monkeypatch.setattr(registry, "forward_splits", lambda *args: 3)
+    splits (forced to 3, as a GPU with idle SMs would choose) and their merge, or with
+    one split writing its final results itself (no merge launched), plain and packed (a
+    KV cache), causal and with a window, against the oracle."""
+    monkeypatch.setattr(registry, "forward_splits", lambda *args: splits)
     rng = np.random.default_rng(6)
     dt = np_dtype(dtype)
     assert registry.forward_specialisation(dtype, 16, registry.FULL, True, rows=2).variant == "forward_mma_split"
     if not packed:
         q = rng.standard_normal((2, 3, 16)).astype(dt)
         k, v = (rng.standard_normal((2, 70, 16)).astype(dt) for _ in range(2))
+        _, launches = api.plan_forward(q, k, v)
+        assert len(launches) == (1 if splits == 1 else 2), launches
         for options in (dict(causal=True), dict(window=(20, 0))):
             out, lse = numba_flash.attention_fwd(q, k, v, **options)
             check_forward_low(out, lse, q, k, v, options, None)

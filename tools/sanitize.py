@@ -95,8 +95,8 @@ def serving(rng, hopper=False):
         if hopper:
             continue
         for paged in (False, True):
-            for forced in (None, 3):
-                registry.forward_splits = splits if forced is None else (lambda *a: 3)
+            for forced in (None, 1, 3):
+                registry.forward_splits = splits if forced is None else (lambda *a, z=forced: z)
                 try:
                     bad += _kvcache(rng, npdt, dt, tol, paged, forced)
                 finally:

@@ -92,9 +92,13 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     computes partial results as the CUDA-core forward's splits do, for
     ``numba_flash.kernels.forward.make_merge``: ``out`` becomes ``parts (Z·B1, B2, Nq, D)``
     float32 (each split's normalised output), ``lse`` ``parts_ml (2·Z·B1, B2, Nq)``
-    (row maxima in log2 units, then row sums), and ``split_keys`` (int64, keys per
-    split, a multiple of ``BN`` counted from the query tile's first visible key tile)
-    follows ``scale_log2``; launch with ``Z`` times the blocks on grid axis x.
+    (row maxima in log2 units, then row sums), then come ``out`` and ``lse`` as above
+    (the final results), and ``split_keys`` (int64, keys per split, a multiple of ``BN``
+    counted from the query tile's first visible key tile) follows ``scale_log2``; launch
+    with ``Z`` times the blocks on grid axis x. With one split (``Z = 1``: ``parts`` of
+    ``B1`` on its first axis, any size on the others) the kernel writes the final ``out``
+    and ``lse`` itself, as the kernel without ``split`` does, and writes neither ``parts``
+    nor ``parts_ml``: no merge to launch.
     """
     assert D % 8 == 0
     mma, pack = operand_kinds(dtype_name)
@@ -131,8 +135,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     a_frag, b_frag, bt_frag = make_fragments(RS)
 
     @device
-    def forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs,
-                     pages, page_size):
+    def forward_body(q, k, v, out, lse, fout, flse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes,
+                     seqs, pages, page_size):
         q_start, Nq, k_start, Nk = sequence(seqs, cuda.blockIdx.z, q.shape[2], k.shape[2])
         tid = cuda.threadIdx.x
         lane = tid & 31
@@ -310,7 +314,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
             for off in (1, 2):
                 lh += warp.shfl_xor_sync(warp.FULL_MASK, lh, off)
             inv = ZERO if lh == ZERO else numba.float32(1) / lh   # no visible key: 0, lse -inf
-            if SPLIT and row < Nq:    # this split's normalised output, row max and sum
+            if SPLIT and Z > 1 and row < Nq:    # this split's normalised output, row max and sum
                 ob1 = zs * q.shape[0] + b1
                 for n in range(ND):
                     col = 8 * n + 2 * tq
@@ -325,31 +329,32 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
                     col = 8 * n + 2 * tq
                     if col < D:
                         bits = pack(o[mt, n, e0] * inv, o[mt, n, e0 + 1] * inv)
-                        out[b1, b2, q_start + row, col] = numba.uint16(bits & 0xFFFF)
-                        out[b1, b2, q_start + row, col + 1] = numba.uint16(bits >> 16)
+                        fout[b1, b2, q_start + row, col] = numba.uint16(bits & 0xFFFF)
+                        fout[b1, b2, q_start + row, col + 1] = numba.uint16(bits >> 16)
                 if tq == 0:
-                    lse[b1, b2, q_start + row] = NEG_INF if lh == ZERO else (m[h] + math.log2(lh)) * LN2_T
+                    flse[b1, b2, q_start + row] = NEG_INF if lh == ZERO else (m[h] + math.log2(lh)) * LN2_T
 
     if split and scores.packed:
         @cuda.jit(**JIT)
-        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs, pages,
-                    page_size):
-            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, seqs,
-                         pages, page_size)
+        def forward(q, k, v, out, lse, fout, flse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes,
+                    seqs, pages, page_size):
+            forward_body(q, k, v, out, lse, fout, flse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes,
+                         seqs, pages, page_size)
     elif split:
         @cuda.jit(**JIT)
-        def forward(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
-            forward_body(q, k, v, out, lse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes, slopes,
-                         slopes, 0)
+        def forward(q, k, v, out, lse, fout, flse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes):
+            forward_body(q, k, v, out, lse, fout, flse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes,
+                         slopes, slopes, 0)
     elif scores.packed:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes, seqs, pages, page_size):
-            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, seqs, pages,
-                         page_size)
+            forward_body(q, k, v, out, lse, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, seqs,
+                         pages, page_size)
     else:
         @cuda.jit(**JIT)
         def forward(q, k, v, out, lse, scale_log2, left, right, cap_in, cap_out, slopes):
-            forward_body(q, k, v, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, slopes, slopes, 0)
+            forward_body(q, k, v, out, lse, out, lse, scale_log2, 0, left, right, cap_in, cap_out, slopes, slopes,
+                         slopes, 0)
 
     forward.tiling = t
     forward.smem_bytes = smem_elements(D, t) * 2
