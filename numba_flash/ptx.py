@@ -54,6 +54,8 @@ def features(ptx: str) -> dict:
         "mma.sync": ptx.count("mma.sync"),
         "ldmatrix": ptx.count("ldmatrix"),
         "cp.async": ptx.count("cp.async.cg"),
+        # those that ask L2 for the whole 128-byte line (ops.cp_async16: all of them)
+        "cp.async.L2::128B": ptx.count("cp.async.cg.shared.global.L2::128B"),
         "cvt.rna.tf32": ptx.count("cvt.rna.tf32"),
         "bar.sync": ptx.count("bar.sync"),
         "tanh.approx.f32": ptx.count("tanh.approx.f32"),

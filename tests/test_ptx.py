@@ -128,6 +128,8 @@ def _check_row(r):
         bad.append("an /async kernel without cp.async")
     if name.endswith("/plain") and r["cp.async"] != 0:
         bad.append(f"a /plain kernel with {r['cp.async']} cp.async")
+    if r["cp.async"] != r["cp.async.L2::128B"]:
+        bad.append(f"{r['cp.async'] - r['cp.async.L2::128B']} cp.async without the .L2::128B fetch hint")
     if name.startswith(FORWARD + "/"):
         if r["shfl.sync"] == 0:
             bad.append("no shfl.sync (row max and row sum are warp shuffles)")
