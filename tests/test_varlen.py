@@ -123,6 +123,57 @@ def test_varlen_device_arrays_and_attention(dtype):
     np.testing.assert_array_equal(only.view(np.uint8), out.view(np.uint8))
 
 
+def test_varlen_repeat_calls_check_new_metadata(monkeypatch):
+    """Repeat calls with the same metadata (a model's layers) reuse its checked sequence
+    table; new metadata, even the same array changed in place, is checked and attended
+    to anew."""
+    from numba_flash import varlen
+    monkeypatch.setattr(varlen, "_VARLEN_TABLES", {})
+    checks = []
+    original = varlen._sequences
+    monkeypatch.setattr(varlen, "_sequences", lambda *a: checks.append(1) or original(*a))
+    case = dict(dtype="float32", lens_q=[5, 9], lens_k=[9, 5], hq=2, hkv=1, d=8, options=dict(causal=True),
+                alibi=False, seed=11)
+    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case)
+    for _ in range(2):
+        out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, causal=True)
+        _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, None)
+    assert len(checks) == 1, "the repeat call checked its metadata again"
+    cu_q[1] = 8                          # lengths 8 and 6, in place
+    out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, causal=True)
+    _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, None)
+    assert len(checks) == 2
+    cu_q[1] = 15                         # past the end: 15, then 14
+    with pytest.raises(ValueError, match="never decrease"):
+        numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, causal=True)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="launch plans exist only on a GPU")
+def test_varlen_repeat_calls_through_launch_plans(monkeypatch):
+    """PyTorch inputs as a model's layers pass them: the first call leaves a launch plan,
+    the next calls (new values; then new lengths with the same longest sequences) run
+    through it without the inputs' full checks, each matching the oracle."""
+    torch = pytest.importorskip("torch")
+    from numba_flash import _plans, varlen
+    monkeypatch.setattr(_plans, "_PLANS", {})
+    monkeypatch.setattr(varlen, "_VARLEN_TABLES", {})
+    runs, full = [], []
+    original_run, original_inputs = _plans.Plan.run, api._Inputs
+    monkeypatch.setattr(_plans.Plan, "run", lambda self, *a, **kw: runs.append(1) or original_run(self, *a, **kw))
+    monkeypatch.setattr(api, "_Inputs", lambda *a, **kw: full.append(1) or original_inputs(*a, **kw))
+    rng = np.random.default_rng(12)
+    bf16 = np_dtype("bfloat16")
+    for step, lens in enumerate(([300, 0, 129, 77], [300, 0, 129, 77], [129, 77, 0, 300])):
+        case = dict(dtype="bfloat16", lens_q=lens, lens_k=lens, hq=4, hkv=2, d=128, options=dict(causal=True),
+                    alibi=False, seed=int(rng.integers(2**31)))
+        q, k, v, cu_q, cu_k, _ = _varlen_inputs(case)
+        t = [torch.tensor(x.astype(np.float32), dtype=torch.bfloat16, device="cuda") for x in (q, k, v)]
+        out, lse = numba_flash.attention_varlen_fwd(*t, cu_q, cu_k, causal=True)
+        assert len(runs) == step and len(full) == 1, (step, len(runs), len(full))
+        out = out.float().cpu().numpy().astype(bf16)
+        _check_varlen(case, out, lse.cpu().numpy(), q, k, v, cu_q, cu_k, None)
+
+
 HOPPER_VARLEN = [   # (dtype, d, hq, hkv, lens_q, lens_k, rule, device): empty sequences, tiles of 128 crossed
     ("bfloat16", 64, 2, 1, [5, 0, 140, 30], [9, 3, 150, 0], dict(causal=True), False),
     ("float16", 128, 2, 2, [40, 131], [200, 7], dict(window=(20, 3), softcap=5.0, alibi=True), True),
