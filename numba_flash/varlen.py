@@ -326,7 +326,7 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     table, max_q, max_k = _varlen_table(cu_q, cu_k, total_q, total_k, max_q, max_k, rows)
     sig = None
     if slopes is None:      # a repeat call: its plan, before the inputs' checks and views
-        sig = _plans.signature("varlen", [q, k, v], (tuple(tuple(o) if isinstance(o, list) else o for o in options),
+        sig = _plans.signature("varlen", [q, k, v], (*(tuple(o) if isinstance(o, list) else o for o in options),
                                                      scale, max_q, max_k, table.shape, registry.hopper_choice()))
         plan = _plans.lookup(sig)
         if plan is not None:

@@ -172,6 +172,8 @@ def test_varlen_repeat_calls_through_launch_plans(monkeypatch):
         assert len(runs) == step and len(full) == 1, (step, len(runs), len(full))
         out = out.float().cpu().numpy().astype(bf16)
         _check_varlen(case, out, lse.cpu().numpy(), q, k, v, cu_q, cu_k, None)
+    with pytest.raises(TypeError, match="causal must be True or False"):     # not the plan of causal=True
+        numba_flash.attention_varlen_fwd(*t, cu_q, cu_k, causal=1)
 
 
 HOPPER_VARLEN = [   # (dtype, d, hq, hkv, lens_q, lens_k, rule, device): empty sequences, tiles of 128 crossed
