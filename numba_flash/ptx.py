@@ -103,7 +103,10 @@ def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None, keep_sass: bool = F
     ``ptxas -v``; with ``nvdisasm``, also ``hot_blocks`` (:func:`hot_blocks` of its
     SASS). NVVM may write a newer PTX ISA version than this ptxas reads; the
     ``.version`` line is then lowered to the one ptxas names (the kernels use no newer
-    instruction, or ptxas reports it). Returns {} if ptxas fails."""
+    instruction, or ptxas reports it). For a kernel with ``wgmma``, ``wgmma_serialized``:
+    whether ptxas made each product wait for the one before (its warning C7513, e.g. when
+    a branch or a non-wgmma instruction writes a product's registers while a chain is in
+    flight: the tensor cores then idle between products). Returns {} if ptxas fails."""
     arch = f"sm_{cc[0]}{cc[1]}{''.join(cc[2:])}"      # (9, 0, "a") -> sm_90a
     with tempfile.TemporaryDirectory() as tmp:
         src, dst = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -122,6 +125,8 @@ def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None, keep_sass: bool = F
     if proc.returncode != 0:
         return {}
     info = {}
+    if "wgmma.mma_async" in ptx:     # ptxas's C7513: it waited for each product (a chain broken)
+        info["wgmma_serialized"] = "C7513" in proc.stderr or "instructions are serialized" in proc.stderr
     for m in _PTXAS_INFO.finditer(proc.stderr):
         if m.group(4):
             info["registers"] = int(m.group(4))

@@ -105,10 +105,12 @@ def test_forward_mma_matches_oracle(case):
 HOPPER_EXAMPLES = [     # ragged against the family's 128-row, 128-key tiles; the ring wraps in the second
     Case((), 100, 150, 64, "bfloat16", causal=True, seed=11),
     Case((2,), 130, 300, 64, "float16", scale=0.5, seed=12, device=True),
+    # causal, Nq > Nk: query tiles that see no key among those that do, d = 128 (two consumers)
+    Case((2,), 300, 90, 128, "bfloat16", causal=True, seed=13),
 ]
 
 
-@pytest.mark.parametrize("case", HOPPER_EXAMPLES, ids=["causal-100x150", "full-130x300"])
+@pytest.mark.parametrize("case", HOPPER_EXAMPLES, ids=["causal-100x150", "full-130x300", "causal-300x90"])
 def test_hopper_family_through_the_api(case, monkeypatch):
     """The Hopper family forced on (``NUMBA_FLASH_HOPPER=1``): in the simulator through
     ``ops_hopper``'s twins, on a GPU where it is one of cc 9.0 (elsewhere the variable

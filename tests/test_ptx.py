@@ -248,6 +248,36 @@ def test_no_register_spills(ptx_runs, cc):
     assert not bad, "\n".join(bad)
 
 
+def test_no_serialized_wgmma(ptx_runs):
+    """ptxas keeps every Hopper kernel's warpgroup products asynchronous: none reports
+    C7513 (products serialized, each waiting for the one before), which a branch around a
+    product while another is in flight brings about (docs/performance.md item 67)."""
+    rows = [r for r in _cc_rows(ptx_runs, "9.0a") if "registers" in r]
+    if not rows:
+        pytest.skip("no ptxas on this machine (python -m numba_flash.ptx --ptxas found none)")
+    assert all("wgmma_serialized" in r for r in rows), [r["name"] for r in rows if "wgmma_serialized" not in r]
+    assert not [r["name"] for r in rows if r["wgmma_serialized"]]
+
+
+def test_assemble_reads_wgmma_serialization(monkeypatch):
+    """``ptx.assemble`` reports ptxas's C7513 (its words as ptxas 13.0 prints them) for
+    kernels with warpgroup products, and only for those."""
+    import subprocess
+    from types import SimpleNamespace
+    from numba_flash import ptx
+    tail = ("ptxas info    : Used 168 registers, used 16 barriers\n"
+            "    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads\n")
+    warning = ("ptxas info    : (C7513) Potential Performance Loss: wgmma.mma_async instructions are serialized "
+               "due to non wgmma instructions defining input registers of a wgmma between start and end of the "
+               "pipeline stage in the function 'k'\n")
+    for stderr, text, want in ((warning + tail, "wgmma.mma_async.sync", True), (tail, "wgmma.mma_async.sync", False),
+                               (warning + tail, "mma.sync", None)):
+        monkeypatch.setattr(subprocess, "run", lambda *a, _e=stderr, **kw: SimpleNamespace(returncode=0, stderr=_e,
+                                                                                             stdout=""))
+        info = ptx.assemble(text, (9, 0, "a"), "ptxas")
+        assert info.get("wgmma_serialized") is want and info["registers"] == 168, (want, info)
+
+
 def test_forward_ptx_is_covered():
     """The forward variant is registered with both dtypes, every rule set (packed rows and
     paged caches included) and both load paths."""
