@@ -251,7 +251,7 @@ def test_no_register_spills(ptx_runs, cc):
 def test_no_serialized_wgmma(ptx_runs):
     """ptxas keeps every Hopper kernel's warpgroup products asynchronous: none reports
     C7513 (products serialized, each waiting for the one before), which a branch around a
-    product while another is in flight brings about (docs/performance.md item 67)."""
+    product while another is in flight brings about (docs/performance.md item 68)."""
     rows = [r for r in _cc_rows(ptx_runs, "9.0a") if "registers" in r]
     if not rows:
         pytest.skip("no ptxas on this machine (python -m numba_flash.ptx --ptxas found none)")
