@@ -194,20 +194,18 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
     ``append``: ``(k_cache, v_cache, k_new, v_new)`` of device caches to append to first;
     ``gaps``: the keys' rows have gaps between sequences (:class:`Packed`); ``made``: a
     list the plan that ran or was captured is appended to; ``sig``: the call's plan
-    signature where the caller made it (and missed), else made here.
+    signature where the caller made it and tried its plan (:func:`_through_plan`), else
+    made and tried here.
     """
     from numba import cuda
     inp.scores = dataclasses.replace(inp.scores, packed=True, paged=bool(page_size))
-    if sig is None and inp.on_device and inp.slopes is None:
-        sig = _plans.signature("packed", sig_arrays, (inp.rules, inp.scale, max_q, max_k, page_size, group_rows,
-                                                      out_shape, tuple(u.shape for u in uploads)))
-    plan = _plans.lookup(sig)
-    if plan is not None:
-        found = plan.run(sig, api._POISON, uploads, like=q_kind)
+    if sig is None:
+        if inp.on_device and inp.slopes is None:
+            sig = _plans.signature("packed", sig_arrays, (inp.rules, inp.scale, max_q, max_k, page_size, group_rows,
+                                                          out_shape, tuple(u.shape for u in uploads)))
+        found = _through_plan(sig, uploads, q_kind, made)
         if found is not None:
-            if made is not None:
-                made.append(plan)
-            return _arrays.like(q_kind, found)
+            return found
     devs = [cuda.to_device(u, stream=inp.stream) for u in uploads]
     table = uploads[0]
     inp.packed = Packed(devs[0], table.shape[0], max_q, max_k, devs[1] if page_size else None, page_size,
@@ -247,6 +245,20 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
         if made is not None and plan is not None:
             made.append(plan)
     return _arrays.like(q_kind, inp.result(out, lse))
+
+
+def _through_plan(sig, uploads, q_kind, made=None):
+    """The results of the call of ``sig`` (None: no signature) through its launch plan, in
+    ``q_kind``'s kind, or None where it has none or the plan's pool cannot serve it."""
+    plan = _plans.lookup(sig)
+    if plan is None:
+        return None
+    found = plan.run(sig, api._POISON, uploads, like=q_kind)
+    if found is None:
+        return None
+    if made is not None:
+        made.append(plan)
+    return _arrays.like(q_kind, found)
 
 
 def _c_strides(a, n):
@@ -328,11 +340,9 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     if slopes is None:      # a repeat call: its plan, before the inputs' checks and views
         sig = _plans.signature("varlen", [q, k, v], (*(tuple(o) if isinstance(o, list) else o for o in options),
                                                      scale, max_q, max_k, table.shape, registry.hopper_choice()))
-        plan = _plans.lookup(sig)
-        if plan is not None:
-            found = plan.run(sig, api._POISON, [table], like=q)
-            if found is not None:
-                return _arrays.like(q, found)
+        found = _through_plan(sig, [table], q)
+        if found is not None:
+            return found
     inp = api._Inputs({"q": _swap01(q), "k": _swap01(k), "v": _swap01(v)}, options, scale, slopes, "forward")
     return _forward(inp, [q, k, v], [table], max_q, max_k, (total_q,), q, sig=sig)
 
