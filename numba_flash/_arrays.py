@@ -189,19 +189,22 @@ class _Interface:
                                     "data": (owner.ctypes.data, False)}
 
 
-def pairs_view(ary):
-    """The uint32 view of a uint16 device array whose last axis is contiguous, of even
-    length and whose other strides and start are multiples of 4 bytes: element ``[..., i]``
-    holds elements ``2 i`` (low half) and ``2 i + 1``. None where those do not hold."""
+def packed_view(ary, count=4):
+    """The view of a uint16 device array as ``count`` (2 or 4) of its values per element
+    (uint32 or uint64), where its last axis is contiguous, of a multiple of ``count``
+    long, and its other strides and start are multiples of the element's bytes: element
+    ``[..., i]`` holds elements ``count i`` (lowest bits) to ``count i + count - 1``. None
+    where those do not hold."""
+    size = 2 * count
     shape, strides = tuple(ary.shape), tuple(ary.strides)
-    if (shape[-1] % 2 or strides[-1] != 2 and shape[-1] > 1 or any(s % 4 for s in strides[:-1])
-            or device_pointer(ary) % 4):
+    if (shape[-1] % count or strides[-1] != 2 and shape[-1] > 1 or any(s % size for s in strides[:-1])
+            or device_pointer(ary) % size):
         return None
-    shape, strides = shape[:-1] + (shape[-1] // 2,), strides[:-1] + (4,)
+    shape, strides = shape[:-1] + (shape[-1] // count,), strides[:-1] + (size,)
     if SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return FakeCUDAArray(np.asarray(_Interface(ary._ary, shape, strides, "<u4")))
-    return DeviceNDArray(shape, strides, np.dtype(np.uint32), gpu_data=ary.gpu_data)
+        return FakeCUDAArray(np.asarray(_Interface(ary._ary, shape, strides, f"<u{size}")))
+    return DeviceNDArray(shape, strides, np.dtype(f"uint{8 * size}"), gpu_data=ary.gpu_data)
 
 
 def sub_array(ary, index):

@@ -59,7 +59,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
         hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
         stream = _arrays.stream_handle(inp.stream)
         maps = [_tma_maps(q4, k4, v4, spec.tiling, stream) for q4, _, _, _, k4, v4 in hviews]
-        pairs = [_arrays.pairs_view(o4) for _, o4, _, _, _, _ in hviews]
+        pairs = [_arrays.packed_view(o4) for _, o4, _, _, _, _ in hviews]
         gaps = inp.packed is not None and inp.packed.gaps    # (its TMA boxes would read a KV cache's unused rows)
         if hviews and not gaps and all(x is not None for x in maps + pairs):     # (arrays compare elementwise)
             return _hopper_launches(inp, spec, hviews, maps, pairs, score_args, sm_count)
@@ -156,7 +156,7 @@ def _columns(t):
 
 def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps, its
-    output as pairs of 16-bit values (``_arrays.pairs_view``), on a persistent grid
+    output as quads of 16-bit values (``_arrays.packed_view``), on a persistent grid
     (``forward_wgmma.grid_size``)."""
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
@@ -432,8 +432,8 @@ def _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv):
     """The Hopper backward's operands per view (``_heads_views``: K/V head ``h // group``
     read by the kernels themselves): the tensor maps of the dK/dV kernel's row operands
     K, V (``BR``-row boxes) and column operands Q, dO (``BC``), those of the dQ kernel (the
-    other way round), and dQ, dK, dV as pairs of 16-bit values; None where the TMA cannot
-    describe a view or an output does not pair (the next family takes the call)."""
+    other way round), and dQ, dK, dV as quads of 16-bit values; None where the TMA cannot
+    describe a view or an output does not pack (the next family takes the call)."""
     t = backward_wgmma.TILING
     views = _heads_views(inp, [q, dout, dq, k, v, dk, dv])
     stream = _arrays.stream_handle(inp.stream)
@@ -441,7 +441,7 @@ def _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv):
     for q4, do4, dq4, k4, v4, dk4, dv4 in views:
         dkdv_maps = tuple(_tma_map(a, rows, stream) for a, rows in ((k4, t.BR), (v4, t.BR), (q4, t.BC), (do4, t.BC)))
         dq_maps = tuple(_tma_map(a, rows, stream) for a, rows in ((q4, t.BR), (do4, t.BR), (k4, t.BC), (v4, t.BC)))
-        pairs = tuple(_arrays.pairs_view(a) for a in (dq4, dk4, dv4))
+        pairs = tuple(_arrays.packed_view(a) for a in (dq4, dk4, dv4))
         if any(x is None for x in dkdv_maps + dq_maps + pairs):    # (arrays compare elementwise)
             return None
         found.append((q4.shape[0], q4.shape[1], dkdv_maps, dq_maps, pairs))

@@ -261,14 +261,14 @@ def _sig_forward_mma_split(dt, layout, packed=False):
 
 
 def _sig_forward_wgmma(dt, layout, packed=False):
-    o, l = ("uint32[:, :, :, :]", "float32[:, :, :]") if packed else ("uint32[:, :, :, ::1]", "float32[:, :, ::1]")
+    o, l = ("uint64[:, :, :, :]", "float32[:, :, :]") if packed else ("uint64[:, :, :, ::1]", "float32[:, :, ::1]")
     return (f"void(uint8[::1], uint8[::1], uint8[::1], {o}, {l}, int64, int64, "
             f"float32, {_sig_scores('float32')}, {'int32[:, ::1]' if packed else 'int64'})")
 
 
 def _sig_backward_wgmma(dt, layout):
-    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint8[::1], float32[:, :, :, ::1], uint32[:, :, :, ::1], "
-            f"uint32[:, :, :, ::1], int64, int64, int64, float32, float32, {_sig_scores('float32')})")
+    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint8[::1], float32[:, :, :, ::1], uint64[:, :, :, ::1], "
+            f"uint64[:, :, :, ::1], int64, int64, int64, float32, float32, {_sig_scores('float32')})")
 
 
 def _merge_types(dt):

@@ -162,7 +162,7 @@ def forward_drafts(ptx, cc, tool):
     from numba import types as T
     from numba_flash.kernels.forward_wgmma import make_forward_wgmma
     from numba_flash.scores import ScoreSpec
-    sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint16[:, :, :, ::1], T.float32[:, :, ::1], T.int64, T.int64,
+    sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint64[:, :, :, ::1], T.float32[:, :, ::1], T.int64, T.int64,
            T.float32, T.int64, T.int64, T.float32, T.float32, T.float32[:, :, :], T.int64)
     found = {}
     for d, scores in ((64, ScoreSpec(causal=True)), (128, ScoreSpec())):
@@ -292,7 +292,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
     maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, bm), (dk, bn), (dv, bn))]
     out = cuda.to_device(np.full((*heads, nq, d), 0x7FC0, np.uint16))          # NaN bits
-    pairs = _arrays.pairs_view(out)
+    pairs = _arrays.packed_view(out)
     lse = cuda.to_device(np.full((*heads, nq), np.nan, np.float32))
     slopes = cuda.to_device(np.zeros((*heads, 1), np.float32))
     scale = 1 / math.sqrt(d)

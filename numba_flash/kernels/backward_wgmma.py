@@ -23,8 +23,8 @@ Grouped heads: a dK/dV block sums the ``group`` query heads of its K/V head
 
 Arguments: the tensor maps (``ops_hopper.tensor_map_4d``) of ``RA, RB`` (``BR``-row
 boxes) and ``CA, CB`` (``BC``-row boxes) over the ``(X, H, N, D)`` views, ``st (X, Hq,
-2, stats_rows(Nq))`` float32, ``ga, gb (X, H, N, D / 2)`` uint32 (the outputs' 16-bit
-values in pairs: dK and dV, or dQ twice), ``nq, nk, group``, ``scale_log2, scale`` and
+2, stats_rows(Nq))`` float32, ``ga, gb (X, H, N, D / 4)`` uint64 (the outputs' 16-bit
+values in fours: dK and dV, or dQ twice), ``nq, nk, group``, ``scale_log2, scale`` and
 the score arguments of ``forward.make_forward``. Launch with ``grid = ceil(rows / BR) ·
 X · H / group`` (dK/dV; dQ: ``· Hq``), ``THREADS`` threads and ``kernel.smem_bytes`` of
 dynamic shared memory. Head dims 64 and 128.

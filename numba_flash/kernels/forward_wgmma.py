@@ -35,8 +35,8 @@ V_{j−1}``, all relative to the running maximum ``m_{j−1}``; it is rescaled b
 ``2^(m_{j−1} − m_j)`` once that product has completed.
 
 Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) from
-``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 2)``
-uint32 (the output's 16-bit values in pairs: one 4-byte store per pair), ``lse (B1, B2,
+``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 4)``
+uint64 (the output's 16-bit values in fours: ``wgmma_parts.make_store_rows``), ``lse (B1, B2,
 Nq)`` float32, ``nk``, ``group`` (query heads per K/V head), ``scale_log2``, the score
 arguments of ``forward.make_forward`` and ``sched`` (int64: :func:`paired_places` for
 causal rows, else 0). Launch with

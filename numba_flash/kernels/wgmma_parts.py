@@ -8,9 +8,10 @@ is 32 bytes along a row. Products are issued here and completed by the caller
 """
 import functools
 
+import numba
 from numba import cuda
 
-from .. import ops
+from .. import ops, warp
 from .. import ops_hopper as H
 
 SUB = 128                         # bytes per swizzled row: 64 columns of d per sub-tile
@@ -103,40 +104,41 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_row(dtype_name: str):
-    """``store_row(orow, o, h, inv, tq4, c0)``: a thread's 16 columns of one of its rows
-    (``h``: ``16 w + g`` or 8 below) of a 64-column accumulator ``o`` times ``inv``,
-    rounded to ``dtype_name`` in pairs (columns ``c0 + 2 (4 t + tq4)`` and the next one: one
-    4-byte store each) into ``orow``, a row of a uint32 pairs view. A short loop with
-    constant bounds, so that it unrolls and every accumulator index is a constant (one loop
-    over both rows and both 64-column halves stayed rolled and picked the registers by
-    branching: 31 % of a short-row kernel's stall samples, docs/performance.md item 34)."""
-    pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-
-    @cuda.jit(device=True, inline=True)
-    def store_row(orow, o, h, inv, tq4, c0):
-        for t in range(8):
-            orow[c0 + 4 * t + tq4] = pack(o[4 * t + 2 * h] * inv, o[4 * t + 2 * h + 1] * inv)
-    return store_row
-
-
-@functools.lru_cache(maxsize=None)
 def make_store_rows(dtype_name: str, D: int):
     """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
     a 64 × ``D`` accumulator (two 64-column halves ``o0, o1``; ``o1`` unused at ``D = 64``)
     into rows ``row0`` (times ``inv0``) and ``row0 + 8`` (times ``inv1``) of ``out[b1,
-    b2]``, a uint32 pairs view, rows from ``n_rows`` on left out; each row and half
-    written out by :func:`make_store_row`."""
-    store_row = make_store_row(dtype_name)
+    b2]``, a uint64 view of four 16-bit values per element (``_arrays.packed_view``), rows
+    from ``n_rows`` on left out. Every lane of the warp calls it (it shuffles).
+
+    The accumulator gives a lane two adjacent columns of each 8-column block (lane
+    ``tq4`` of a quad: columns ``2 tq4, 2 tq4 + 1``), so storing them as they are writes 16
+    bytes of a row per warp instruction: half of each 32-byte sector (half the memory
+    transactions wasted; docs/performance.md item 71). Lanes ``tq4`` and ``tq4 ^ 1`` swap one
+    pair per two blocks ``2u, 2u + 1`` instead: the even lane keeps block ``2u``'s four
+    columns, the odd lane block ``2u + 1``'s, and a quad writes 32 contiguous bytes of its
+    row with one 8-byte store per lane. Short loops with constant bounds, so that every
+    accumulator index is a constant (a rolled loop picked registers by branching: item 34)."""
+    pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
+
+    @cuda.jit(device=True, inline=True)
+    def store_half(out, b1, b2, row, ok, o, h, inv, odd, half, c0):
+        for u in range(4):
+            a = pack(o[8 * u + 2 * h] * inv, o[8 * u + 2 * h + 1] * inv)              # block 2u
+            b = pack(o[8 * u + 4 + 2 * h] * inv, o[8 * u + 4 + 2 * h + 1] * inv)      # block 2u + 1
+            # (the shuffle takes signed words: the bits go through int32 unchanged)
+            got = numba.uint32(warp.shfl_xor_sync(warp.FULL_MASK, numba.int32(a if odd else b), 1))
+            lo = got if odd else a
+            hi = b if odd else got
+            if ok:
+                out[b1, b2, row, c0 + 4 * u + 2 * odd + half] = numba.uint64(lo) | (numba.uint64(hi) << numba.uint64(32))
 
     @cuda.jit(device=True, inline=True)
     def store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
-        if row0 < n_rows:
-            store_row(out[b1, b2, row0], o0, 0, inv0, tq4, 0)
-            if D == 128:
-                store_row(out[b1, b2, row0], o1, 0, inv0, tq4, 32)
-        if row0 + 8 < n_rows:
-            store_row(out[b1, b2, row0 + 8], o0, 1, inv1, tq4, 0)
-            if D == 128:
-                store_row(out[b1, b2, row0 + 8], o1, 1, inv1, tq4, 32)
+        odd, half = tq4 & 1, tq4 >> 1
+        store_half(out, b1, b2, row0, row0 < n_rows, o0, 0, inv0, odd, half, 0)
+        store_half(out, b1, b2, row0 + 8, row0 + 8 < n_rows, o0, 1, inv1, odd, half, 0)
+        if D == 128:
+            store_half(out, b1, b2, row0, row0 < n_rows, o1, 0, inv0, odd, half, 16)
+            store_half(out, b1, b2, row0 + 8, row0 + 8 < n_rows, o1, 1, inv1, odd, half, 16)
     return store_rows
