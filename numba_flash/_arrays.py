@@ -189,22 +189,20 @@ class _Interface:
                                     "data": (owner.ctypes.data, False)}
 
 
-def packed_view(ary, count=4):
-    """The view of a uint16 device array as ``count`` (2 or 4) of its values per element
-    (uint32 or uint64), where its last axis is contiguous, of a multiple of ``count``
-    long, and its other strides and start are multiples of the element's bytes: element
-    ``[..., i]`` holds elements ``count i`` (lowest bits) to ``count i + count - 1``. None
-    where those do not hold."""
-    size = 2 * count
+def packed_view(ary):
+    """The uint64 view of a uint16 device array whose last axis is contiguous, of a
+    multiple of 4 long, and whose other strides and start are multiples of 8 bytes: element
+    ``[..., i]`` holds elements ``4 i`` (lowest bits) to ``4 i + 3``. None where those do
+    not hold."""
     shape, strides = tuple(ary.shape), tuple(ary.strides)
-    if (shape[-1] % count or strides[-1] != 2 and shape[-1] > 1 or any(s % size for s in strides[:-1])
-            or device_pointer(ary) % size):
+    if (shape[-1] % 4 or strides[-1] != 2 and shape[-1] > 1 or any(s % 8 for s in strides[:-1])
+            or device_pointer(ary) % 8):
         return None
-    shape, strides = shape[:-1] + (shape[-1] // count,), strides[:-1] + (size,)
+    shape, strides = shape[:-1] + (shape[-1] // 4,), strides[:-1] + (8,)
     if SIMULATOR:
         from numba.cuda.simulator.cudadrv.devicearray import FakeCUDAArray
-        return FakeCUDAArray(np.asarray(_Interface(ary._ary, shape, strides, f"<u{size}")))
-    return DeviceNDArray(shape, strides, np.dtype(f"uint{8 * size}"), gpu_data=ary.gpu_data)
+        return FakeCUDAArray(np.asarray(_Interface(ary._ary, shape, strides, "<u8")))
+    return DeviceNDArray(shape, strides, np.dtype(np.uint64), gpu_data=ary.gpu_data)
 
 
 def sub_array(ary, index):

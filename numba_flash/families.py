@@ -59,10 +59,10 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
         hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
         stream = _arrays.stream_handle(inp.stream)
         maps = [_tma_maps(q4, k4, v4, spec.tiling, stream) for q4, _, _, _, k4, v4 in hviews]
-        pairs = [_arrays.packed_view(o4) for _, o4, _, _, _, _ in hviews]
+        packed = [_arrays.packed_view(o4) for _, o4, _, _, _, _ in hviews]
         gaps = inp.packed is not None and inp.packed.gaps    # (its TMA boxes would read a KV cache's unused rows)
-        if hviews and not gaps and all(x is not None for x in maps + pairs):     # (arrays compare elementwise)
-            return _hopper_launches(inp, spec, hviews, maps, pairs, score_args, sm_count)
+        if hviews and not gaps and all(x is not None for x in maps + packed):     # (arrays compare elementwise)
+            return _hopper_launches(inp, spec, hviews, maps, packed, score_args, sm_count)
         spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
         if inp.block_mask is not None:          # its block ranges are per query tile: this family's
             score_args, slopes = inp.score_args(lse, _query_rows(spec), _list_keys(spec))
@@ -154,7 +154,7 @@ def _columns(t):
     return t.BC if hasattr(t, "BC") else t.CG * t.TN
 
 
-def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
+def _hopper_launches(inp, spec, views, maps, packed, score_args, sm_count):
     """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps, its
     output as quads of 16-bit values (``_arrays.packed_view``), on a persistent grid
     (``forward_wgmma.grid_size``)."""
@@ -166,7 +166,7 @@ def _hopper_launches(inp, spec, views, maps, pairs, score_args, sm_count):
     # depends only on what a launch plan's signature holds, so a replayed plan fits every call)
     rows = inp.nq if inp.packed is None else inp.packed.count * -(-inp.packed.max_q // t.BM) * t.BM
     launches = []
-    for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, pairs):
+    for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, packed):
         b = q4.shape[0] * q4.shape[1]
         g = forward_wgmma.grid_size(rows, b, sm_count, t.BM)
         # the sequence table, or the causal schedule's pairs (forward_wgmma.paired_places)
@@ -441,10 +441,10 @@ def _hopper_backward_views(inp, q, k, v, dout, dq, dk, dv):
     for q4, do4, dq4, k4, v4, dk4, dv4 in views:
         dkdv_maps = tuple(_tma_map(a, rows, stream) for a, rows in ((k4, t.BR), (v4, t.BR), (q4, t.BC), (do4, t.BC)))
         dq_maps = tuple(_tma_map(a, rows, stream) for a, rows in ((q4, t.BR), (do4, t.BR), (k4, t.BC), (v4, t.BC)))
-        pairs = tuple(_arrays.packed_view(a) for a in (dq4, dk4, dv4))
-        if any(x is None for x in dkdv_maps + dq_maps + pairs):    # (arrays compare elementwise)
+        packed = tuple(_arrays.packed_view(a) for a in (dq4, dk4, dv4))
+        if any(x is None for x in dkdv_maps + dq_maps + packed):    # (arrays compare elementwise)
             return None
-        found.append((q4.shape[0], q4.shape[1], dkdv_maps, dq_maps, pairs))
+        found.append((q4.shape[0], q4.shape[1], dkdv_maps, dq_maps, packed))
     return found or None
 
 

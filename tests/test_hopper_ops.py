@@ -292,7 +292,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
     maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, bm), (dk, bn), (dv, bn))]
     out = cuda.to_device(np.full((*heads, nq, d), 0x7FC0, np.uint16))          # NaN bits
-    pairs = _arrays.packed_view(out)
+    packed = _arrays.packed_view(out)
     lse = cuda.to_device(np.full((*heads, nq), np.nan, np.float32))
     slopes = cuda.to_device(np.zeros((*heads, 1), np.float32))
     scale = 1 / math.sqrt(d)
@@ -300,7 +300,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     if sched is None:       # the schedule a launch would take (the pairs of causal rows, where they pay)
         n_qt, b = -(-nq // bm), heads[0] * heads[1]
         sched = F.paired_places(n_qt, b, grid, F.L2_KV_BYTES + 1) if F.paired(rules.spec, bm) else 0
-    args = (*maps, pairs, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes,
+    args = (*maps, packed, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes,
             sched)
     launch(kern, grid, kern.threads, kern.smem_bytes, args)
     got = out.copy_to_host().view(ml_dtypes.bfloat16).astype(np.float64)
