@@ -25,7 +25,11 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   B, one m64n{d}k16 per 16 keys: ``wgmma_parts.make_column_product``) issued before the
   softmax of S_j, so the tensor cores multiply while the warpgroup computes exponentials (intra-warpgroup
   overlap); with ``pingpong`` the consumer warpgroups take turns to issue their products,
-  in a ring, so that one's products run while the others compute their softmax.
+  in a ring, so that one's products run while the others compute their softmax. With
+  ``overlap`` (causal rows, two consumers) the key tiles of a block's items run as one
+  stream: an item's last P V is issued with the next item's S_0, whose softmax runs while
+  it completes, and the item's rows are stored after that (each item's first tile and last
+  product otherwise wait alone).
 
 Scores, softmax and accumulation in float32 (``exp2`` on log2-scaled scores), P rounded
 to the input dtype, as the ``mma.sync`` forward (``forward_mma``) does; the score rules
@@ -206,7 +210,8 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
-                       stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None):
+                       stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
+                       overlap: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -216,11 +221,19 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     instruction per score, else 0); ``bn``: keys per tile (a multiple of 16 up to 256; the
     registry's tiling is :data:`BN`: 192 at d = 64 and 176 at d = 128 were no faster on an
     H200, docs/performance.md item 57); ``bm``: query rows per block, 64 per consumer
-    warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads)."""
+    warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
+    ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default: causal
+    rows with two consumer warpgroups: :data:`OVERLAP` below)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
+    # an item's last P V with the next item's first Q Kᵀ (the consumers' loop below):
+    # measured on an H200 2-3% faster for a causal varlen batch and causal rows at d = 64,
+    # level for causal rows at d = 128, 1-3% slower for full rows (docs/performance.md item
+    # 72); not with three consumer warpgroups, whose 160 registers each spilled in the loop
+    # over key tiles (up to 300 bytes)
+    OVERLAP = (NWG == 2 and scores.causal) if overlap is None else overlap
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
@@ -537,6 +550,133 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
     @cuda.jit(device=True, inline=True)
+    def finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4):
+        """A work item's epilogue for the thread's two rows: O /= l, lse = (m + log2 l) ln 2
+        (a row with no visible key: 0 and −inf)."""
+        for off in (1, 2):
+            l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
+            l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
+        inv0 = ZERO if l0 == ZERO else F32(1) / l0
+        inv1 = ZERO if l1 == ZERO else F32(1) / l1
+        store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
+        if tq4 == 0:
+            if row0 < nq:
+                lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
+            if row0 + 8 < nq:
+                lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+
+    @cuda.jit(device=True, inline=True)
+    def next_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, out, lse, wg, w, g, tq4):
+        """The consumers' first work item at or after place ``i`` with a key tile to visit:
+        ``(i, b1, b2, first query row, first key tile, key tiles, the sequence's first query
+        row, its query rows, its geometry)``, ``i`` past the items when none is left. The
+        rows of the items passed over see no key: 0 and −inf, written here."""
+        n_items = n_qt * B
+        while i < n_items:
+            b1, b2, q0, kt0, tiles, qs, _, nq, gi = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+            if tiles > 0:
+                return i, b1, b2, q0, kt0, tiles, qs, nq, gi
+            finish(out, lse, b1, b2, qs, q0 + ROWS * wg + 16 * w + g, nq, zeros_o(), zeros_o(),
+                   NEG_INF, NEG_INF, ZERO, ZERO, tq4)
+            i += G
+        return i, 0, 0, 0, 0, 0, 0, 0, geo
+
+    @cuda.jit(device=True, inline=True)
+    def barriers(base):
+        """The mbarriers' addresses: ``(q_full, q_empty, full_k, empty_k, full_v, empty_v)``,
+        one per Q buffer or ring stage each, from the first (the layout's ``BAR_OFF``)."""
+        q_full = base + BAR_OFF
+        q_empty = q_full + 8 * QBUF
+        full_k = q_empty + 8 * QBUF
+        empty_k = full_k + 8 * STAGES
+        full_v = empty_k + 8 * STAGES
+        return q_full, q_empty, full_k, empty_k, full_v, full_v + 8 * STAGES
+
+    @cuda.jit(device=True, inline=True)
+    def begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2, cap_in, cap_out, slopes, b1, b2):
+        """A consumer's start of a work item with keys: ``(r0, row0, Q buffer, Q's address,
+        score constants, n_q + 1)`` once its Q tile has landed."""
+        r0 = q0 + ROWS * wg                    # this warpgroup's first row
+        row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
+        buf = n_q % QBUF
+        q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
+        sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+        wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
+        return r0, row0, buf, q_at, sc, n_q + 1
+
+    @cuda.jit(device=True, inline=True)
+    def first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2):
+        """An item's key tile 0 alone: S = Q Kᵀ waited for, its softmax, P packed in ``p``.
+        Returns the rows' maxima and sums, zero O accumulators and the rings' places
+        (``ring``: the K ring's stage and phase, the V ring's)."""
+        ak, bk, av, bv = ring
+        _, _, full_k, empty_k, _, _ = barriers(base)
+        wait_phase(full_k + 8 * ak, bk)
+        my_turn(wg)
+        H.wgmma_fence()
+        acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
+        H.wgmma_commit()
+        their_turn(wg)
+        wait0()
+        release(ct, empty_k + 8 * ak)
+        ak, bk = advance(ak, bk)
+        H.to_array(acc, s)
+        m0, m1, l0, l1, _, _ = softmax(s, key_at(q0, kt0, 0, geo, slopes, b1, b2), row0, tq4, r0, NEG_INF, NEG_INF,
+                                       ZERO, ZERO, geo, geo[1], consts_at(q0, 0, geo, slopes, b1, b2, sc), slopes,
+                                       b1, b2)
+        pack_p(s, p)
+        return m0, m1, l0, l1, zeros_o(), zeros_o(), (ak, bk, av, bv)
+
+    @cuda.jit(device=True, inline=True)
+    def next_tile(s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
+                  m0, m1, l0, l1):
+        """Key tile ``j`` of an item after a tile whose P is in ``p``: S_j = Q Kᵀ and that
+        tile's O += P V issued in one turn; once S_j is done, its softmax (on the rows'
+        ``m0 .. l1``) while P V runs; then P V waited for. Returns the softmax's results, the
+        accumulators and the rings' places; ``p`` is free, O not yet rescaled."""
+        ak, bk, av, bv = ring
+        _, _, full_k, empty_k, full_v, empty_v = barriers(base)
+        wait_phase(full_k + 8 * ak, bk)
+        my_turn(wg)
+        H.wgmma_fence()
+        acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
+        H.wgmma_commit()
+        wait_phase(full_v + 8 * av, bv)            # the tile before's V
+        o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
+        H.wgmma_commit()
+        their_turn(wg)
+        wait1()                                    # S_j done: K_j's stage is free
+        release(ct, empty_k + 8 * ak)
+        ak, bk = advance(ak, bk)
+        H.to_array(acc, s)
+        m0, m1, l0, l1, alpha0, alpha1 = softmax(s, key_at(q0, kt0, j, geo, slopes, b1, b2), row0, tq4, r0, m0, m1,
+                                                 l0, l1, geo, geo[1], consts_at(q0, j, geo, slopes, b1, b2, sc),
+                                                 slopes, b1, b2)
+        wait0()                                    # P V done: its stage is free, p may change
+        release(ct, empty_v + 8 * av)
+        av, bv = advance(av, bv)
+        return m0, m1, l0, l1, alpha0, alpha1, o0, o1, (ak, bk, av, bv)
+
+    @cuda.jit(device=True, inline=True)
+    def last_tile(o0, o1, p, ring, base, ct):
+        """An item's last O += P V alone, waited for; returns O and the rings' places."""
+        ak, bk, av, bv = ring
+        _, _, _, _, full_v, empty_v = barriers(base)
+        wait_phase(full_v + 8 * av, bv)
+        H.wgmma_fence()
+        o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
+        H.wgmma_commit()
+        wait0()
+        release(ct, empty_v + 8 * av)
+        av, bv = advance(av, bv)
+        return o0, o1, (ak, bk, av, bv)
+
+    @cuda.jit(device=True, inline=True)
+    def pack_p(s, p):
+        for k in range(NP):
+            p[k] = pack(s[2 * k], s[2 * k + 1])
+
+    @cuda.jit(device=True, inline=True)
     def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, sched):
         Nq = out.shape[2]
         B2 = out.shape[1]
@@ -547,16 +687,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         n_items = n_qt * B
         G = cuda.gridDim.x
         geo = (nk, nk - Nq, left, right)
+        geo0 = geo
 
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         tid = cuda.threadIdx.x
         base = (H.shared_address(sm) + 1023) & ~1023
-        q_full = base + BAR_OFF       # then q_empty[QBUF], full_k, empty_k, full_v, empty_v [STAGES]
-        q_empty = q_full + 8 * QBUF
-        full_k = q_empty + 8 * QBUF
-        empty_k = full_k + 8 * STAGES
-        full_v = empty_k + 8 * STAGES
-        empty_v = full_v + 8 * STAGES
+        q_full, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
         if tid == 0:
             for buf in range(QBUF):
                 H.mbarrier_init(q_full + 8 * buf, 1)
@@ -610,8 +746,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         tq4 = ct & 3
         s = cuda.local.array(NS, numba.float32)
         p = cuda.local.array(NP, numba.uint32)
-        ak, bk = 0, 0                            # the K ring's stage and phase, across items
-        av, bv = 0, 0                            # the V ring's
+        ring = (0, 0, 0, 0)                      # the K ring's stage and phase, the V ring's, across items
         n_q = 0
         # Ping-pong turns run on across items (warpgroup 0 first): both warpgroups take one
         # per key tile of the same items. (Starting them afresh per item let warpgroup 1,
@@ -619,85 +754,114 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         # before: the two arrivals completed it without warpgroup 0, a deadlock.)
         if wg == NWG - 1:
             their_turn(wg)
-        for i in range(cuda.blockIdx.x, n_items, G):
-            b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
-            diag = geo[1]
-            r0 = q0 + ROWS * wg                    # this warpgroup's first row
-            row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
-            buf = n_q % QBUF
-            q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
-            sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
-            m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
-            o0 = zeros_o()
-            o1 = zeros_o()
-            if tiles > 0:
-                # tile 0 alone, then per tile j: S_j and P_{j-1} V_{j-1} in flight during the
-                # softmax of S_j; the last tile's P V after the loop (no branch around a product,
-                # so the compiler keeps the products asynchronous). K_j's stage is released once
-                # S_j is done, V_j's once P_j V_j is.
-                wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
-                n_q += 1
-                wait_phase(full_k + 8 * ak, bk)
-                my_turn(wg)
-                H.wgmma_fence()
-                acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
-                H.wgmma_commit()
-                their_turn(wg)
-                wait0()
-                release(ct, empty_k + 8 * ak)
-                ak, bk = advance(ak, bk)
-                H.to_array(acc, s)
-                k0 = key_at(q0, kt0, 0, geo, slopes, b1, b2)
-                m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
-                                                         geo, diag, consts_at(q0, 0, geo, slopes, b1, b2, sc),
-                                                         slopes, b1, b2)
-                for k in range(NP):
-                    p[k] = pack(s[2 * k], s[2 * k + 1])
-                for j in range(1, tiles):
+        # Per item: tile 0 alone, then per tile j, S_j and P_{j-1} V_{j-1} in flight during the
+        # softmax of S_j (no branch around a product, so the compiler keeps the products
+        # asynchronous), the last tile's P V after them. K_j's stage is released once S_j is
+        # done, V_j's once P_j V_j is, Q's once the item's last S is. With OVERLAP the key
+        # tiles of the block's items run as one stream: an item's last P V is issued with the
+        # next item's S_0, whose softmax runs while it completes, and the item's rows are
+        # finished after that.
+        if OVERLAP:
+            i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(cuda.blockIdx.x, G, n_qt, B, B2, sched, geo0,
+                                                              slopes, seqs, out, lse, wg, w, g, tq4)
+            if i < n_items:
+                r0, row0, buf, q_at, sc, n_q = begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2, cap_in,
+                                                          cap_out, slopes, b1, b2)
+                m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4, r0,
+                                                          sc, slopes, b1, b2)
+                while True:
+                    for j in range(1, tiles):
+                        m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
+                            s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1,
+                            b2, m0, m1, l0, l1)
+                        o0 = H.scale_rows(o0, alpha0, alpha1)
+                        o1 = H.scale_rows(o1, alpha0, alpha1)
+                        pack_p(s, p)
+                    release(ct, q_empty + 8 * buf)     # every Q K^T of the item has completed
+                    fb1, fb2, fqs, frow0, fnq = b1, b2, qs, row0, nq     # the item the last P V is of
+                    i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(i + G, G, n_qt, B, B2, sched, geo0,
+                                                                      slopes, seqs, out, lse, wg, w, g, tq4)
+                    if i >= n_items:
+                        break
+                    r0, row0, buf, q_at, sc, n_q = begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2,
+                                                              cap_in, cap_out, slopes, b1, b2)
+                    # the next item's S_0 with this one's last P V
+                    n0, n1, k0l, k1l, _, _, o0, o1, ring = next_tile(
+                        s, o0, o1, p, q_at, ring, base, ct, wg, 0, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1,
+                        b2, NEG_INF, NEG_INF, ZERO, ZERO)
+                    finish(out, lse, fb1, fb2, fqs, frow0, fnq, o0, o1, m0, m1, l0, l1, tq4)
+                    o0 = zeros_o()
+                    o1 = zeros_o()
+                    m0, m1, l0, l1 = n0, n1, k0l, k1l
+                    pack_p(s, p)
+                o0, o1, ring = last_tile(o0, o1, p, ring, base, ct)
+                finish(out, lse, fb1, fb2, fqs, frow0, fnq, o0, o1, m0, m1, l0, l1, tq4)
+        else:
+            # (the schedule without OVERLAP is written out as it was measured, rather than
+            # through the helpers above: with them NVVM orders the code differently)
+            ak, bk, av, bv = ring
+            for i in range(cuda.blockIdx.x, n_items, G):
+                b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                diag = geo[1]
+                r0 = q0 + ROWS * wg                    # this warpgroup's first row
+                row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
+                buf = n_q % QBUF
+                q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
+                sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+                m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
+                o0 = zeros_o()
+                o1 = zeros_o()
+                if tiles > 0:
+                    wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
+                    n_q += 1
                     wait_phase(full_k + 8 * ak, bk)
                     my_turn(wg)
                     H.wgmma_fence()
                     acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
                     H.wgmma_commit()
-                    wait_phase(full_v + 8 * av, bv)    # V_{j-1}
-                    o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
-                    H.wgmma_commit()
                     their_turn(wg)
-                    wait1()                            # S_j done: K_j's stage is free
+                    wait0()
                     release(ct, empty_k + 8 * ak)
                     ak, bk = advance(ak, bk)
                     H.to_array(acc, s)
-                    k0 = key_at(q0, kt0, j, geo, slopes, b1, b2)
-                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, geo, diag,
-                                                             consts_at(q0, j, geo, slopes, b1, b2, sc), slopes, b1, b2)
-                    wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
+                    k0 = key_at(q0, kt0, 0, geo, slopes, b1, b2)
+                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
+                                                             geo, diag, consts_at(q0, 0, geo, slopes, b1, b2, sc),
+                                                             slopes, b1, b2)
+                    pack_p(s, p)
+                    for j in range(1, tiles):
+                        wait_phase(full_k + 8 * ak, bk)
+                        my_turn(wg)
+                        H.wgmma_fence()
+                        acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
+                        H.wgmma_commit()
+                        wait_phase(full_v + 8 * av, bv)    # V_{j-1}
+                        o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
+                        H.wgmma_commit()
+                        their_turn(wg)
+                        wait1()                            # S_j done: K_j's stage is free
+                        release(ct, empty_k + 8 * ak)
+                        ak, bk = advance(ak, bk)
+                        H.to_array(acc, s)
+                        k0 = key_at(q0, kt0, j, geo, slopes, b1, b2)
+                        m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, geo, diag,
+                                                                 consts_at(q0, j, geo, slopes, b1, b2, sc), slopes, b1, b2)
+                        wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
+                        release(ct, empty_v + 8 * av)
+                        av, bv = advance(av, bv)
+                        o0 = H.scale_rows(o0, alpha0, alpha1)
+                        o1 = H.scale_rows(o1, alpha0, alpha1)
+                        pack_p(s, p)
+                    release(ct, q_empty + 8 * buf)         # every Q K^T of the item has completed
+                    wait_phase(full_v + 8 * av, bv)
+                    H.wgmma_fence()
+                    o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
+                    H.wgmma_commit()
+                    wait0()
                     release(ct, empty_v + 8 * av)
                     av, bv = advance(av, bv)
-                    o0 = H.scale_rows(o0, alpha0, alpha1)
-                    o1 = H.scale_rows(o1, alpha0, alpha1)
-                    for k in range(NP):
-                        p[k] = pack(s[2 * k], s[2 * k + 1])
-                release(ct, q_empty + 8 * buf)         # every Q K^T of the item has completed
-                wait_phase(full_v + 8 * av, bv)
-                H.wgmma_fence()
-                o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
-                H.wgmma_commit()
-                wait0()
-                release(ct, empty_v + 8 * av)
-                av, bv = advance(av, bv)
 
-            # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 -----------------------------------
-            for off in (1, 2):
-                l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
-                l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
-            inv0 = ZERO if l0 == ZERO else F32(1) / l0   # no visible key: 0, lse -inf
-            inv1 = ZERO if l1 == ZERO else F32(1) / l1
-            store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
-            if tq4 == 0:
-                if row0 < nq:
-                    lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
-                if row0 + 8 < nq:
-                    lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+                finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
 
