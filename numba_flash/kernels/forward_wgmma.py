@@ -208,6 +208,16 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
     return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
+def overlaps(scores, bm):
+    """Whether the kernel for ``scores`` in blocks of ``bm`` query rows issues an item's
+    last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s ``overlap``): for
+    causal rows with two consumer warpgroups. Measured on an H200 2-3% faster for a causal
+    varlen batch and causal rows at d = 64, level for causal rows at d = 128, 1-3% slower
+    for full rows (docs/performance.md item 72); three consumer warpgroups (160 registers
+    each) spilled in the loop over key tiles (up to 300 bytes)."""
+    return bm // ROWS == 2 and scores.causal
+
+
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
@@ -222,18 +232,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     registry's tiling is :data:`BN`: 192 at d = 64 and 176 at d = 128 were no faster on an
     H200, docs/performance.md item 57); ``bm``: query rows per block, 64 per consumer
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
-    ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default: causal
-    rows with two consumer warpgroups: :data:`OVERLAP` below)."""
+    ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
+    :func:`overlaps`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
-    # an item's last P V with the next item's first Q Kᵀ (the consumers' loop below):
-    # measured on an H200 2-3% faster for a causal varlen batch and causal rows at d = 64,
-    # level for causal rows at d = 128, 1-3% slower for full rows (docs/performance.md item
-    # 72); not with three consumer warpgroups, whose 160 registers each spilled in the loop
-    # over key tiles (up to 300 bytes)
-    OVERLAP = (NWG == 2 and scores.causal) if overlap is None else overlap
+    OVERLAP = overlaps(scores, BM) if overlap is None else overlap
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
