@@ -1,0 +1,43 @@
+"""The developer tools' host-side parts (their measurements need a GPU)."""
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, ROOT / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ab_parses_shapes_and_rejects_bad_ones():
+    ab = _load("ab")
+    assert ab.parse_shapes("4,16,4096,128,1; 16,16,1024,128,0;") == [(4, 16, 4096, 128, 1), (16, 16, 1024, 128, 0)]
+    for bad in ("4,16,4096,128", "4,16,4096,128,2", "0,16,4096,128,1"):
+        with pytest.raises(ValueError, match="B,H,N,d,causal"):
+            ab.parse_shapes(bad)
+
+
+def test_ab_summary_compares_each_tree_with_the_first():
+    ab = _load("ab")
+    records = [dict(call="fwd", tree=t, ms=ms) for t, ms in (("a", 1.0), ("b", 0.9), ("a", 1.0), ("b", 0.95))]
+    lines = ab.summarise(records, ["a", "b"])
+    assert len(lines) == 2 and "1.0000/1.0000" in lines[1] and "0.9000/0.9500 (-7.5%)" in lines[1]
+
+
+def test_ab_exports_a_revision(tmp_path):
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    ab = _load("ab")
+    cwd = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        tree = ab.export_rev("HEAD", str(tmp_path / "rev"))
+    finally:
+        os.chdir(cwd)
+    assert (Path(tree) / "numba_flash" / "__init__.py").exists()

@@ -1,0 +1,182 @@
+"""A/B of numba_flash source trees on one GPU: the same calls' kernels, timed alone, the
+trees taking turns, each in its own process (a GPU machine)::
+
+    python tools/ab.py --rev HEAD~1 --rev HEAD --shapes "4,16,4096,128,1;16,16,1024,128,0"
+    python tools/ab.py --tree /tmp/a --tree /tmp/b --varlen --rounds 3 --json ab.json
+
+``--rev`` exports a git revision's ``numba_flash`` (``git archive``) into a temporary
+directory; ``--tree`` names a directory that holds a ``numba_flash`` package. A shape is
+``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``); ``--varlen`` adds the causal
+varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128);
+``--backward`` times the backward's kernels too. Per round every tree runs once, in the
+order given, in a fresh process whose ``sys.path`` starts with the tree and whose kernel
+cache (``NUMBA_FLASH_CACHE_DIR``) is its own; in it each call is planned once
+(``api.plan_forward`` / ``plan_backward``), run and checked against PyTorch's SDPA (max abs
+error), then its launches are timed back to back with CUDA events (median of 7 repeats of
+at least 20 calls and 0.15 s). A varlen call is timed whole (host time included: the same
+in every tree unless a tree changes it). Prints, per call, each tree's times and its mean
+against the first tree's; ``--json`` keeps every measurement.
+
+A tree's process differs from the others only in the source it imports, so the ratios
+measure the change; differences under about 0.5% are run-to-run noise on an H200
+(docs/performance.md items 71-72).
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+VARLEN_LENS = tuple(int(256 + i * (4096 - 256) / 15) for i in range(16))
+
+
+def parse_shapes(text):
+    """``"B,H,N,d,causal;..."`` -> ``[(B, H, N, d, causal), ...]`` (ints; causal 0 or 1)."""
+    shapes = []
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        values = tuple(int(x) for x in part.split(","))
+        if len(values) != 5 or values[4] not in (0, 1) or min(values[:4]) < 1:
+            raise ValueError(f"shape {part!r}: expected B,H,N,d,causal with positive sizes and causal 0 or 1")
+        shapes.append(values)
+    return shapes
+
+
+def summarise(records, trees):
+    """Lines of a table from the workers' records: per call, each tree's median times
+    (one per round) and the mean of its rounds against the first tree's."""
+    calls = list(dict.fromkeys(r["call"] for r in records))
+    lines = [f"{'call':36s} " + " ".join(f"{t:>26s}" for t in trees)]
+    for call in calls:
+        means = {}
+        cells = []
+        for t in trees:
+            ms = [r["ms"] for r in records if r["call"] == call and r["tree"] == t]
+            means[t] = sum(ms) / len(ms) if ms else None
+            change = "" if t == trees[0] or not ms or not means[trees[0]] else f" ({means[t] / means[trees[0]] - 1:+.1%})"
+            cells.append(f"{'/'.join(f'{x:.4f}' for x in ms) + change:>26s}")
+        lines.append(f"{call:36s} " + " ".join(cells))
+    return lines
+
+
+def _time(fn, reps=7, min_calls=20, min_s=0.15):
+    from numba import cuda
+    start, end = cuda.event(), cuda.event()
+    times = []
+    for _ in range(reps):
+        start.record()
+        n, t0 = 0, time.perf_counter()
+        while n < min_calls or time.perf_counter() - t0 < min_s:
+            fn()
+            n += 1
+        end.record()
+        end.synchronize()
+        times.append(cuda.event_elapsed_time(start, end) / n)
+    return sorted(times)[reps // 2]
+
+
+def _as_torch(x, torch):
+    if isinstance(x, torch.Tensor):
+        return x
+    import numpy as np
+    host = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
+    return torch.from_numpy(host.view(np.int16) if host.dtype.itemsize == 2 else host).view(
+        {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(host.dtype), torch.float32)).cuda()
+
+
+def worker(tree, args):
+    """One tree's measurements, in this process (``--worker``)."""
+    sys.path.insert(0, os.path.abspath(tree))
+    import torch
+    import numba_flash
+    from numba_flash import api
+    from numba_flash.launch import launch
+    assert os.path.abspath(numba_flash.__file__).startswith(os.path.abspath(tree)), numba_flash.__file__
+    dt = getattr(torch, args.dtype)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    records = []
+    for B, H, N, d, causal in parse_shapes(args.shapes):
+        torch.manual_seed(0)
+        q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(4))
+        result, launches = api.plan_forward(q, k, v, causal=bool(causal))
+        for a in launches:
+            launch(*a)
+        out, lse = result()
+        err = (_as_torch(out, torch).float() - sdpa(q, k, v, is_causal=bool(causal)).float()).abs().max().item()
+        name = f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}"
+        records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err))
+        if args.backward:
+            result, launches = api.plan_backward(dout, q, k, v, _as_torch(out, torch), _as_torch(lse, torch),
+                                                 causal=bool(causal))
+            records.append(dict(call=f"bwd ({B},{H},{N},{d}){' causal' if causal else ''}",
+                                ms=_time(lambda: [launch(*a) for a in launches]), err=None))
+    if args.varlen:
+        lens = torch.tensor(VARLEN_LENS)
+        cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).numpy()
+        q, k, v = (torch.randn(int(cu[-1]), 16, 128, device="cuda", dtype=dt) for _ in range(3))
+        call = lambda: numba_flash.attention_varlen(q, k, v, cu, cu, causal=True)  # noqa: E731
+        n0 = VARLEN_LENS[0]
+        ref = sdpa(*(x[:n0].transpose(0, 1) for x in (q, k, v)), is_causal=True).transpose(0, 1)
+        err = (_as_torch(call(), torch)[:n0].float() - ref.float()).abs().max().item()
+        records.append(dict(call="varlen 16 x 256..4096 causal", ms=_time(call), err=err))
+    return records
+
+
+def export_rev(rev, into):
+    """``numba_flash`` of git revision ``rev`` under ``into`` (a new directory)."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    archive = subprocess.run(["git", "-C", root, "archive", rev, "numba_flash"], capture_output=True, check=True)
+    os.makedirs(into)
+    subprocess.run(["tar", "-x", "-C", into], input=archive.stdout, check=True)
+    return into
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--rev", action="append", default=[], help="a git revision to measure (repeatable)")
+    p.add_argument("--tree", action="append", default=[], help="a directory holding numba_flash (repeatable)")
+    p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal;..." (q, k, v of shape (B, H, N, d))')
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
+    p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
+    p.add_argument("--backward", action="store_true", help="time the backward's kernels too")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--json", default=None, help="write every measurement here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    parse_shapes(args.shapes)
+    if args.worker:
+        print("\n" + json.dumps(worker(args.worker, args)))     # the last line: the parent reads it
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {f"rev {r}": export_rev(r, os.path.join(tmp, f"rev{i}")) for i, r in enumerate(args.rev)}
+        trees.update({f"tree {t}": t for t in args.tree})
+        if len(trees) < 1 or not (args.shapes or args.varlen):
+            p.error("give at least one --rev or --tree, and --shapes or --varlen")
+        names = list(trees)
+        records = []
+        for rnd in range(args.rounds):
+            for name, path in trees.items():
+                env = dict(os.environ, NUMBA_FLASH_CACHE_DIR=os.path.join(tmp, "cache", str(names.index(name))))
+                cmd = [sys.executable, os.path.abspath(__file__), "--worker", path] + (argv or sys.argv[1:])
+                proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+                if proc.returncode:
+                    sys.stderr.write(proc.stderr)
+                    return proc.returncode
+                got = json.loads(proc.stdout.strip().splitlines()[-1])
+                records += [dict(r, tree=name, round=rnd) for r in got]
+                print(f"round {rnd + 1}, {name}: " + ", ".join(f"{r['call']} {r['ms']:.4f} ms" for r in got),
+                      flush=True)
+    print("\n".join(summarise(records, names)))
+    worst = max((r["err"] for r in records if r["err"] is not None), default=None)
+    if worst is not None:
+        print(f"largest error against SDPA: {worst:.2e}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(records, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
