@@ -598,14 +598,20 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return q_full, q_empty, full_k, empty_k, full_v, full_v + 8 * STAGES
 
     @cuda.jit(device=True, inline=True)
-    def begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2, cap_in, cap_out, slopes, b1, b2):
-        """A consumer's start of a work item with keys: ``(r0, row0, Q buffer, Q's address,
-        score constants, n_q + 1)`` once its Q tile has landed."""
+    def item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes, b1, b2):
+        """A consumer's view of a work item: ``(r0, row0, Q buffer, Q's address, score
+        constants)`` (the warpgroup's first row, the thread's first of two rows)."""
         r0 = q0 + ROWS * wg                    # this warpgroup's first row
         row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
         buf = n_q % QBUF
         q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
-        sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+        return r0, row0, buf, q_at, score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+
+    @cuda.jit(device=True, inline=True)
+    def begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2, cap_in, cap_out, slopes, b1, b2):
+        """A consumer's start of a work item with keys: :func:`item_rows` and ``n_q + 1``
+        once its Q tile has landed."""
+        r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes, b1, b2)
         wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
         return r0, row0, buf, q_at, sc, n_q + 1
 
@@ -661,6 +667,24 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         release(ct, empty_v + 8 * av)
         av, bv = advance(av, bv)
         return m0, m1, l0, l1, alpha0, alpha1, o0, o1, (ak, bk, av, bv)
+
+    @cuda.jit(device=True, inline=True)
+    def later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
+                    m0, m1, l0, l1):
+        """An item's key tiles 1 .. tiles − 1 after :func:`first_tile` (:func:`next_tile`
+        each, O rescaled and P packed after it), then Q's buffer released (every Q Kᵀ of the
+        item has completed). Returns the rows' statistics, O and the rings' places, the last
+        tile's P V still owed."""
+        for j in range(1, tiles):
+            m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
+                s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
+                m0, m1, l0, l1)
+            o0 = H.scale_rows(o0, alpha0, alpha1)
+            o1 = H.scale_rows(o1, alpha0, alpha1)
+            pack_p(s, p)
+        _, q_empty, _, _, _, _ = barriers(base)
+        release(ct, q_empty + 8 * buf)
+        return m0, m1, l0, l1, o0, o1, ring
 
     @cuda.jit(device=True, inline=True)
     def last_tile(o0, o1, p, ring, base, ct):
@@ -775,14 +799,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4, r0,
                                                           sc, slopes, b1, b2)
                 while True:
-                    for j in range(1, tiles):
-                        m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
-                            s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1,
-                            b2, m0, m1, l0, l1)
-                        o0 = H.scale_rows(o0, alpha0, alpha1)
-                        o1 = H.scale_rows(o1, alpha0, alpha1)
-                        pack_p(s, p)
-                    release(ct, q_empty + 8 * buf)     # every Q K^T of the item has completed
+                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0,
+                                                               kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
+                                                               l0, l1)
                     fb1, fb2, fqs, frow0, fnq = b1, b2, qs, row0, nq     # the item the last P V is of
                     i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(i + G, G, n_qt, B, B2, sched, geo0,
                                                                       slopes, seqs, out, lse, wg, w, g, tq4)
@@ -802,70 +821,22 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 o0, o1, ring = last_tile(o0, o1, p, ring, base, ct)
                 finish(out, lse, fb1, fb2, fqs, frow0, fnq, o0, o1, m0, m1, l0, l1, tq4)
         else:
-            # (the schedule without OVERLAP is written out as it was measured, rather than
-            # through the helpers above: with them NVVM orders the code differently)
-            ak, bk, av, bv = ring
             for i in range(cuda.blockIdx.x, n_items, G):
                 b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
-                diag = geo[1]
-                r0 = q0 + ROWS * wg                    # this warpgroup's first row
-                row0 = r0 + 16 * w + g                 # this thread's two rows: row0 and row0 + 8
-                buf = n_q % QBUF
-                q_at = base + Q_OFF + buf * NSUB * SUB_Q + ROWS * wg * SUB
-                sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
+                r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes,
+                                                    b1, b2)
                 m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
                 o0 = zeros_o()
                 o1 = zeros_o()
                 if tiles > 0:
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                     n_q += 1
-                    wait_phase(full_k + 8 * ak, bk)
-                    my_turn(wg)
-                    H.wgmma_fence()
-                    acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
-                    H.wgmma_commit()
-                    their_turn(wg)
-                    wait0()
-                    release(ct, empty_k + 8 * ak)
-                    ak, bk = advance(ak, bk)
-                    H.to_array(acc, s)
-                    k0 = key_at(q0, kt0, 0, geo, slopes, b1, b2)
-                    m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1,
-                                                             geo, diag, consts_at(q0, 0, geo, slopes, b1, b2, sc),
-                                                             slopes, b1, b2)
-                    pack_p(s, p)
-                    for j in range(1, tiles):
-                        wait_phase(full_k + 8 * ak, bk)
-                        my_turn(wg)
-                        H.wgmma_fence()
-                        acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
-                        H.wgmma_commit()
-                        wait_phase(full_v + 8 * av, bv)    # V_{j-1}
-                        o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
-                        H.wgmma_commit()
-                        their_turn(wg)
-                        wait1()                            # S_j done: K_j's stage is free
-                        release(ct, empty_k + 8 * ak)
-                        ak, bk = advance(ak, bk)
-                        H.to_array(acc, s)
-                        k0 = key_at(q0, kt0, j, geo, slopes, b1, b2)
-                        m0, m1, l0, l1, alpha0, alpha1 = softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, geo, diag,
-                                                                 consts_at(q0, j, geo, slopes, b1, b2, sc), slopes, b1, b2)
-                        wait0()                            # P_{j-1} V_{j-1} done: its stage is free, P may change
-                        release(ct, empty_v + 8 * av)
-                        av, bv = advance(av, bv)
-                        o0 = H.scale_rows(o0, alpha0, alpha1)
-                        o1 = H.scale_rows(o1, alpha0, alpha1)
-                        pack_p(s, p)
-                    release(ct, q_empty + 8 * buf)         # every Q K^T of the item has completed
-                    wait_phase(full_v + 8 * av, bv)
-                    H.wgmma_fence()
-                    o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
-                    H.wgmma_commit()
-                    wait0()
-                    release(ct, empty_v + 8 * av)
-                    av, bv = advance(av, bv)
-
+                    m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0,
+                                                              tq4, r0, sc, slopes, b1, b2)
+                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0,
+                                                               kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
+                                                               l0, l1)
+                    o0, o1, ring = last_tile(o0, o1, p, ring, base, ct)
                 finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
