@@ -26,10 +26,9 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   softmax of S_j, so the tensor cores multiply while the warpgroup computes exponentials (intra-warpgroup
   overlap); with ``pingpong`` the consumer warpgroups take turns to issue their products,
   in a ring, so that one's products run while the others compute their softmax. With
-  ``overlap`` (causal rows, two consumers) the key tiles of a block's items run as one
-  stream: an item's last P V is issued with the next item's S_0, whose softmax runs while
-  it completes, and the item's rows are stored after that (each item's first tile and last
-  product otherwise wait alone).
+  ``overlap`` (causal rows, two consumers: :func:`overlaps`) an item's last P V is issued
+  with the next item's S_0, whose softmax runs while it completes, and the item's rows are
+  stored after that (else each item's first tile and last product wait alone).
 
 Scores, softmax and accumulation in float32 (``exp2`` on log2-scaled scores), P rounded
 to the input dtype, as the ``mma.sync`` forward (``forward_mma``) does; the score rules
@@ -786,10 +785,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         # Per item: tile 0 alone, then per tile j, S_j and P_{j-1} V_{j-1} in flight during the
         # softmax of S_j (no branch around a product, so the compiler keeps the products
         # asynchronous), the last tile's P V after them. K_j's stage is released once S_j is
-        # done, V_j's once P_j V_j is, Q's once the item's last S is. With OVERLAP the key
-        # tiles of the block's items run as one stream: an item's last P V is issued with the
-        # next item's S_0, whose softmax runs while it completes, and the item's rows are
-        # finished after that.
+        # done, V_j's once P_j V_j is, Q's once the item's last S is. With OVERLAP an item's
+        # last P V is issued with the next item's S_0 (the first item's S_0 alone), whose
+        # softmax runs while it completes, and the item's rows are finished after that.
         if OVERLAP:
             i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(cuda.blockIdx.x, G, n_qt, B, B2, sched, geo0,
                                                               slopes, seqs, out, lse, wg, w, g, tq4)
