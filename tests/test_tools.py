@@ -41,3 +41,15 @@ def test_ab_exports_a_revision(tmp_path):
     finally:
         os.chdir(cwd)
     assert (Path(tree) / "numba_flash" / "__init__.py").exists()
+
+
+def test_same_code_compares_instructions_not_mangled_counters():
+    same_code = _load("same_code")
+    listing = ("        /*0010*/                   MOV R1, c[0x0][0x28] ;   /* 0x00000a0000017a02 */\n"
+               "        /*0020*/                   CALL.REL `(_ZN5forwardB4v{n}B7cw51cXTE) ;\n")
+    a = {"k.sass": listing.format(n=273), "only_a.sass": listing.format(n=1)}
+    b = {"k.sass": listing.format(n=302)}
+    assert same_code.instructions(a["k.sass"]) == ["MOV R1, c[0x0][0x28]", "CALL.REL `(_ZN5forwardBvB7cw51cXTE)"]
+    assert dict(same_code.compare(a, b)) == {"k.sass": "same", "only_a.sass": "only in one tree"}
+    c = {"k.sass": listing.format(n=1).replace("R1", "R2")}
+    assert dict(same_code.compare(a, c))["k.sass"] == "differs from instruction 0 (2 and 2 instructions)"
