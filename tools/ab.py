@@ -5,7 +5,9 @@ trees taking turns, each in its own process (a GPU machine)::
     python tools/ab.py --tree /tmp/a --tree /tmp/b --varlen --rounds 3 --json ab.json
 
 ``--rev`` exports a git revision's ``numba_flash`` (``git archive``) into a temporary
-directory; ``--tree`` names a directory that holds a ``numba_flash`` package. A shape is
+directory; ``--tree`` names a directory that holds a ``numba_flash`` package (on a GPU
+machine whose copy of the project has no git history, export the trees beforehand:
+``git archive REV numba_flash | tar -x -C DIR``). A shape is
 ``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``); ``--varlen`` adds the causal
 varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128);
 ``--backward`` times the backward's kernels too. Per round every tree runs once, in the
