@@ -151,8 +151,9 @@ class _Launch:
 
 class Plan:
     """A call's launches with its data pointers as slots: roots are the call's inputs
-    (by position), its uploads (host arrays copied to the device per call: the sequence
-    tables of packed calls), its outputs (allocated per call) and one scratch block
+    (by position), its uploads (host arrays the launches read on the device: the sequence
+    tables of packed calls, in a device buffer the plan keeps, copied to where they differ
+    from the last call's), its outputs (allocated per call) and one scratch block
     (allocated per call and freed, stream-ordered, after the last launch)."""
 
     def __init__(self, launches, outputs, scratch_bytes, finish, ctx, pool, n_uploads=0, keep=()):
@@ -161,6 +162,11 @@ class Plan:
         self.keep = tuple(keep)         # the constants' memory, whose pointers the launches hold
         self.device_id = ctx.device.id
         self.lock = threading.Lock()
+        # (launch, parameter index) -> (pointer, map generation, map address, map) of the
+        # last call: a call with the same pointer in that slot (the same tensor, a model's
+        # next step) reuses the map while the table of maps has not started afresh
+        self.maps = {}
+        self.uploaded = None        # (device buffer, byte offsets, the last call's uploads' bytes)
 
     def run(self, sig, poison=None, uploads=(), like=None):
         """Launch for the call of ``sig``; ``uploads``: the call's host arrays (C-contiguous)
@@ -179,39 +185,66 @@ class Plan:
                     for shape, alloc, dtype in self.outputs]
             if any(o is None for o in outs):
                 return None
-        roots = list(sig.pointers)
-        blocks = []                     # pool memory freed after the launches
-        # one block from the pool for the uploads, then the scratch
-        offsets = [0]
-        for a in uploads:
-            offsets.append(offsets[-1] + -(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN)
-        total = offsets[-1] + self.scratch_bytes
-        if total or uploads:
-            total = max(total, 1)
-            err, block = cu.cuMemAllocFromPoolAsync(total, self.pool, stream)
+        offsets = _offsets(uploads)
+        if uploads and self.uploaded is not None and offsets != self.uploaded[1]:
+            return None                 # (a signature fixes the uploads' shapes)
+        n_inputs = len(sig.pointers)
+        roots = list(sig.pointers) + [0] * len(uploads)     # the uploads' addresses: under the lock
+        roots += [o.data_ptr() if torch_outs else _arrays.device_pointer(o) for o in outs]
+        block = None                    # pool memory for the scratch, freed after the launches
+        if self.scratch_bytes:
+            err, block = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
             if err != cu.CUresult.CUDA_SUCCESS:
                 return None
-            blocks.append(block)
-            if uploads:
-                _upload(uploads, offsets, int(block), stream, sig.context)
-                roots += [int(block) + offset for offset in offsets[:-1]]
-        roots += [o.data_ptr() if torch_outs else _arrays.device_pointer(o) for o in outs]
-        if self.scratch_bytes:
-            roots.append(int(blocks[0]) + offsets[-1])
+            roots.append(int(block))
         maps = []       # the tensor maps whose addresses the launches take: alive until launched
         try:
             with self.lock:
-                for ln in self.launches:
+                if uploads:
+                    roots[n_inputs:n_inputs + len(uploads)] = self._upload(uploads, offsets, stream, sig.context)
+                for i, ln in enumerate(self.launches):
                     for index, root, offset, tmap in ln.slots:
                         ptr = roots[root] + offset
-                        ln.buf[index] = ptr if tmap is None else _map_pointer(ptr, tmap, maps, stream)
+                        ln.buf[index] = ptr if tmap is None else self._map_address((i, index), ptr, tmap, maps, stream)
                     err, = cu.cuLaunchKernel(ln.handle, *ln.grid, *ln.block, ln.smem, stream, ln.address, 0)
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
         finally:
-            for b in blocks:
-                cu.cuMemFreeAsync(b, stream)
+            if block is not None:
+                cu.cuMemFreeAsync(block, stream)
         return tuple(outs) if torch_outs else self.finish(outs)
+
+    def _upload(self, uploads, offsets, stream, context):
+        """The device addresses of the call's ``uploads`` (at byte ``offsets``) in the
+        plan's buffer, copied there on ``stream`` unless they are the last call's (a model's
+        layers repeat one batch's sequence table: nothing to copy). A plan launches on one
+        stream, under its lock: a copy into the buffer is queued after the kernels that
+        read the last one, and before this call's."""
+        if self.uploaded is None:
+            from numba import cuda
+            self.uploaded = (cuda.device_array(max(offsets[-1], 1), np.uint8), offsets, None)
+        buf, _, last = self.uploaded
+        base = _arrays.device_pointer(buf)
+        contents = [a.tobytes() for a in uploads]
+        if contents != last:
+            _upload(uploads, offsets, base, stream, context)
+            self.uploaded = (buf, offsets, contents)
+        return [base + offset for offset in offsets[:-1]]
+
+    def _map_address(self, slot, ptr, tmap, held, stream):
+        """The device address of the tensor map of ``tmap``'s view at ``ptr`` for the
+        parameter ``slot``: the last call's where it had the same pointer there and the
+        table of maps has not started afresh since (the map and its memory are then still
+        the table's), else :func:`_map_pointer`'s. The map is appended to ``held``."""
+        from . import families
+        generation = families.map_generation()
+        last = self.maps.get(slot)
+        if last is not None and last[0] == ptr and last[1] == generation:
+            held.append(last[3])
+            return last[2]
+        address = _map_pointer(ptr, tmap, held, stream)
+        self.maps[slot] = (ptr, families.map_generation(), address, held[-1])
+        return address
 
 
 _TORCH_OUT = {}     # NumPy dtype -> the PyTorch dtype of outputs allocated by PyTorch (None: not)
@@ -304,6 +337,14 @@ def _upload(uploads, offsets, dst, stream, ctx):
     if not staging.copy(uploads, offsets, dst, stream):
         for a, offset in zip(uploads, offsets):
             cu.cuMemcpyHtoDAsync(dst + int(offset), a.ctypes.data, a.nbytes, stream)
+
+
+def _offsets(uploads):
+    """Byte offsets of ``uploads`` packed at ``SCRATCH_ALIGN`` boundaries, and their end."""
+    offsets = [0]
+    for a in uploads:
+        offsets.append(offsets[-1] + -(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN)
+    return offsets
 
 
 def _map_pointer(ptr, tmap, held, stream):

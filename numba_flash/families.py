@@ -183,6 +183,7 @@ def _hopper_launches(inp, spec, views, maps, packed, score_args, sm_count):
 _MAPS = {}          # (context, stream, pointer, shape, strides, box rows) -> tensor map
 MAX_MAPS = 256      # the table starts afresh when it is full
 _RETIRED = []       # the maps of the last full table, kept until the next one fills
+_GENERATION = [0]   # how many times the table has started afresh (launch plans' memos check it)
 _SLOTS = {}         # context -> _MapSlots
 # id(tensor map) -> (id of the memory it describes (``gpu_data``), pointer, shape, strides,
 # box rows), as the latest call made or reused it: what a launch plan (``_plans``) needs to
@@ -224,8 +225,16 @@ def tensor_map(ptr, shape, strides, rows, ary=None, stream=0):
             _RETIRED[:] = _MAPS.values()
             _MAPS.clear()
             MAP_SOURCES.clear()
+            _GENERATION[0] += 1
         m = _MAPS[key] = _new_map(ptr, shape, strides, rows, ary, stream)
     return m
+
+
+def map_generation():
+    """A number that changes whenever the table of tensor maps starts afresh: a map found
+    in the table under one generation keeps its device memory (its slot is not written
+    again) for as long as the generation stays the same (:class:`_MapSlots`)."""
+    return _GENERATION[0]
 
 
 def _new_map(ptr, shape, strides, rows, ary, stream):

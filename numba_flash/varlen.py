@@ -558,7 +558,7 @@ def _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
     if not options[-1] or (k_new is None) != (v_new is None):
         return None
     arrays = [q, k_cache, v_cache] + ([] if k_new is None else [k_new, k_cache, v_new, v_cache])
-    meta = tuple(None if x is None else (type(x), tuple(getattr(x, "shape", ())), str(getattr(x, "dtype", "")))
+    meta = tuple(None if x is None else (type(x), tuple(getattr(x, "shape", ())), getattr(x, "dtype", None))
                  for x in (cache_seqlens, block_table))     # (lists too: their length is checked per call)
     try:
         hash(options)

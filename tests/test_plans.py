@@ -212,6 +212,28 @@ def test_hopper_family_repeat_calls(causal, plan_runs, monkeypatch):
 
 
 @GPU_ONLY
+def test_hopper_plan_calls_with_the_same_tensors(plan_runs, monkeypatch):
+    """A model's next step: the same device arrays with new values written in place (the
+    plan reuses each slot's tensor map), between calls with other arrays of the same
+    signature (which replace the maps the plan remembers), and after the table of maps
+    started afresh; every call's outputs match the oracle."""
+    from numba_flash import families, registry
+    if cuda.get_current_device().compute_capability != (9, 0):
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    inputs = [[cuda.device_array((2, 3, 200, 128), np.float16) for _ in range(3)] for _ in range(2)]
+    for call, which in enumerate((0, 0, 0, 1, 0, 0)):
+        if call == 5:           # as if the table had started afresh: the maps are looked up again
+            monkeypatch.setattr(families, "_GENERATION", [families.map_generation() + 1])
+        q, k, v = (x.astype(np.float16) for x in make_qkv(400 + call, (2, 3), 200, 200, 128, "float32"))
+        for dev, x in zip(inputs[which], (q, k, v)):
+            dev.copy_to_device(x)
+        out, lse = numba_flash.attention_fwd(*inputs[which], causal=True)
+        check_forward_low(host(out), host(lse), q, k, v, True, None)
+    assert len(plan_runs) == 5
+
+
+@GPU_ONLY
 def test_hopper_plans_with_a_table_of_one_map(plan_runs, monkeypatch):
     """A table of tensor maps that starts afresh at every new map (``MAX_MAPS = 1``, from
     the second call: the first call's plan needs each of its maps' sources, which the table
@@ -299,6 +321,56 @@ def test_maps_of_a_full_table_stay_alive_until_it_fills_again(monkeypatch):
     assert families.tensor_map(512, *view) is c and families.tensor_map(0, *view) is not a
     families.tensor_map(768, *view)                      # full again: the last table retires
     assert c in families._RETIRED and a not in families._RETIRED
+
+
+def test_plan_reuses_a_slots_tensor_map_while_the_table_stands(monkeypatch):
+    """A plan remembers, per parameter slot, the last call's pointer and tensor map: the
+    same pointer again reuses that map's address (and holds the map for the launch); a new
+    pointer, or a table of maps started afresh since, makes the map anew. (Host-side.)"""
+    from numba_flash import families
+    made = []
+
+    def map_pointer(ptr, tmap, held, stream):
+        made.append((ptr, families.map_generation()))
+        held.append(("map", len(made)))
+        return 1000 + len(made)
+    monkeypatch.setattr(_plans, "_map_pointer", map_pointer)
+    monkeypatch.setattr(families, "_GENERATION", [5])
+    plan = _plans.Plan.__new__(_plans.Plan)
+    plan.maps = {}
+    view = ((1, 1, 8, 64), (1024, 1024, 128, 2), 64)
+    held = []
+    first = plan._map_address((0, 4), 256, view, held, 0)
+    assert plan._map_address((0, 4), 256, view, held, 0) == first and held == [("map", 1)] * 2
+    assert plan._map_address((0, 5), 256, view, held, 0) != first          # another slot: its own map
+    assert plan._map_address((0, 4), 512, view, held, 0) not in (first,)   # another pointer
+    assert len(made) == 3
+    families._GENERATION[0] += 1                                            # the table started afresh
+    plan._map_address((0, 4), 512, view, held, 0)
+    assert made[-1] == (512, 6) and len(made) == 4
+    assert plan._map_address((0, 4), 512, view, held, 0) == 1004 and len(made) == 4
+
+
+def test_plan_uploads_are_copied_only_when_they_change(monkeypatch):
+    """A plan keeps its uploads (sequence tables) in a device buffer of its own and queues
+    a copy only when a call's tables differ from the last call's; the launches get each
+    table's address in that buffer. (Host-side: the copy is recorded, not made.)"""
+    copies = []
+    monkeypatch.setattr(_plans, "_upload", lambda uploads, offsets, dst, stream, ctx: copies.append(
+        ([a.copy() for a in uploads], list(offsets), dst)))
+    plan = _plans.Plan.__new__(_plans.Plan)
+    plan.uploaded = None
+    table = np.arange(24, dtype=np.int32).reshape(4, 6)
+    lens = np.array([3, 5], np.int32)
+    offsets = _plans._offsets([table, lens])
+    assert offsets == [0, 256, 512]
+    addresses = plan._upload([table, lens], offsets, 0, None)
+    base = copies[0][2]
+    assert addresses == [base, base + 256] and len(copies) == 1
+    assert plan._upload([table.copy(), lens.copy()], offsets, 0, None) == addresses and len(copies) == 1
+    lens[1] = 6                                    # a decoding step: the lengths grew
+    assert plan._upload([table, lens], offsets, 0, None) == addresses and len(copies) == 2
+    assert copies[1][0][1].tolist() == [3, 6] and copies[1][2] == base
 
 
 def test_parameter_buffer_layout():
