@@ -207,14 +207,18 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
     return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
-def overlaps(scores, bm):
-    """Whether the kernel for ``scores`` in blocks of ``bm`` query rows issues an item's
-    last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s ``overlap``): for
-    causal rows with two consumer warpgroups. Measured on an H200 2-3% faster for a causal
-    varlen batch and causal rows at d = 64, level for causal rows at d = 128, 1-3% slower
-    for full rows (docs/performance.md item 72); three consumer warpgroups (160 registers
-    each) spilled in the loop over key tiles (up to 300 bytes)."""
-    return bm // ROWS == 2 and scores.causal
+def overlaps(scores, bm, d):
+    """Whether the kernel for ``scores`` at head dim ``d`` in blocks of ``bm`` query rows
+    issues an item's last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s
+    ``overlap``): for causal rows with two consumer warpgroups, at d = 64 and for packed
+    rows (varlen batches). Measured on an H200 2-3% faster for a causal varlen batch (d =
+    128) and causal rows at d = 64, level for causal rows at d = 128, 1-3% slower for full
+    rows (docs/performance.md item 72), so unpacked causal rows at d = 128 keep the
+    per-item schedule: the overlap's code takes Numba's front end 5.7 s longer for that
+    kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
+    (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
+    tiles (up to 300 bytes)."""
+    return bm // ROWS == 2 and scores.causal and (d == 64 or scores.packed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -237,7 +241,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
-    OVERLAP = overlaps(scores, BM) if overlap is None else overlap
+    OVERLAP = overlaps(scores, BM, D) if overlap is None else overlap
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
     QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
