@@ -201,7 +201,7 @@ class Plan:
         try:
             with self.lock:
                 if uploads:
-                    roots[n_inputs:n_inputs + len(uploads)] = self._upload(uploads, offsets, stream, sig.context)
+                    roots[n_inputs:n_inputs + len(uploads)] = self._resident(uploads, offsets, stream, sig.context)
                 for i, ln in enumerate(self.launches):
                     for index, root, offset, tmap in ln.slots:
                         ptr = roots[root] + offset
@@ -214,7 +214,7 @@ class Plan:
                 cu.cuMemFreeAsync(block, stream)
         return tuple(outs) if torch_outs else self.finish(outs)
 
-    def _upload(self, uploads, offsets, stream, context):
+    def _resident(self, uploads, offsets, stream, context):
         """The device addresses of the call's ``uploads`` (at byte ``offsets``) in the
         plan's buffer, copied there on ``stream`` unless they are the last call's (a model's
         layers repeat one batch's sequence table: nothing to copy). A plan launches on one

@@ -364,12 +364,12 @@ def test_plan_uploads_are_copied_only_when_they_change(monkeypatch):
     lens = np.array([3, 5], np.int32)
     offsets = _plans._offsets([table, lens])
     assert offsets == [0, 256, 512]
-    addresses = plan._upload([table, lens], offsets, 0, None)
+    addresses = plan._resident([table, lens], offsets, 0, None)
     base = copies[0][2]
     assert addresses == [base, base + 256] and len(copies) == 1
-    assert plan._upload([table.copy(), lens.copy()], offsets, 0, None) == addresses and len(copies) == 1
+    assert plan._resident([table.copy(), lens.copy()], offsets, 0, None) == addresses and len(copies) == 1
     lens[1] = 6                                    # a decoding step: the lengths grew
-    assert plan._upload([table, lens], offsets, 0, None) == addresses and len(copies) == 2
+    assert plan._resident([table, lens], offsets, 0, None) == addresses and len(copies) == 2
     assert copies[1][0][1].tolist() == [3, 6] and copies[1][2] == base
 
 
