@@ -437,17 +437,32 @@ def test_key_splits_of_few_query_rows(dtype, packed, splits, monkeypatch):
                _heads_first(kc[i, :lens[i]]), _heads_first(vc[i, :lens[i]]), dict(causal=False))
 
 
+def test_key_splits_count_every_sequence(monkeypatch):
+    """A KV cache's decoding grid has a block row per sequence (its third axis): the split
+    rule is told all of its blocks, as for the same problem unpacked (else it splits keys
+    for SMs that are busy already)."""
+    told, grids = [], []
+    monkeypatch.setattr(registry, "forward_splits", lambda blocks, *args: told.append(blocks) or 1)
+    monkeypatch.setattr(api, "launch", lambda kern, grid, *args: grids.append(grid))
+    q = np.zeros((5, 1, 4, 16), np.float16)
+    kc = np.zeros((5, 40, 2, 16), np.float16)
+    numba_flash.attention_with_kvcache(q, kc, kc, np.full(5, 40, np.int32))
+    assert told and grids
+    assert told[-1] == np.prod(grids[-1]) and grids[-1][-1] == 5
+
+
 @pytest.mark.parametrize("dtype,page,nq,n_new,device,d", [
     ("bfloat16", 5, 1, 2, False, 16), ("float16", 16, 3, 0, True, 16), ("bfloat16", 3, 20, 4, True, 16),
-    ("bfloat16", 4, 1, 1, False, 64), ("float32", 3, 2, 2, True, 8), ("float64", 7, 20, 0, False, 8)])
+    ("bfloat16", 4, 1, 1, False, 64), ("float16", 16, 1, 0, True, 64), ("bfloat16", 32, 2, 3, False, 64),
+    ("float32", 3, 2, 2, True, 8), ("float64", 7, 20, 0, False, 8)])
 def test_paged_kvcache_matches_oracle(dtype, page, nq, n_new, device, d, monkeypatch):
     """A paged cache, its pages shuffled and some shared by no sequence: the same result as
     the contiguous cache the pages spell out (decoding and prefill kernels: 1, 3 and 20
     queries), with k_new/v_new appended across page boundaries through the page table;
     float32 and float64 on the CUDA-core kernels (float32 with three key splits forced, as
-    a GPU with idle SMs would choose for decoding; float64 a prefill). d = 64 with pages of
-    4 rows: the decoding kernel's copies step from page to page
-    (``mma_parts.make_copy_rows``' straight-line path) every row step."""
+    a GPU with idle SMs would choose for decoding; float64 a prefill). d = 64: the decoding
+    kernel's copies (``mma_parts.make_copy_rows``) step from page to page every row step
+    (pages of 4 rows), or copy 16-row pieces of one page each (pages of 16 and 32 rows)."""
     if dtype == "float32":
         monkeypatch.setattr(registry, "forward_splits", lambda *args: 3)
     rng = np.random.default_rng(7 + page)

@@ -94,11 +94,11 @@ def serving(rng, hopper=False):
         bad += _report("varlen forward and backward (4 sequences, GQA, causal)", dt, err, tol)
         if hopper:
             continue
-        for paged in (False, True):
+        for page in (0, 7, 16):       # contiguous; pages read row step by row step; in 16-row pieces
             for forced in (None, 1, 3):
                 registry.forward_splits = splits if forced is None else (lambda *a, z=forced: z)
                 try:
-                    bad += _kvcache(rng, npdt, dt, tol, paged, forced)
+                    bad += _kvcache(rng, npdt, dt, tol, page, forced)
                 finally:
                     registry.forward_splits = splits
         parts = [(rng.standard_normal((3, 7, d)).astype(npdt), rng.standard_normal((3, 7)).astype(
@@ -113,11 +113,13 @@ def serving(rng, hopper=False):
     return bad
 
 
-def _kvcache(rng, npdt, dt, tol, paged, forced):
-    """A KV cache with appended rows (contiguous or paged), one and 5 queries per sequence."""
+def _kvcache(rng, npdt, dt, tol, page, forced):
+    """A KV cache with appended rows (contiguous, or paged with pages of ``page`` rows), one
+    and 5 queries per sequence."""
     from numba import cuda
     bad = 0
-    b, hq, hkv, d, page = 3, 4, 2, 24, 7
+    b, hq, hkv, d = 3, 4, 2, 24
+    paged = page > 0
     lens = np.array([13, 0, 40])
     for nq in (1, 5):
         q = rng.standard_normal((b, nq, hq, d)).astype(npdt)
@@ -145,7 +147,7 @@ def _kvcache(rng, npdt, dt, tol, paged, forced):
             ks, vs = (np.repeat(_heads_first(rows(c)[:n]), 2, axis=0) for c in (kc2, vc2))
             ro = reference.attention(_heads_first(q[i]), ks, vs, causal=True)
             err = max(err, float(np.abs(_heads_first(out[i]) - ro).max()))
-        name = f"KV cache{' paged' if paged else ''}, Nq={nq}, splits {forced or 'chosen'}"
+        name = f"KV cache{f' paged {page}' if paged else ''}, Nq={nq}, splits {forced or 'chosen'}"
         bad += _report(name, dt, err, tol)
     return bad
 

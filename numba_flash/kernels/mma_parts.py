@@ -5,6 +5,7 @@ rounded up to 16, columns past d zero-filled): rows 16 bytes apart in bank space
 eight row addresses of one ``ldmatrix`` matrix, and the 16-byte ``cp.async`` stores,
 hit distinct banks. Fragment layouts: ``numba_flash.ops``.
 """
+import numba
 from numba import cuda
 
 from .. import ops
@@ -47,14 +48,22 @@ def make_copy_rows(D, NT, NROWS, paged=False):
     With ``paged`` the rows are a paged KV cache's, and K's and V's rows are copied
     together (the same logical rows): ``copy_rows(smem, off_k, k, off_v, v, b1, b2, row0,
     n_lim, tid, pages, z, ps)`` reads logical row ``j`` from row ``pages[z, j // ps] · ps
-    + j % ps`` of ``k`` and ``v``, each row's page looked up once for both. Where a thread
-    copies many rows (``ITER >= 4``: the one-warp decoding kernel) and pages hold at least
-    the ``STEP`` rows between them (``ps >= STEP``: every serving page size), one division
-    per thread and copy (its first row), then the rows' offset in their page by a step and
-    a compare each, and the page table read only where a step crosses into the next page
-    (a division per row made the paged decode 2.7× slower than the contiguous one on an
-    H200; a table load per row, 1.8×). Otherwise a division per row: few rows per thread
-    (the 8-warp kernels, whose registers the straight line would spill) or small pages.
+    + j % ps`` of ``k`` and ``v``, each row's page looked up once for both. Three ways:
+
+    * where a thread copies many rows (``ITER >= 4``: the one-warp decoding kernel) and
+      ``ps`` is a multiple of ``PIECE`` (16 rows, or ``STEP`` if more, or the tile's rows
+      if fewer: every serving page size), in pieces of ``PIECE`` rows, each within one
+      page: a table read per piece, then its rows as ``copy_rows`` copies them, a stride
+      apart (the next way, a 4-D address per row, made the paged decode 1.10× the
+      contiguous one's time on an H200);
+    * where a thread copies many rows and pages hold at least the ``STEP`` rows between
+      them, one division per thread and copy (its first row), then the rows' offset in
+      their page by a step and a compare each, and the page table read only where a step
+      crosses into the next page (a division per row made the paged decode 2.7× slower
+      than the contiguous one on an H200; a table load per row, 1.8×);
+    * otherwise a division per row: few rows per thread (the 8-warp kernels, whose
+      registers the longer ways would spill) or small pages.
+
     Rows past ``n_lim`` read row ``row0`` (copying nothing), and never look their page up.
     """
     DP = padded_dim(D)
@@ -66,6 +75,8 @@ def make_copy_rows(D, NT, NROWS, paged=False):
     ITER = -(-NROWS // STEP)
     RAGGED = NROWS % STEP != 0         # the last pass covers part of the threads
     STRAIGHT = ITER >= 4               # paged: rows by steps (see above)
+    PIECE = min(max(16, STEP), NROWS)  # paged: rows copied from one page lookup (see above)
+    PIECES = STRAIGHT and PIECE % STEP == 0 and NROWS % PIECE == 0
 
     if paged:
         @device
@@ -79,7 +90,18 @@ def make_copy_rows(D, NT, NROWS, paged=False):
                 dv = off_v + r * RS + c
                 fallback = paged_row(pages, z, row0, ps)    # row0's own row
                 j = row0 + r
-                if STRAIGHT and ps >= STEP:
+                if PIECES and ps % PIECE == 0:               # each piece of the tile in one page
+                    for p0 in range(0, NROWS, PIECE):
+                        jp = row0 + p0                       # the piece's first row
+                        page = numba.uint32(jp) // numba.uint32(ps)
+                        base = pages[z, page] * ps + (jp - page * ps) + r if jp < n_lim else fallback
+                        for it in range(PIECE // STEP):
+                            ok = c_ok and jp + r + it * STEP < n_lim
+                            n = 16 if ok else 0
+                            at = (p0 + it * STEP) * RS
+                            ops.cp_async16_rows(smem, dk + at, k, b1, b2, base, c_src, it * STEP if ok else 0, n)
+                            ops.cp_async16_rows(smem, dv + at, v, b1, b2, base, c_src, it * STEP if ok else 0, n)
+                elif STRAIGHT and ps >= STEP:
                     page = j // ps
                     within = j - page * ps
                     base = pages[z, page] * ps if j < n_lim else fallback    # the page's first row
