@@ -12,7 +12,8 @@ shape, float32 and bfloat16 only; ``--low``: float16 and bfloat16 only (the tens
 kernels); ``--serving``: the packed-row kernels instead (a varlen batch forward and
 backward, contiguous and paged KV caches with appends, the one-warp decoding kernel with
 key splits forced, grouped query heads, merge_attention), every dtype they take (with
-``--hopper``: the varlen batch alone, on the Hopper forward);
+``--low``: float16 and bfloat16; with ``--hopper``: the varlen batch alone, on the Hopper
+forward);
 ``--hopper``: the Hopper family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU), forward
 and backward, at ragged shapes of the head dims it takes, float16 and bfloat16, the
 forward on a grid of three persistent blocks (each takes several work items; ``--quick``: the first shape only),
@@ -61,16 +62,17 @@ def _heads_first(x):
     return np.swapaxes(np.asarray(x, np.float64), 0, 1)
 
 
-def serving(rng, hopper=False):
+def serving(rng, hopper=False, low=False):
     """The packed-row kernels at ragged shapes, each result against the oracle; ``hopper``:
     the varlen batch alone on the Hopper forward (d = 64, sequences across its 128-row
-    tiles, three persistent blocks), float16 and bfloat16."""
+    tiles, three persistent blocks), float16 and bfloat16; ``low``: float16 and bfloat16
+    only."""
     from numba_flash import registry
     bad = 0
     lens_q, lens_k = ([5, 0, 140, 1], [9, 3, 200, 0]) if hopper else ([5, 0, 37, 1], [9, 3, 70, 0])
     cu_q, cu_k = (np.concatenate([[0], np.cumsum(x)]).astype(np.int32) for x in (lens_q, lens_k))
     splits = registry.forward_splits
-    for dt, tol in DTYPES[2:] if hopper else DTYPES:
+    for dt, tol in DTYPES[2:] if hopper or low else DTYPES:
         npdt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
         d = 64 if hopper else 40
         q = rng.standard_normal((cu_q[-1], 4, d))
@@ -209,7 +211,7 @@ def main():
         if "--hopper" in sys.argv:
             os.environ["NUMBA_FLASH_HOPPER"] = "1"
             _few_blocks()
-        return 1 if serving(rng, "--hopper" in sys.argv) else 0
+        return 1 if serving(rng, "--hopper" in sys.argv, "--low" in sys.argv) else 0
     bad = 0
     shapes, options, dtypes = SHAPES, OPTIONS, DTYPES
     if "--transforms" in sys.argv:
