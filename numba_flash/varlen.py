@@ -35,7 +35,7 @@ class Packed:
     max_k: int
     pages: object = None     # a paged cache's page table (S, max pages) int32 on the device, else ``table``
     page_size: int = 0
-    tiles: int = 0           # the Hopper forward's query tiles over all sequences (the table's work order)
+    tiles: int = 0           # the Hopper forward's places over all sequences (the table's work order)
     # rows between one sequence's last key and the next sequence's first may hold anything
     # (a KV cache's unused rows, even NaN): kernels must not read them (the Hopper family's
     # TMA boxes would, so it leaves such calls to the mma.sync family)

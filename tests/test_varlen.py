@@ -214,7 +214,8 @@ def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, de
         assert [a.tobytes() for a in again] == [out.tobytes(), lse.tobytes()]
     else:
         out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, alibi_slopes=slopes, **options)
-    assert calls[0] == sum(-(-n // 128) for n in lens_q), calls      # the family ran, over every query tile
+    places = sum(t + (t & 1) for t in (-(-n // 128) for n in lens_q))   # every query tile, in pairs
+    assert calls[0] == places, calls      # the family ran, over every query tile
     _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
 
 
@@ -244,13 +245,23 @@ def test_kvcache_unused_rows_stay_out_with_the_hopper_family(monkeypatch):
 
 
 def test_hopper_work_order():
-    """The sequence table's work order: most query tiles first, then most keys; the running
-    tile counts end at the total."""
-    from numba_flash.kernels.forward_wgmma import work_order
+    """The sequence table's work order: most query tiles first, then most keys; each
+    sequence's count of places even (its tiles in pairs), the running counts ending at
+    their total. The persistent schedule's places (``pair_place``) cover every unit's two
+    halves once, a whole round's on one block, one after the other."""
+    from numba_flash.kernels.forward_wgmma import pair_place, work_order
     order = work_order([5, 0, 300, 129, 300], [1, 1, 10, 7, 50])
     assert order[:, 1].tolist() == [4, 2, 3, 0, 1]
-    assert order[:, 0].tolist() == [3, 6, 8, 9, 9]
+    assert order[:, 0].tolist() == [4, 8, 10, 12, 12]
     assert work_order([], []).shape == (0, 2)
+    for G, units in ((1, 5), (4, 4), (4, 11), (7, 3), (132, 4352 // 2 + 8)):
+        places = [pair_place(i, G, units) for i in range(2 * units)]
+        assert sorted(places) == [(v, h) for v in range(units) for h in (0, 1)]
+        whole = units - units % G
+        for i in range(2 * whole):           # block i % G: both halves of a unit, in turn
+            m = i // G
+            if m % 2 == 0:
+                assert places[i + G] == (places[i][0], 1) and places[i][1] == 0
 
 
 @pytest.mark.parametrize("dtype,causal,n_new,device", [

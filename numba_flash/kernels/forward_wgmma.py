@@ -50,7 +50,8 @@ Packed sequences (``scores.packed``: varlen batches, the rows of every sequence 
 ``(B1, B2, tokens, d)`` view, back to back): in place of ``sched`` a last argument ``seqs (S, 6)``
 int32 gives per sequence ``q_start, q_len, k_start, k_len`` and, as its two last columns,
 the order the work items take (:func:`work_order`: at position ``p`` the running count of
-query tiles and the sequence), and ``out``, ``lse`` may have any strides; launch with
+places, each sequence's query tiles in pairs from both ends, and the sequence), and ``out``,
+``lse`` may have any strides; launch with
 ``grid <= tiles · B1 · B2``. Each item reads its sequence's row of the table; its TMA boxes
 are whole tiles of the packed arrays, so a sequence's last tiles load rows of the next
 one: as keys they lie past the sequence's end (scores −inf, P exactly 0), as queries they
@@ -248,6 +249,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     PINGPONG = pingpong
     mods = scores.mods
     PACKED = scores.packed                # packed sequences: a table gives each item's rows
+    pairs = cuda.jit(device=True, inline=True)(pair_place)
     assert not scores.paged, "the TMA reads a paged cache's rows only page by page: not this family"
     # rows see different numbers of keys (or sequences differ in length)
     LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks) or PACKED
@@ -449,7 +451,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         tiles together whatever ``p``: the pairs go head by head as full attention's items
         do (at (16, 16, 4096, 128) the longest tiles of every head at once had 7% L2 hits),
         the ``U mod G`` pairs of the last round (``U = B · floor(n_qt / 2)``) after them,
-        then the middle tiles of odd ``n_qt``."""
+        then the middle tiles of odd ``n_qt``. Packed sequences: the places of the table's
+        work order in pairs (:func:`pair_place`, :func:`work_order`), a unit being a pair
+        of places and a leading index, leading indices fastest."""
         if PAIRED and sched > 0:
             P = n_qt >> 1
             U = B * P
@@ -473,6 +477,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             u = U0 + j                        # and their second tiles
             b = u // P
             return u - b * P, b
+        if PACKED:                            # pairs of one sequence's places (:func:`work_order`)
+            v, half = pairs(i, G, (n_qt >> 1) * B)
+            pu = v // B
+            return n_qt - 1 - (2 * pu + half), v - pu * B
         if LONGEST_FIRST:
             r = i // G
             w = i
@@ -526,8 +534,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     @cuda.jit(device=True, inline=True)
     def sequence_tile(u, seqs):
-        """Packed sequences: the ``u``-th query tile of the table's work order (heaviest
-        first: :func:`work_order`) as ``(sequence, query tile)``."""
+        """Packed sequences: the ``u``-th place of the table's work order (:func:`work_order`)
+        as ``(sequence, query tile)``; a sequence's places take its tiles from both ends in
+        turn, and its last place, where its tiles are odd, the tile past its rows."""
         lo, hi = 0, seqs.shape[0] - 1
         while lo < hi:                       # the first position whose running count passes u
             mid = (lo + hi) >> 1
@@ -537,7 +546,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 lo = mid + 1
         first = seqs[lo - 1, 4] if lo > 0 else 0
         z = seqs[lo, 5]
-        return z, (seqs[z, 1] + BM - 1) // BM - 1 - (u - first)
+        nt = (seqs[z, 1] + BM - 1) // BM
+        k = u - first
+        if k >= nt:
+            return z, nt
+        return z, (nt - 1 - (k >> 1) if (k & 1) == 0 else k >> 1)
 
     @cuda.jit(device=True, inline=True)
     def place(i, G, n_qt, B, B2, sched, geo, slopes, seqs):
@@ -555,6 +568,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             g = (nk, nk - nq, geo[2], geo[3])
         q0 = qt * BM
         kt0, tiles = key_tiles(q0, g, slopes, b1, b2)
+        if PACKED and q0 >= nq:              # a pair's empty place: no rows, nothing to load
+            tiles = 0
         return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
     @cuda.jit(device=True, inline=True)
@@ -858,13 +873,34 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     return forward
 
 
+def pair_place(i, G, units):
+    """Packed sequences: the unit and half ``(v, h)`` at place ``i`` of the persistent
+    schedule (block ``i % G``'s ``i // G``-th item), for ``units`` units of two items each.
+    Units go to the blocks in rounds of ``G``, the rounds in alternating directions, and a
+    block takes both halves of its unit in two consecutive items; the last ``units mod G``
+    units, after the whole rounds, go half by half. A bijection of ``[0, 2 · units)``."""
+    whole = units - units % G
+    if i < 2 * whole:
+        m = i // G
+        k = i - m * G
+        r = m >> 1
+        return r * G + (k if (r & 1) == 0 else G - 1 - k), m & 1
+    j = i - 2 * whole
+    return whole + (j >> 1), j & 1
+
+
 def work_order(lens_q, lens_k, block_q=BM):
     """Packed sequences' query tiles in the order the Hopper forward takes them, as the
     sequence table's two last columns ``(S, 2)`` int32: at position ``p``, the running
-    count of query tiles up to and including the ``p``-th sequence of the order, and that
-    sequence's row in the table. The order: most query tiles first, then most keys (a
-    sequence's tiles go last-first, the heaviest under a causal mask first), so that
-    the persistent blocks end together."""
+    count of places up to and including the ``p``-th sequence of the order, and that
+    sequence's row in the table. The order: most query tiles first, then most keys. A
+    sequence has an even count of places, its query tiles from both ends in turn (the last,
+    the first, the second last, ...; with an odd count of tiles, a last place with none),
+    and the kernel gives the two places of a pair to one block (:func:`pair_place`), so
+    that under a causal mask every pair of a sequence costs the same: with the sequences
+    longest first, the rounds of the persistent blocks then end together (a sequence's
+    tiles last-first, dealt one by one, gave blocks 9% more work than the mean on a causal
+    batch of 16 sequences of 256-4096 rows: docs/performance.md item 75)."""
     import numpy as np
     lens_q, lens_k = np.asarray(lens_q, np.int64), np.asarray(lens_k, np.int64)
     if lens_q.size and (lens_q == lens_q[0]).all():      # decoding: one sort key (the same order)
@@ -872,4 +908,5 @@ def work_order(lens_q, lens_k, block_q=BM):
     else:
         order = np.lexsort((-lens_k, -lens_q)) if lens_q.size else np.zeros(0, np.int64)
     tiles = -(-lens_q[order] // block_q)
+    tiles += tiles & 1                                   # even: pairs of places
     return np.stack([np.cumsum(tiles), order], axis=1).astype(np.int32)
