@@ -35,7 +35,7 @@ class Packed:
     max_k: int
     pages: object = None     # a paged cache's page table (S, max pages) int32 on the device, else ``table``
     page_size: int = 0
-    tiles: int = 0           # the Hopper forward's places over all sequences (the table's work order)
+    tiles: int = 0           # the Hopper forward's query tiles over all sequences (the table's work order)
     # rows between one sequence's last key and the next sequence's first may hold anything
     # (a KV cache's unused rows, even NaN): kernels must not read them (the Hopper family's
     # TMA boxes would, so it leaves such calls to the mma.sync family)
@@ -100,7 +100,7 @@ def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
 
 
 def _table(starts_q, lens_q, starts_k, lens_k, block_q=0):
-    """The sequence table ``(S, 6)`` int32 on the host: q_start, q_len, k_start, k_len per
+    """The sequence table ``(S, 7)`` int32 on the host: q_start, q_len, k_start, k_len per
     sequence, then the Hopper forward's work order for its ``block_q``-row query tiles
     (``forward_wgmma.work_order``; zeros for ``block_q = 0``: KV-cache calls, which that
     family never takes)."""
@@ -108,7 +108,7 @@ def _table(starts_q, lens_q, starts_k, lens_k, block_q=0):
     if count > MAX_SEQUENCES:
         raise ValueError(f"at most {MAX_SEQUENCES} sequences per call, got {count}: call once per part "
                          "of the batch.")
-    table = np.empty((count, 6), np.int32)
+    table = np.empty((count, 7), np.int32)
     table[:, 0], table[:, 1], table[:, 2], table[:, 3] = starts_q, lens_q, starts_k, lens_k
     table[:, 4:] = forward_wgmma.work_order(lens_q, lens_k, block_q) if block_q else 0
     return table

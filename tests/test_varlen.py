@@ -177,7 +177,7 @@ def test_varlen_repeat_calls_through_launch_plans(monkeypatch):
 
 
 HOPPER_VARLEN = [   # (dtype, d, hq, hkv, lens_q, lens_k, rule, device): empty sequences, tiles of 128 crossed
-    ("bfloat16", 64, 2, 1, [5, 0, 140, 30], [9, 3, 150, 0], dict(causal=True), False),
+    ("bfloat16", 64, 2, 1, [5, 0, 260, 30], [9, 3, 270, 0], dict(causal=True), False),
     ("float16", 128, 2, 2, [40, 131], [200, 7], dict(window=(20, 3), softcap=5.0, alibi=True), True),
 ]
 if ON_GPU:
@@ -185,6 +185,7 @@ if ON_GPU:
         ("bfloat16", 128, 8, 2, [513, 0, 1000, 77, 256, 1], [513, 9, 1000, 300, 0, 2000], dict(causal=True), True),
         ("float16", 64, 4, 4, [300, 129, 128], [128, 500, 129], dict(causal=False), False),
         ("bfloat16", 64, 4, 1, [700, 65], [900, 65], dict(window=(100, 5), softcap=10.0, alibi=True), True),
+        ("bfloat16", 128, 4, 2, [512, 0, 1000, 250, 256], [512, 9, 1000, 300, 2000], dict(causal=True), False),
     ]
 
 
@@ -193,11 +194,14 @@ if ON_GPU:
 def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, device, monkeypatch):
     """Packed sequences on the Hopper forward (forced; on a GPU it is the family of cc 9.0):
     its TMA loads rows of the whole packed array, so each sequence's tiles read rows of
-    the next one, which the kernel must never let in."""
+    the next one, which the kernel must never let in. Three persistent blocks, so that
+    each takes pairs of tiles and lone middle tiles (``forward_wgmma.packed_item``)."""
     from numba_flash import families
     if ON_GPU and tuple(cuda.get_current_device().compute_capability) != (9, 0):
         pytest.skip("the Hopper family runs on compute capability 9.0 only")
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    facts = api._device_facts
+    monkeypatch.setattr(api, "_device_facts", lambda: (3,) + tuple(facts())[1:])
     calls = []
     real = families._hopper_launches
     monkeypatch.setattr(families, "_hopper_launches", lambda *a: calls.append(a[0].packed.tiles) or real(*a))
@@ -214,8 +218,7 @@ def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, de
         assert [a.tobytes() for a in again] == [out.tobytes(), lse.tobytes()]
     else:
         out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, alibi_slopes=slopes, **options)
-    places = sum(t + (t & 1) for t in (-(-n // 128) for n in lens_q))   # every query tile, in pairs
-    assert calls[0] == places, calls      # the family ran, over every query tile
+    assert calls[0] == sum(-(-n // 128) for n in lens_q), calls      # the family ran, over every query tile
     _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
 
 
@@ -245,15 +248,16 @@ def test_kvcache_unused_rows_stay_out_with_the_hopper_family(monkeypatch):
 
 
 def test_hopper_work_order():
-    """The sequence table's work order: most query tiles first, then most keys; each
-    sequence's count of places even (its tiles in pairs), the running counts ending at
-    their total. The persistent schedule's places (``pair_place``) cover every unit's two
-    halves once, a whole round's on one block, one after the other."""
+    """The sequence table's work order: most query tiles first, then most keys; the running
+    counts of tiles and of pairs of tiles end at their totals. The persistent schedule's
+    places for the pairs (``pair_place``) cover every unit's two halves once, a whole
+    round's on one block, one after the other."""
     from numba_flash.kernels.forward_wgmma import pair_place, work_order
     order = work_order([5, 0, 300, 129, 300], [1, 1, 10, 7, 50])
     assert order[:, 1].tolist() == [4, 2, 3, 0, 1]
-    assert order[:, 0].tolist() == [4, 8, 10, 12, 12]
-    assert work_order([], []).shape == (0, 2)
+    assert order[:, 0].tolist() == [3, 6, 8, 9, 9]
+    assert order[:, 2].tolist() == [1, 2, 3, 3, 3]
+    assert work_order([], []).shape == (0, 3)
     for G, units in ((1, 5), (4, 4), (4, 11), (7, 3), (132, 4352 // 2 + 8)):
         places = [pair_place(i, G, units) for i in range(2 * units)]
         assert sorted(places) == [(v, h) for v in range(units) for h in (0, 1)]

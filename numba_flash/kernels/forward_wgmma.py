@@ -47,11 +47,11 @@ causal rows, else 0). Launch with
 ``kernel.smem_bytes`` of dynamic shared memory. Head dims 64 and 128.
 
 Packed sequences (``scores.packed``: varlen batches, the rows of every sequence in one
-``(B1, B2, tokens, d)`` view, back to back): in place of ``sched`` a last argument ``seqs (S, 6)``
-int32 gives per sequence ``q_start, q_len, k_start, k_len`` and, as its two last columns,
-the order the work items take (:func:`work_order`: at position ``p`` the running count of
-places, each sequence's query tiles in pairs from both ends, and the sequence), and ``out``,
-``lse`` may have any strides; launch with
+``(B1, B2, tokens, d)`` view, back to back): in place of ``sched`` a last argument ``seqs (S, 7)``
+int32 gives per sequence ``q_start, q_len, k_start, k_len`` and, as its three last columns,
+the order the work items take (:func:`work_order`: each sequence's query tiles in pairs
+from both ends, then the middle tiles of odd counts), and ``out``, ``lse`` may have any
+strides; launch with
 ``grid <= tiles · B1 · B2``. Each item reads its sequence's row of the table; its TMA boxes
 are whole tiles of the packed arrays, so a sequence's last tiles load rows of the next
 one: as keys they lie past the sequence's end (scores −inf, P exactly 0), as queries they
@@ -451,9 +451,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         tiles together whatever ``p``: the pairs go head by head as full attention's items
         do (at (16, 16, 4096, 128) the longest tiles of every head at once had 7% L2 hits),
         the ``U mod G`` pairs of the last round (``U = B · floor(n_qt / 2)``) after them,
-        then the middle tiles of odd ``n_qt``. Packed sequences: the places of the table's
-        work order in pairs (:func:`pair_place`, :func:`work_order`), a unit being a pair
-        of places and a leading index, leading indices fastest."""
+        then the middle tiles of odd ``n_qt``. (Packed sequences: :func:`packed_item`.)"""
         if PAIRED and sched > 0:
             P = n_qt >> 1
             U = B * P
@@ -477,10 +475,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             u = U0 + j                        # and their second tiles
             b = u // P
             return u - b * P, b
-        if PACKED:                            # pairs of one sequence's places (:func:`work_order`)
-            v, half = pairs(i, G, (n_qt >> 1) * B)
-            pu = v // B
-            return n_qt - 1 - (2 * pu + half), v - pu * B
         if LONGEST_FIRST:
             r = i // G
             w = i
@@ -533,24 +527,44 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return st, phase
 
     @cuda.jit(device=True, inline=True)
-    def sequence_tile(u, seqs):
-        """Packed sequences: the ``u``-th place of the table's work order (:func:`work_order`)
-        as ``(sequence, query tile)``; a sequence's places take its tiles from both ends in
-        turn, and its last place, where its tiles are odd, the tile past its rows."""
-        lo, hi = 0, seqs.shape[0] - 1
-        while lo < hi:                       # the first position whose running count passes u
+    def running(seqs, r, singles):
+        """The table's running count at position ``r`` of its order (:func:`work_order`): of
+        pairs of query tiles, or with ``singles`` of lone middle tiles."""
+        return seqs[r, 4] - 2 * seqs[r, 6] if singles else seqs[r, 6]
+
+    @cuda.jit(device=True, inline=True)
+    def packed_item(i, G, B, seqs):
+        """Packed sequences: work item ``i`` as ``(sequence, query tile, leading index)``.
+        Units are a pair of one sequence's query tiles (the last and the first, the second
+        last and the second, ...: under a causal mask every pair of a sequence costs the
+        same) and a leading index, leading indices fastest, in the table's order (sequences
+        longest first): :func:`pair_place` gives both tiles of a unit to one block, one
+        after the other. Then the middle tiles of sequences with an odd count, one by one."""
+        last = seqs.shape[0] - 1
+        fu = seqs[last, 6] * B                   # units of pairs
+        singles = i >= 2 * fu
+        half = 0
+        if singles:
+            s = i - 2 * fu
+            u = s // B
+            b = s - u * B
+        else:
+            v, half = pairs(i, G, fu)
+            u = v // B
+            b = v - u * B
+        lo, hi = 0, last
+        while lo < hi:                           # the first position whose running count passes u
             mid = (lo + hi) >> 1
-            if seqs[mid, 4] > u:
+            if running(seqs, mid, singles) > u:
                 hi = mid
             else:
                 lo = mid + 1
-        first = seqs[lo - 1, 4] if lo > 0 else 0
+        k = u - (running(seqs, lo - 1, singles) if lo > 0 else 0)
         z = seqs[lo, 5]
         nt = (seqs[z, 1] + BM - 1) // BM
-        k = u - first
-        if k >= nt:
-            return z, nt
-        return z, (nt - 1 - (k >> 1) if (k & 1) == 0 else k >> 1)
+        if singles:
+            return z, nt >> 1, b
+        return z, (nt - 1 - k if half == 0 else k), b
 
     @cuda.jit(device=True, inline=True)
     def place(i, G, n_qt, B, B2, sched, geo, slopes, seqs):
@@ -558,18 +572,18 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         need it: ``(b1, b2, first query row, first key tile, key tiles, the sequence's first
         query row and first key row, its query rows, its geometry)`` (one sequence of ``Nq``
         rows and ``geo`` unless packed)."""
-        qt, b = work_item(i, G, n_qt, B, sched)
+        if PACKED:
+            z, qt, b = packed_item(i, G, B, seqs)
+        else:
+            qt, b = work_item(i, G, n_qt, B, sched)
         b1 = b // B2
         b2 = b - b1 * B2
         qs, ks, nq, g = numba.int32(0), numba.int32(0), geo[0] - geo[1], geo
         if PACKED:
-            z, qt = sequence_tile(n_qt - 1 - qt, seqs)
             qs, nq, ks, nk = seqs[z, 0], seqs[z, 1], seqs[z, 2], numba.int64(seqs[z, 3])
             g = (nk, nk - nq, geo[2], geo[3])
         q0 = qt * BM
         kt0, tiles = key_tiles(q0, g, slopes, b1, b2)
-        if PACKED and q0 >= nq:              # a pair's empty place: no rows, nothing to load
-            tiles = 0
         return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
     @cuda.jit(device=True, inline=True)
@@ -874,8 +888,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
 
 def pair_place(i, G, units):
-    """Packed sequences: the unit and half ``(v, h)`` at place ``i`` of the persistent
-    schedule (block ``i % G``'s ``i // G``-th item), for ``units`` units of two items each.
+    """Packed sequences' pairs of query tiles: the unit and half ``(v, h)`` at place ``i``
+    of the persistent schedule (block ``i % G``'s ``i // G``-th item), for ``units`` units
+    of two items each.
     Units go to the blocks in rounds of ``G``, the rounds in alternating directions, and a
     block takes both halves of its unit in two consecutive items; the last ``units mod G``
     units, after the whole rounds, go half by half. A bijection of ``[0, 2 · units)``."""
@@ -891,16 +906,16 @@ def pair_place(i, G, units):
 
 def work_order(lens_q, lens_k, block_q=BM):
     """Packed sequences' query tiles in the order the Hopper forward takes them, as the
-    sequence table's two last columns ``(S, 2)`` int32: at position ``p``, the running
-    count of places up to and including the ``p``-th sequence of the order, and that
-    sequence's row in the table. The order: most query tiles first, then most keys. A
-    sequence has an even count of places, its query tiles from both ends in turn (the last,
-    the first, the second last, ...; with an odd count of tiles, a last place with none),
-    and the kernel gives the two places of a pair to one block (:func:`pair_place`), so
-    that under a causal mask every pair of a sequence costs the same: with the sequences
-    longest first, the rounds of the persistent blocks then end together (a sequence's
-    tiles last-first, dealt one by one, gave blocks 9% more work than the mean on a causal
-    batch of 16 sequences of 256-4096 rows: docs/performance.md item 75)."""
+    sequence table's three last columns ``(S, 3)`` int32: at position ``p``, the running
+    count of query tiles up to and including the ``p``-th sequence of the order, that
+    sequence's row in the table, and the running count of its pairs of tiles (``floor(tiles
+    / 2)``). The order: most query tiles first, then most keys. The kernel
+    (``packed_item``) takes every sequence's tiles in pairs from both ends, a pair on one
+    block (:func:`pair_place`), then the middle tiles of odd counts: under a causal mask
+    the pairs of a sequence cost alike, so with the sequences longest first the rounds of
+    the persistent blocks end together (its tiles last-first, dealt one by one, gave the
+    busiest block 9% more work than the mean on a causal batch of 16 sequences of 256-4096
+    rows: docs/performance.md item 75)."""
     import numpy as np
     lens_q, lens_k = np.asarray(lens_q, np.int64), np.asarray(lens_k, np.int64)
     if lens_q.size and (lens_q == lens_q[0]).all():      # decoding: one sort key (the same order)
@@ -908,5 +923,4 @@ def work_order(lens_q, lens_k, block_q=BM):
     else:
         order = np.lexsort((-lens_k, -lens_q)) if lens_q.size else np.zeros(0, np.int64)
     tiles = -(-lens_q[order] // block_q)
-    tiles += tiles & 1                                   # even: pairs of places
-    return np.stack([np.cumsum(tiles), order], axis=1).astype(np.int32)
+    return np.stack([np.cumsum(tiles), order, np.cumsum(tiles >> 1)], axis=1).astype(np.int32)
