@@ -251,8 +251,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     PACKED = scores.packed                # packed sequences: a table gives each item's rows
     pairs = cuda.jit(device=True, inline=True)(pair_place)
     assert not scores.paged, "the TMA reads a paged cache's rows only page by page: not this family"
-    # rows see different numbers of keys (or sequences differ in length)
-    LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks) or PACKED
+    # rows see different numbers of keys (packed sequences: ``packed_item``'s order instead)
+    LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks)
     # causal rows: the pairs schedule where the launch asks for it (:func:`paired`)
     PAIRED = paired(scores, BM)
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
@@ -890,10 +890,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 def pair_place(i, G, units):
     """Packed sequences' pairs of query tiles: the unit and half ``(v, h)`` at place ``i``
     of the persistent schedule (block ``i % G``'s ``i // G``-th item), for ``units`` units
-    of two items each.
-    Units go to the blocks in rounds of ``G``, the rounds in alternating directions, and a
-    block takes both halves of its unit in two consecutive items; the last ``units mod G``
-    units, after the whole rounds, go half by half. A bijection of ``[0, 2 · units)``."""
+    of two items each. Units go to the blocks in rounds of ``G``, the rounds in alternating
+    directions, and a block takes both halves of its unit in two consecutive items; the
+    last ``units mod G`` units, after the whole rounds, go half by half. A bijection of
+    ``[0, 2 · units)``."""
     whole = units - units % G
     if i < 2 * whole:
         m = i // G
