@@ -23,6 +23,15 @@ def test_ab_parses_shapes_and_rejects_bad_ones():
             ab.parse_shapes(bad)
 
 
+def test_ab_parses_varlen_lengths():
+    ab = _load("ab")
+    assert ab.parse_lens("384*3, 100,0") == (384, 384, 384, 100, 0)
+    assert ab.parse_lens("") == ab.VARLEN_LENS and len(ab.VARLEN_LENS) == 16
+    for bad in ("384*0", "-1", "x*2"):
+        with pytest.raises(ValueError, match="lengths"):
+            ab.parse_lens(bad)
+
+
 def test_ab_summary_compares_each_tree_with_the_first():
     ab = _load("ab")
     records = [dict(call="fwd", tree=t, ms=ms) for t, ms in (("a", 1.0), ("b", 0.9), ("a", 1.0), ("b", 0.95))]

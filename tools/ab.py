@@ -9,7 +9,9 @@ directory; ``--tree`` names a directory that holds a ``numba_flash`` package (on
 machine whose copy of the project has no git history, export the trees beforehand:
 ``git archive REV numba_flash | tar -x -C DIR``). A shape is
 ``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``); ``--varlen`` adds the causal
-varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128);
+varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128),
+or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
+separated, ``L*n`` for ``n`` sequences of ``L`` rows);
 ``--backward`` times the backward's kernels too. Per round every tree runs once, in the
 order given, in a fresh process whose ``sys.path`` starts with the tree and whose kernel
 cache (``NUMBA_FLASH_CACHE_DIR``) is its own; in it each call is planned once
@@ -32,6 +34,22 @@ import tempfile
 import time
 
 VARLEN_LENS = tuple(int(256 + i * (4096 - 256) / 15) for i in range(16))
+
+
+def parse_lens(text):
+    """``"384*16,100"`` -> ``(384, ..., 384, 100)``: comma-separated lengths, ``L*n`` for ``n``
+    sequences of ``L`` rows; ``""`` -> the serving batch (``VARLEN_LENS``)."""
+    lens = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        length, _, count = part.partition("*")
+        try:
+            length, count = int(length), int(count or 1)
+        except ValueError:
+            raise ValueError(f"lengths {part!r}: expected L or L*n with whole numbers, e.g. 384*16") from None
+        if length < 0 or count < 1:
+            raise ValueError(f"lengths {part!r}: expected L >= 0 rows and n >= 1 sequences")
+        lens += [length] * count
+    return tuple(lens) or VARLEN_LENS
 
 
 def parse_shapes(text):
@@ -114,14 +132,17 @@ def worker(tree, args):
             records.append(dict(call=f"bwd ({B},{H},{N},{d}){' causal' if causal else ''}",
                                 ms=_time(lambda: [launch(*a) for a in launches]), err=None))
     if args.varlen:
-        lens = torch.tensor(VARLEN_LENS)
+        given = parse_lens(args.lens)
+        lens = torch.tensor(given)
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).numpy()
         q, k, v = (torch.randn(int(cu[-1]), 16, 128, device="cuda", dtype=dt) for _ in range(3))
         call = lambda: numba_flash.attention_varlen(q, k, v, cu, cu, causal=True)  # noqa: E731
-        n0 = VARLEN_LENS[0]
-        ref = sdpa(*(x[:n0].transpose(0, 1) for x in (q, k, v)), is_causal=True).transpose(0, 1)
-        err = (_as_torch(call(), torch)[:n0].float() - ref.float()).abs().max().item()
-        records.append(dict(call="varlen 16 x 256..4096 causal", ms=_time(call), err=err))
+        s = next((i for i, n in enumerate(given) if n), None)         # a sequence with rows, checked
+        rows = slice(int(cu[s]), int(cu[s + 1])) if s is not None else slice(0, 0)
+        ref = sdpa(*(x[rows].transpose(0, 1) for x in (q, k, v)), is_causal=True).transpose(0, 1)
+        err = (_as_torch(call(), torch)[rows].float() - ref.float()).abs().max().item() if s is not None else 0.0
+        name = "16 x 256..4096" if given == VARLEN_LENS else f"{len(given)} x {min(given)}..{max(given)}"
+        records.append(dict(call=f"varlen {name} causal", ms=_time(call), err=err))
     return records
 
 
@@ -142,12 +163,14 @@ def main(argv=None):
     p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal;..." (q, k, v of shape (B, H, N, d))')
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
+    p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16" or "100,3000"')
     p.add_argument("--backward", action="store_true", help="time the backward's kernels too")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None, help="write every measurement here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     parse_shapes(args.shapes)
+    parse_lens(args.lens)
     if args.worker:
         print("\n" + json.dumps(worker(args.worker, args)))     # the last line: the parent reads it
         return 0
