@@ -243,6 +243,7 @@ class Plan:
             held.append(last[3])
             return last[2]
         address = _map_pointer(ptr, tmap, held, stream)
+        # (read again: making the map may have started the table afresh)
         self.maps[slot] = (ptr, families.map_generation(), address, held[-1])
         return address
 

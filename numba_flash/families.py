@@ -339,8 +339,8 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     resident = 1
     if spec.variant != "forward_simt" and smem_limit:
         resident = max(1, (smem_limit + SMEM_RESERVED) // (spec.smem_bytes + SMEM_RESERVED))
-    blocks = g[0] * g[1] * (g[2] if len(g) > 2 else 1)        # (packed: a block row per sequence)
-    z = splits or registry.forward_splits(blocks, n_kt, sm_count * resident, inp.scores.causal)
+    # every block of the grid (packed: its third axis holds a block row per sequence)
+    z = splits or registry.forward_splits(math.prod(g), n_kt, sm_count * resident, inp.scores.causal)
     if not 1 <= z <= registry.MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
                          "let registry.forward_splits choose.")
