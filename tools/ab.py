@@ -11,7 +11,10 @@ machine whose copy of the project has no git history, export the trees beforehan
 ``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``); ``--varlen`` adds the causal
 varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128),
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
-separated, ``L*n`` for ``n`` sequences of ``L`` rows);
+separated, ``L*n`` for ``n`` sequences of ``L`` rows); ``--decode`` adds the decoding
+rows of ``bench.py serving`` (one query per sequence, 16 sequences of 8192 keys, 32 query
+heads and 32 or 8 K/V heads, d = 128), each with SDPA's cuDNN backend timed beside it in
+the same process (the peer's time is the same code in every tree: a drift check);
 ``--backward`` times the backward's kernels too. Per round every tree runs once, in the
 order given, in a fresh process whose ``sys.path`` starts with the tree and whose kernel
 cache (``NUMBA_FLASH_CACHE_DIR``) is its own; in it each call is planned once
@@ -131,6 +134,22 @@ def worker(tree, args):
                                                  causal=bool(causal))
             records.append(dict(call=f"bwd ({B},{H},{N},{d}){' causal' if causal else ''}",
                                 ms=_time(lambda: [launch(*a) for a in launches]), err=None))
+    if args.decode:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        for hkv in (32, 8):
+            torch.manual_seed(0)
+            q = torch.randn(16, 32, 1, 128, device="cuda", dtype=dt)
+            k, v = (torch.randn(16, hkv, 8192, 128, device="cuda", dtype=dt) for _ in range(2))
+            result, launches = api.plan_forward(q, k, v)
+            for a in launches:
+                launch(*a)
+            out, _ = result()
+            with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                peer = lambda: sdpa(q, k, v, enable_gqa=hkv < 32)  # noqa: E731
+                err = (_as_torch(out, torch).float() - peer().float()).abs().max().item()
+                name = f"decode (16,32/{hkv},8192,128)"
+                records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err))
+                records.append(dict(call=name + " cuDNN", ms=_time(peer), err=None))
     if args.varlen:
         given = parse_lens(args.lens)
         lens = torch.tensor(given)
@@ -164,6 +183,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
     p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16" or "100,3000"')
+    p.add_argument("--decode", action="store_true", help="add bench.py serving's decoding rows (MHA, GQA)")
     p.add_argument("--backward", action="store_true", help="time the backward's kernels too")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None, help="write every measurement here")
@@ -177,8 +197,8 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         trees = {f"rev {r}": export_rev(r, os.path.join(tmp, f"rev{i}")) for i, r in enumerate(args.rev)}
         trees.update({f"tree {t}": t for t in args.tree})
-        if len(trees) < 1 or not (args.shapes or args.varlen):
-            p.error("give at least one --rev or --tree, and --shapes or --varlen")
+        if len(trees) < 1 or not (args.shapes or args.varlen or args.decode):
+            p.error("give at least one --rev or --tree, and --shapes, --varlen or --decode")
         names = list(trees)
         records = []
         for rnd in range(args.rounds):
