@@ -461,7 +461,12 @@ def _fold(arrays):
         else:
             groups.append((n, st))
     if len(groups) <= 2:
-        groups = [(1, [0] * len(arrays))] * (2 - len(groups)) + groups
+        # Axes of one index added in front: any stride addresses their index 0, but not 0,
+        # which Numba types as layout A (another compile than every other call's): the
+        # span of the axes behind them (0 only where that is, as a repeated K/V head's).
+        for _ in range(2 - len(groups)):
+            n, st = groups[0] if groups else (shapes[0][-2], [s[-2] for s in strides])
+            groups.insert(0, (1, [n * x for x in st]))
         return [tuple(
             _arrays.strided_view(a, (groups[0][0], groups[1][0]) + shapes[j][-2:],
                                  (groups[0][1][j], groups[1][1][j]) + strides[j][-2:])

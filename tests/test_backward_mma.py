@@ -335,29 +335,3 @@ def test_gpu_hopper_backward(lead, nq, nk, d, dtype, causal, monkeypatch):
         size = max(1.0, float(np.abs(o64).max()))
         assert np.abs(g64 - o64).max() <= 8 * float(ml_dtypes.finfo(g.dtype).eps) * size, name
 
-
-@pytest.mark.parametrize("group", [1, 2])
-def test_hopper_launches_type_alike_for_one_leading_index(group, monkeypatch):
-    """A call with one leading index (batch and heads of 1, or one K/V head's group) launches
-    the Hopper kernels with the argument types of larger calls: the views that fold the
-    leading dims give their axis of one index a non-zero stride, which Numba would type as
-    layout A (another compile; ``numba_flash.warmup``'s small arrays compiled the backward
-    kernels that no larger call used)."""
-    from numba import typeof
-    from numba_flash import _kernel_cache, _plans, api
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setattr(_plans, "_PLANS", {})
-    rng = np.random.default_rng(44)
-
-    def layouts(b, hkv):
-        bf = lambda *shape: rng.standard_normal(shape).astype(ml_dtypes.bfloat16)  # noqa: E731
-        q, dout, out = (bf(b, hkv * group, 20, 64) for _ in range(3))
-        k, v = bf(b, hkv, 30, 64), bf(b, hkv, 30, 64)
-        lse = rng.standard_normal((b, hkv * group, 20)).astype(np.float32)
-        launches = api.plan_forward(q, k, v, causal=True)[1] + api.plan_backward(dout, q, k, v, out, lse, True)[1]
-        return {_kernel_cache.kernel_name(kern): "".join(getattr(typeof(a), "layout", "") for a in args)
-                for kern, _, _, _, args, _ in launches}
-
-    one = layouts(1, 1)
-    assert any(name.startswith("backward_dq_wgmma") for name in one), one
-    assert one == layouts(2, 3)

@@ -5,7 +5,7 @@ import pytest
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba import cuda
 from numba_flash import registry
-from conftest import ON_GPU, bits, check_forward, host
+from conftest import ON_GPU, bits, check_forward, host, np_dtype
 
 B, H, N, NK, D = 2, 3, 11, 13, 8     # crosses the simulator's key tile (BN = 8); one query tile
 
@@ -246,3 +246,34 @@ def test_cupy_inputs(layout):
     assert isinstance(out, cp.ndarray) and isinstance(lse, cp.ndarray)                      # q's kind out
     cp.cuda.runtime.deviceSynchronize()
     check_forward(host(out), host(lse), cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v), True, None)
+
+
+@pytest.mark.parametrize("hopper", ["0", "1"])
+@pytest.mark.parametrize("dtype,group,nq", [("bfloat16", 1, 20), ("bfloat16", 2, 20), ("bfloat16", 2, 3),
+                                            ("float32", 2, 20), ("float32", 1, 3)])
+def test_one_leading_index_launches_the_same_types(hopper, dtype, group, nq, monkeypatch):
+    """A call whose leading dims are all 1 (batch 1, one head or one K/V head's group)
+    launches each kernel with the argument types of a larger call: the views that fold or
+    pad the leading dims give an axis of one index a non-zero stride, which Numba would
+    type as layout A (a second compile of every kernel, and ``numba_flash.warmup``'s small
+    arrays compiled kernels that larger calls did not use). Forward and backward, every
+    family (the Hopper one forced on, or off), grouped heads, decoding rows; planned only."""
+    from numba import typeof
+    from numba_flash import _kernel_cache, _plans, api
+    monkeypatch.setenv(registry.HOPPER_ENV, hopper)
+    monkeypatch.setattr(_plans, "_PLANS", {})
+    rng = np.random.default_rng(45)
+    dt = np_dtype(dtype)
+
+    def layouts(b, hkv):
+        draw = lambda *shape: rng.standard_normal(shape).astype(dt)  # noqa: E731
+        q, dout, out = (draw(b, hkv * group, nq, 64) for _ in range(3))
+        k, v = draw(b, hkv, 30, 64), draw(b, hkv, 30, 64)
+        lse = rng.standard_normal((b, hkv * group, nq)).astype(np.float32)
+        launches = api.plan_forward(q, k, v, causal=True)[1] + api.plan_backward(dout, q, k, v, out, lse, True)[1]
+        return {_kernel_cache.kernel_name(kern): "".join(getattr(typeof(a), "layout", "") for a in args)
+                for kern, _, _, _, args, _ in launches}
+
+    one, more = layouts(1, 1), layouts(2, 3)
+    assert one and all(one[name] == more[name] for name in set(one) & set(more)), (one, more)
+    assert set(one) - set(more) <= {f"forward_merge/{dtype}/d0/full/plain"}    # (a small grid's key splits)

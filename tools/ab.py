@@ -13,7 +13,7 @@ varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, 
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
 separated, ``L*n`` for ``n`` sequences of ``L`` rows); ``--decode`` adds the decoding
 rows of ``bench.py serving`` (one query per sequence, 16 sequences of 8192 keys, 32 query
-heads and 32 or 8 K/V heads, d = 128), each with SDPA's cuDNN backend timed beside it in
+heads and 32 or 8 K/V heads, d = 128) and one sequence of the grouped row, each with SDPA's cuDNN backend timed beside it in
 the same process (the peer's time is the same code in every tree: a drift check);
 ``--backward`` times the backward's kernels too. Per round every tree runs once, in the
 order given, in a fresh process whose ``sys.path`` starts with the tree and whose kernel
@@ -136,10 +136,10 @@ def worker(tree, args):
                                 ms=_time(lambda: [launch(*a) for a in launches]), err=None))
     if args.decode:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        for hkv in (32, 8):
+        for b, hkv in ((16, 32), (16, 8), (1, 8)):
             torch.manual_seed(0)
-            q = torch.randn(16, 32, 1, 128, device="cuda", dtype=dt)
-            k, v = (torch.randn(16, hkv, 8192, 128, device="cuda", dtype=dt) for _ in range(2))
+            q = torch.randn(b, 32, 1, 128, device="cuda", dtype=dt)
+            k, v = (torch.randn(b, hkv, 8192, 128, device="cuda", dtype=dt) for _ in range(2))
             result, launches = api.plan_forward(q, k, v)
             for a in launches:
                 launch(*a)
@@ -147,7 +147,7 @@ def worker(tree, args):
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 peer = lambda: sdpa(q, k, v, enable_gqa=hkv < 32)  # noqa: E731
                 err = (_as_torch(out, torch).float() - peer().float()).abs().max().item()
-                name = f"decode (16,32/{hkv},8192,128)"
+                name = f"decode ({b},32/{hkv},8192,128)"
                 records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err))
                 records.append(dict(call=name + " cuDNN", ms=_time(peer), err=None))
     if args.varlen:
