@@ -353,6 +353,21 @@ def _fill(ary, value, dtype, stream):
     ary.copy_to_device(host.view(ary.dtype))
 
 
+def unit_axis_stride(shape, strides, itemsize, span):
+    """The stride for an axis of one index added in front of a view ``shape, strides``:
+    any stride addresses its index 0, but Numba types an array with a zero stride as
+    layout A, and one whose other axes are C-contiguous as layout C. So ``span`` (non-zero)
+    where the view is C-contiguous (it is then typed C, as the same view with more leading
+    indices), else 0 (typed A, as a view that is not contiguous in any case, rather than F
+    or C by the accident of its sizes)."""
+    expected = itemsize
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if s == 0 or n != 1 and s != expected:
+            return 0
+        expected *= n if n != 1 else 1
+    return span or 0
+
+
 def _c_strides(shape, itemsize):
     strides, s = [], itemsize
     for n in reversed(shape):

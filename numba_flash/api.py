@@ -209,7 +209,7 @@ class _Inputs:
         if g > 1:
             like_q = [_split_heads(a, len(self.lead), g) for a in like_q]
             like_k = [_split_heads(a, len(self.lead), g, repeat=True) for a in like_k]
-        return _kernel_views(list(like_q) + list(like_k))
+        return _kernel_views(list(like_q) + list(like_k), typed_c=self.packed is None)
 
     def device(self, name):
         """The named input on the device (NumPy inputs are copied, contiguously)."""
@@ -426,27 +426,32 @@ def _check_scale(scale, d):
 
 
 # --------------------------------------------------------------------------- views
-def _kernel_views(arrays):
+def _kernel_views(arrays, typed_c=True):
     """The arrays as the kernels take them, per launch: matrices ``(..., N, d)`` (the first
     array is one) as 4-D ``(B1, B2, N, d)`` views, per-row arrays ``(..., N)`` (lse,
     delta) as 3-D ``(B1, B2, N)`` views. Arrays with exactly two leading dims are passed
-    as they are (no new view objects: each costs host time per call)."""
+    as they are (no new view objects: each costs host time per call). ``typed_c``: see
+    :func:`_fold` (packed sequences' views, never contiguous with more than one head, keep
+    layout A whatever their sizes)."""
     lead = len(tuple(arrays[0].shape)) - 2
     if lead == 2:
         return [tuple(arrays)]
     is_row = [len(tuple(a.shape)) == lead + 1 for a in arrays]
     mats = [_unit_tail(a) if r else a for a, r in zip(arrays, is_row)]
-    return [tuple(_drop_tail(v) if r else v for v, r in zip(views, is_row)) for views in _fold(mats)]
+    return [tuple(_drop_tail(v) if r else v for v, r in zip(views, is_row)) for views in _fold(mats, typed_c)]
 
 
-def _fold(arrays):
+def _fold(arrays, typed_c=True):
     """4-D ``(B1, B2, N, d)`` views of arrays that share their leading dims, per launch.
 
     The leading dims are folded into at most two strided dims, merging a dim into its
     outer neighbour only where that is valid for *every* array, so that block ``b``
     reads the same leading index in each. Returns a list of per-launch tuples of views;
     only layouts that fold into three or more groups need more than one launch (one
-    per index of the outermost leading dim).
+    per index of the outermost leading dim). Axes of one index added in front get, with
+    ``typed_c``, a stride under which Numba types a C-contiguous view as layout C, as the
+    same call with more leading indices has it (``_arrays.unit_axis_stride``), else 0
+    (layout A).
     """
     shapes = [tuple(a.shape) for a in arrays]
     strides = [tuple(a.strides) for a in arrays]
@@ -461,12 +466,17 @@ def _fold(arrays):
         else:
             groups.append((n, st))
     if len(groups) <= 2:
-        # Axes of one index added in front: any stride addresses their index 0, but not 0,
-        # which Numba types as layout A (another compile than every other call's): the
-        # span of the axes behind them (0 only where that is, as a repeated K/V head's).
         for _ in range(2 - len(groups)):
             n, st = groups[0] if groups else (shapes[0][-2], [s[-2] for s in strides])
-            groups.insert(0, (1, [n * x for x in st]))
+            pad = []
+            for j, a in enumerate(arrays):
+                span = 0
+                if typed_c:
+                    span = _arrays.unit_axis_stride(tuple(g[0] for g in groups) + shapes[j][-2:],
+                                                    tuple(g[1][j] for g in groups) + strides[j][-2:],
+                                                    a.dtype.itemsize, n * st[j])
+                pad.append(span)
+            groups.insert(0, (1, pad))
         return [tuple(
             _arrays.strided_view(a, (groups[0][0], groups[1][0]) + shapes[j][-2:],
                                  (groups[0][1][j], groups[1][1][j]) + strides[j][-2:])

@@ -133,8 +133,8 @@ def _heads_views(inp, arrays):
                 return []
             xs = s if x == 1 else xs
             x *= n
-        if x == 1:      # one leading index: any stride, but not 0, which Numba types as layout A
-            xs = strides[h] * shape[h]
+        if x == 1:      # one leading index: typed C where the view is C-contiguous (_arrays)
+            xs = _arrays.unit_axis_stride(shape[h:], strides[h:], a.dtype.itemsize, strides[h] * shape[h])
         folded.append(_arrays.strided_view(a, (x,) + shape[h:], (xs,) + strides[h:]))
     return [tuple(folded)]
 
