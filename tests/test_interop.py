@@ -277,3 +277,30 @@ def test_one_leading_index_launches_the_same_types(hopper, dtype, group, nq, mon
     one, more = layouts(1, 1), layouts(2, 3)
     assert one and all(one[name] == more[name] for name in set(one) & set(more)), (one, more)
     assert set(one) - set(more) <= {f"forward_merge/{dtype}/d0/full/plain"}    # (a small grid's key splits)
+
+
+@pytest.mark.parametrize("nq", [1, 3, 20])
+def test_kvcache_views_keep_their_layout_across_sizes(nq, monkeypatch):
+    """KV-cache calls (packed sequences) of one sequence and one head launch each kernel
+    with the argument layouts of calls with more of both (their views are never contiguous
+    with more than one head, so they are typed A throughout, not C or F by their sizes).
+    Launches recorded, not run."""
+    from numba import typeof
+    from numba_flash import _kernel_cache, _plans, api
+    monkeypatch.setattr(_plans, "_PLANS", {})
+    seen = {}
+    monkeypatch.setattr(api, "launch", lambda kern, grid, block, smem, args, *rest: seen.__setitem__(
+        _kernel_cache.kernel_name(kern), "".join(getattr(typeof(a), "layout", "") for a in args)))
+    rng = np.random.default_rng(46)
+    dt = np_dtype("bfloat16")
+
+    def layouts(b, h):
+        seen.clear()
+        draw = lambda *shape: rng.standard_normal(shape).astype(dt)  # noqa: E731
+        numba_flash.attention_with_kvcache(draw(b, nq, h, 16), draw(b, 64, h, 16), draw(b, 64, h, 16),
+                                           np.full(b, 40, np.int32), k_new=draw(b, nq, h, 16),
+                                           v_new=draw(b, nq, h, 16))
+        return dict(seen)
+
+    one, more = layouts(1, 1), layouts(3, 2)
+    assert one and one == more, (one, more)
