@@ -364,8 +364,8 @@ def unit_axis_stride(shape, strides, itemsize, span):
     for n, s in zip(reversed(shape), reversed(strides)):
         if s == 0 or n != 1 and s != expected:
             return 0
-        expected *= n if n != 1 else 1
-    return span or 0
+        expected *= n
+    return span
 
 
 def _c_strides(shape, itemsize):
