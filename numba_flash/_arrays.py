@@ -368,6 +368,23 @@ def unit_axis_stride(shape, strides, itemsize, span):
     return span
 
 
+def never_f(ary):
+    """``ary``, or where Numba would type it as layout F only because of the sizes of a
+    strided view (axes of one index let its other strides pass as F-contiguous: one
+    sequence of one head of a packed call), the same view typed A (an axis of one index
+    given stride 0), as the same view with more indices is. No kernel takes layout F."""
+    shape, strides = tuple(ary.shape), tuple(ary.strides)
+    if 1 not in shape or 0 in strides or unit_axis_stride(shape, strides, ary.dtype.itemsize, 1):
+        return ary                      # no axis of one index, typed A already, or C
+    expected = ary.dtype.itemsize
+    for n, s in zip(shape, strides):
+        if n != 1 and s != expected:
+            return ary                  # A
+        expected *= n
+    unit = shape.index(1)
+    return strided_view(ary, shape, strides[:unit] + (0,) + strides[unit + 1:])
+
+
 def _c_strides(shape, itemsize):
     strides, s = [], itemsize
     for n in reversed(shape):

@@ -435,7 +435,7 @@ def _kernel_views(arrays, typed_c=True):
     layout A whatever their sizes)."""
     lead = len(tuple(arrays[0].shape)) - 2
     if lead == 2:
-        return [tuple(arrays)]
+        return [tuple(arrays if typed_c else map(_arrays.never_f, arrays))]
     is_row = [len(tuple(a.shape)) == lead + 1 for a in arrays]
     mats = [_unit_tail(a) if r else a for a, r in zip(arrays, is_row)]
     return [tuple(_drop_tail(v) if r else v for v, r in zip(views, is_row)) for views in _fold(mats, typed_c)]

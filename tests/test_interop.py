@@ -279,11 +279,13 @@ def test_one_leading_index_launches_the_same_types(hopper, dtype, group, nq, mon
     assert set(one) - set(more) <= {f"forward_merge/{dtype}/d0/full/plain"}    # (a small grid's key splits)
 
 
+@pytest.mark.parametrize("group", [1, 2])
 @pytest.mark.parametrize("nq", [1, 3, 20])
-def test_kvcache_views_keep_their_layout_across_sizes(nq, monkeypatch):
-    """KV-cache calls (packed sequences) of one sequence and one head launch each kernel
-    with the argument layouts of calls with more of both (their views are never contiguous
-    with more than one head, so they are typed A throughout, not C or F by their sizes).
+def test_kvcache_views_keep_their_layout_across_sizes(group, nq, monkeypatch):
+    """KV-cache calls (packed sequences) of one sequence and one K/V head launch each
+    kernel with the argument layouts of calls with more of both (their views are never
+    contiguous with more than one head, so they are typed A throughout, not C or F by their
+    sizes; grouped heads with a few query rows fold a group's rows into one view).
     Launches recorded, not run."""
     from numba import typeof
     from numba_flash import _kernel_cache, _plans, api
@@ -297,7 +299,7 @@ def test_kvcache_views_keep_their_layout_across_sizes(nq, monkeypatch):
     def layouts(b, h):
         seen.clear()
         draw = lambda *shape: rng.standard_normal(shape).astype(dt)  # noqa: E731
-        numba_flash.attention_with_kvcache(draw(b, nq, h, 16), draw(b, 64, h, 16), draw(b, 64, h, 16),
+        numba_flash.attention_with_kvcache(draw(b, nq, h * group, 16), draw(b, 64, h, 16), draw(b, 64, h, 16),
                                            np.full(b, 40, np.int32), k_new=draw(b, nq, h, 16),
                                            v_new=draw(b, nq, h, 16))
         return dict(seen)
