@@ -353,6 +353,35 @@ def _fill(ary, value, dtype, stream):
     ary.copy_to_device(host.view(ary.dtype))
 
 
+def layout(shape, strides, itemsize):
+    """Numba's array layout letter for a device array: 'C', 'F' or 'A' (the rule of
+    ``DeviceNDArray._numba_type_`` over ``dummyarray``'s contiguity flags)."""
+    size = 1
+    for n in shape:
+        size *= n
+    if size == 0:
+        return "C"
+    if 0 in strides:
+        return "A"                      # broadcast
+    expected = itemsize
+    c = True
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n != 1:
+            if s != expected:
+                c = False
+                break
+            expected *= n
+    if c:
+        return "C"
+    expected = itemsize
+    for n, s in zip(shape, strides):
+        if n != 1:
+            if s != expected:
+                return "A"
+            expected *= n
+    return "F"
+
+
 def unit_axis_stride(shape, strides, itemsize, span):
     """The stride for an axis of one index added in front of a view ``shape, strides``:
     any stride addresses its index 0, but Numba types an array with a zero stride as
@@ -360,12 +389,7 @@ def unit_axis_stride(shape, strides, itemsize, span):
     where the view is C-contiguous (it is then typed C, as the same view with more leading
     indices), else 0 (typed A, as a view that is not contiguous in any case, rather than F
     or C by the accident of its sizes)."""
-    expected = itemsize
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if s == 0 or n != 1 and s != expected:
-            return 0
-        expected *= n
-    return span
+    return span if layout(shape, strides, itemsize) == "C" else 0
 
 
 def never_f(ary):
@@ -374,13 +398,8 @@ def never_f(ary):
     sequence of one head of a packed call), the same view typed A (an axis of one index
     given stride 0), as the same view with more indices is. No kernel takes layout F."""
     shape, strides = tuple(ary.shape), tuple(ary.strides)
-    if 1 not in shape or 0 in strides or unit_axis_stride(shape, strides, ary.dtype.itemsize, 1):
-        return ary                      # no axis of one index, typed A already, or C
-    expected = ary.dtype.itemsize
-    for n, s in zip(shape, strides):
-        if n != 1 and s != expected:
-            return ary                  # A
-        expected *= n
+    if 1 not in shape or layout(shape, strides, ary.dtype.itemsize) != "F":
+        return ary
     unit = shape.index(1)
     return strided_view(ary, shape, strides[:unit] + (0,) + strides[unit + 1:])
 

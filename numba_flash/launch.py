@@ -9,7 +9,7 @@ Numba's ``kern[grid, block, stream, smem](*args)`` types every argument on every
 microseconds per launch, as much as a small kernel runs. So the first launch of a kernel
 with given argument *types* goes through Numba (which compiles it, or loads it from the
 cache), and records the compiled function; later launches with arguments of the same
-types (dtype, ndim and layout, computed here exactly as Numba computes them) pass the
+types (dtype, ndim and layout, computed exactly as Numba computes them: ``_arrays.layout``) pass the
 same flattened parameters Numba would straight to ``cuLaunchKernel``.
 
 Kernels built from registry specialisations are also kept on disk
@@ -47,33 +47,7 @@ _SCALAR_CTYPES = {np.float32: ctypes.c_float, np.float64: ctypes.c_double, int: 
                   float: ctypes.c_double}
 
 
-def _layout(shape, strides, itemsize):
-    """Numba's array layout letter for a device array: 'C', 'F' or 'A' (the rule of
-    ``DeviceNDArray._numba_type_`` over ``dummyarray``'s contiguity flags)."""
-    size = 1
-    for n in shape:
-        size *= n
-    if size == 0:
-        return "C"
-    if 0 in strides:
-        return "A"                      # broadcast
-    expected = itemsize
-    c = True
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n != 1:
-            if s != expected:
-                c = False
-                break
-            expected *= n
-    if c:
-        return "C"
-    expected = itemsize
-    for n, s in zip(shape, strides):
-        if n != 1:
-            if s != expected:
-                return "A"
-            expected *= n
-    return "F"
+_layout = _arrays.layout      # (per argument of every launch: the rule lives with the views)
 
 
 class _TupleKey(tuple):

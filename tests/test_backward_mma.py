@@ -334,4 +334,3 @@ def test_gpu_hopper_backward(lead, nq, nk, d, dtype, causal, monkeypatch):
         g64, o64 = g.astype(np.float64), o.astype(np.float64)
         size = max(1.0, float(np.abs(o64).max()))
         assert np.abs(g64 - o64).max() <= 8 * float(ml_dtypes.finfo(g.dtype).eps) * size, name
-
