@@ -341,8 +341,11 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     resident = 1
     if spec.variant != "forward_simt" and smem_limit:
         resident = max(1, (smem_limit + SMEM_RESERVED) // (spec.smem_bytes + SMEM_RESERVED))
-    # every block of the grid (packed: its third axis holds a block row per sequence)
-    z = splits or registry.forward_splits(math.prod(g), n_kt, sm_count * resident, inp.scores.causal)
+    # every block of the grid (packed: its third axis holds a block row per sequence); the
+    # causal cost model's query tiles of differing lengths need more than one of them
+    min_tiles = registry.MIN_SPLIT_TILES if spec.variant == "forward_simt" else registry.MIN_SPLIT_TILES_ONE_WARP
+    z = splits or registry.forward_splits(math.prod(g), n_kt, sm_count * resident,
+                                          inp.scores.causal and nq > t.BM, min_tiles)
     if not 1 <= z <= registry.MAX_SPLITS:
         raise ValueError(f"splits must be between 1 and {registry.MAX_SPLITS}, got {z}. Pass splits=None to "
                          "let registry.forward_splits choose.")

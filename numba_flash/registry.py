@@ -508,20 +508,25 @@ def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR
     return specialisation("forward_simt", dtype_name, d, scores, use_async, simulator, smem_limit)
 
 
-# Key splits (forward_simt): at most MAX_SPLITS, each covering at least MIN_SPLIT_TILES
-# key tiles, and only where the cost model predicts a SPLIT_GAIN-fold speed-up (the
-# partial results cost memory, and the merge a pass over them). Measured on the H200:
-# docs/performance.md.
+# Key splits (forward_simt, and forward_mma_split for few query rows): at most MAX_SPLITS,
+# each covering at least MIN_SPLIT_TILES key tiles (the one-warp kernel's tiles are small:
+# MIN_SPLIT_TILES_ONE_WARP, about 128 KiB of K and V at every head dim it takes), and only
+# where the cost model predicts a SPLIT_GAIN-fold speed-up (the partial results cost
+# memory, and the merge a pass over them). Measured on the H200: docs/performance.md
+# (items 77 and 80).
 MIN_SPLIT_TILES = 2
+MIN_SPLIT_TILES_ONE_WARP = 8
 SPLIT_GAIN = 1.25
 SPLIT_BLOCK_COST = 2   # a block's own work beyond its key tiles (Q in, O out), in key tiles
 
 
-def forward_splits(blocks: int, n_key_tiles: int, slots: int, causal: bool = False) -> int:
-    """How many key splits a CUDA-core forward launch uses (1: none).
+def forward_splits(blocks: int, n_key_tiles: int, slots: int, causal: bool = False,
+                   min_tiles: int = MIN_SPLIT_TILES) -> int:
+    """How many key splits a forward launch uses (1: none).
 
     ``blocks``: the launch's blocks without splits; ``n_key_tiles``: key tiles per
-    query tile; ``slots``: blocks the GPU runs at once (SMs × resident blocks per SM).
+    query tile; ``slots``: blocks the GPU runs at once (SMs × resident blocks per SM);
+    ``min_tiles``: the fewest key tiles a split covers.
     Cost model, in key tiles on the critical path, each block costing its tiles plus
     ``SPLIT_BLOCK_COST`` (the merge is ignored, but a split must beat no split by
     ``SPLIT_GAIN``, and a tie keeps fewer splits): non-causal blocks are all alike, so
@@ -532,7 +537,7 @@ def forward_splits(blocks: int, n_key_tiles: int, slots: int, causal: bool = Fal
     best, best_cost = 1, None
     for z in range(1, MAX_SPLITS + 1):
         per = -(-n_key_tiles // z) if n_key_tiles else 0
-        if z > 1 and (per < MIN_SPLIT_TILES or -(-n_key_tiles // per) != z):
+        if z > 1 and (per < min_tiles or -(-n_key_tiles // per) != z):
             continue                              # too short, or the same split as a smaller z
         if causal:
             cost = max(per + SPLIT_BLOCK_COST, (blocks * z * SPLIT_BLOCK_COST + blocks * n_key_tiles / 2) / slots)

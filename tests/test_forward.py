@@ -265,6 +265,47 @@ def test_forward_splits_rule():
                 z = f(blocks, n, 132, causal)
                 assert 1 <= z <= registry.MAX_SPLITS
                 assert z == 1 or -(-n // z) >= registry.MIN_SPLIT_TILES
+    one_warp = registry.MIN_SPLIT_TILES_ONE_WARP    # decoding (B, 32 query / 8 K/V heads, 8192 keys, d = 128)
+    assert f(8, 256, 660, False, one_warp) == 32    # B = 1: measured best of 16, 32, 64, 128
+    assert f(16, 256, 660, False, one_warp) == 32   # B = 2: as measured
+    assert f(128, 256, 660, False, one_warp) == 5   # B = 16: item 77's sweep
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_merge_takes_the_most_splits(dtype):
+    """The merge kernel folds ``MAX_SPLITS`` key splits (one sequence's decoding splits its
+    keys 64 ways on an H200), in the simulator more than it has threads: its weights against
+    float64 arithmetic, splits that saw no key (max −inf, sum 0) and a row no split saw
+    (lse −inf, out 0) included."""
+    from numba_flash import scores
+    from numba_flash.kernels.forward import MERGE_THREADS
+    merge = registry.specialisation("forward_merge", dtype, 0, scores.FULL).kernel()
+    rng = np.random.default_rng()
+    z, b1, b2, nq, d = registry.MAX_SPLITS, 2, 1, 3, 5
+    assert ON_GPU or z > 2 * MERGE_THREADS
+    parts = rng.standard_normal((z * b1, b2, nq, d)).astype(dtype)
+    mx = rng.uniform(-20, 20, (z * b1, b2, nq))
+    sums = rng.uniform(0.5, 50, (z * b1, b2, nq))
+    empty = rng.random((z * b1, b2, nq)) < 0.2
+    empty[np.arange(z) * b1 + 1, 0, 2] = True        # (b1 = 1, row 2): no split saw a key
+    mx[empty], sums[empty] = -np.inf, 0
+    parts_ml = np.concatenate([mx, sums]).astype(dtype)
+    out = np.full((b1, b2, nq, d), np.nan, dtype)
+    lse = np.full((b1, b2, nq), np.nan, dtype)
+    args = [cuda.to_device(a) for a in (parts, parts_ml, out, lse)]
+    merge[b1 * b2 * nq, merge.threads, 0, merge.smem_bytes](*args)
+    out, lse = args[2].copy_to_host(), args[3].copy_to_host()
+    a = np.exp2(mx.astype(np.float64)) * sums.astype(np.float64)          # each split's weight, unnormalised
+    a = a.reshape(z, b1, b2, nq)
+    total = a.sum(0)
+    seen = total > 0
+    want = np.einsum("zbhn,zbhnd->bhnd", a, parts.astype(np.float64).reshape(z, b1, b2, nq, d))
+    want[seen] /= total[seen][:, None]
+    want_lse = np.where(seen, np.log(np.where(seen, total, 1)), -np.inf)
+    tol = 1e-5 if dtype == "float32" else 1e-12
+    assert not seen[1, 0, 2] and lse[1, 0, 2] == -np.inf and (out[1, 0, 2] == 0).all()
+    np.testing.assert_allclose(out, want, rtol=tol, atol=tol)
+    np.testing.assert_allclose(lse, want_lse, rtol=tol, atol=tol)
 
 
 # --------------------------------------------------------------------------- empty inputs

@@ -466,6 +466,20 @@ def test_key_splits_count_every_sequence(monkeypatch):
     assert told[-1] == np.prod(grids[-1]) and grids[-1][-1] == 5
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_key_splits_of_one_query_tile_are_costed_whole(dtype, monkeypatch):
+    """A causal decoding call has one query tile, which sees every key tile: the split rule
+    costs it as the non-causal call (its causal model assumes query tiles of differing
+    lengths), with the one-warp kernel's larger least split (its key tiles are small)."""
+    told = []
+    monkeypatch.setattr(registry, "forward_splits", lambda *args: told.append(args[3:]) or 1)
+    q = np.zeros((2, 4, 1, 16), dtype if dtype == "float32" else np_dtype(dtype))
+    k = np.zeros((2, 4, 300, 16), q.dtype)
+    numba_flash.attention(q, k, k, causal=True)
+    least = registry.MIN_SPLIT_TILES if dtype == "float32" else registry.MIN_SPLIT_TILES_ONE_WARP
+    assert told == [(False, least)]
+
+
 @pytest.mark.parametrize("dtype,page,nq,n_new,device,d", [
     ("bfloat16", 5, 1, 2, False, 16), ("float16", 16, 3, 0, True, 16), ("bfloat16", 3, 20, 4, True, 16),
     ("bfloat16", 4, 1, 1, False, 64), ("float16", 16, 1, 0, True, 64), ("bfloat16", 32, 2, 3, False, 64),

@@ -13,14 +13,17 @@ varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, 
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
 separated, ``L*n`` for ``n`` sequences of ``L`` rows); ``--decode`` adds the decoding
 rows of ``bench.py serving`` (one query per sequence, 16 sequences of 8192 keys, 32 query
-heads and 32 or 8 K/V heads, d = 128) and one sequence of the grouped row, each with SDPA's cuDNN backend timed beside it in
+heads and 32 or 8 K/V heads, d = 128), the grouped row with 4 sequences and with one, and
+one sequence of the MHA row, each with SDPA's cuDNN backend timed beside it in
 the same process (the peer's time is the same code in every tree: a drift check);
 ``--backward`` times the backward's kernels too. Per round every tree runs once, in the
 order given, in a fresh process whose ``sys.path`` starts with the tree and whose kernel
 cache (``NUMBA_FLASH_CACHE_DIR``) is its own; in it each call is planned once
 (``api.plan_forward`` / ``plan_backward``), run and checked against PyTorch's SDPA (max abs
 error), then its launches are timed back to back with CUDA events (median of 7 repeats of
-at least 20 calls and 0.15 s). A varlen call is timed whole (host time included: the same
+at least 20 calls and 10 ms of the host's queueing), each repeat's calls queued behind a
+GPU sleep long enough to hold them all (``_time``): the time is the GPU's, not the
+host's pace of launching (which bounds a call of a few microseconds of work). A varlen call is timed whole (host time included: the same
 in every tree unless a tree changes it). Prints, per call, each tree's times and its mean
 against the first tree's; ``--json`` keeps every measurement.
 
@@ -83,16 +86,34 @@ def summarise(records, trees):
     return lines
 
 
-def _time(fn, reps=7, min_calls=20, min_s=0.15):
+def _time(fn, reps=7, min_calls=20, min_s=0.01, max_calls=500):
+    """GPU milliseconds per call of ``fn`` (median of ``reps``): each repeat queues ``n``
+    calls behind ``torch.cuda._sleep`` (on the default stream, as the calls are) lasting
+    half as long again as the host took to queue them, so they run back to back at the
+    GPU's pace; ``n``: at least ``min_calls`` and ``min_s`` of queueing, at most
+    ``max_calls`` (the driver's launch queue stays short of full)."""
+    import torch
     from numba import cuda
     start, end = cuda.event(), cuda.event()
+    n, t0 = 0, time.perf_counter()
+    while n < max_calls and (n < min_calls or time.perf_counter() - t0 < min_s):
+        fn()
+        n += 1
+    host_s = time.perf_counter() - t0
+    cuda.synchronize()
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    cycles_per_s = 10**7 / (cuda.event_elapsed_time(start, end) / 1e3)
     times = []
     for _ in range(reps):
+        torch.cuda._sleep(int(cycles_per_s * (1.5 * host_s + 1e-3)))
         start.record()
-        n, t0 = 0, time.perf_counter()
-        while n < min_calls or time.perf_counter() - t0 < min_s:
+        t0 = time.perf_counter()
+        for _ in range(n):
             fn()
-            n += 1
+        host_s = max(host_s, time.perf_counter() - t0)
         end.record()
         end.synchronize()
         times.append(cuda.event_elapsed_time(start, end) / n)
@@ -136,7 +157,7 @@ def worker(tree, args):
                                 ms=_time(lambda: [launch(*a) for a in launches]), err=None))
     if args.decode:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        for b, hkv in ((16, 32), (16, 8), (1, 8)):
+        for b, hkv in ((16, 32), (16, 8), (4, 8), (1, 8), (1, 32)):
             torch.manual_seed(0)
             q = torch.randn(b, 32, 1, 128, device="cuda", dtype=dt)
             k, v = (torch.randn(b, hkv, 8192, 128, device="cuda", dtype=dt) for _ in range(2))

@@ -49,6 +49,7 @@ def _serving_rows(B, Hq, N, d, lens, dtypes, pages=(16, 256)):
         rows += [ServingRow("kvcache gqa", "kvcache", B, Hq, Hq // 4, N, d, dt),
                  ServingRow("decode", "decode", B, Hq, Hq, N, d, dt),
                  ServingRow("decode gqa", "decode", B, Hq, Hq // 4, N, d, dt),
+                 ServingRow("decode gqa b1", "decode", 1, Hq, Hq // 4, N, d, dt),
                  ServingRow("varlen", "varlen", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens)),
                  ServingRow("padded", "padded", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens))]
     return rows

@@ -374,7 +374,9 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
 
 
 MERGE_THREADS = 32 if SIMULATOR else 128
-MAX_SPLITS = 16
+# At most this many key splits: a single decoding sequence (a handful of query tiles, one
+# per key/value head) needs about 64 on an H200 to give every SM a few blocks.
+MAX_SPLITS = 128
 
 
 @functools.lru_cache(maxsize=None)
@@ -417,9 +419,9 @@ def make_merge(dtype_name: str, packed: bool = False):
         # Each split's row max and row sum, read by one thread a split (all at once, not
         # one dependent load after another), then its weight a_z / Σ a_z in their place.
         w = cuda.shared.array(0, nb_dt, alignment=ALIGN)
-        if tid < Z:
-            w[tid] = parts_ml[tid * B1 + b1, b2, row]
-            w[MAX_SPLITS + tid] = parts_ml[(Z + tid) * B1 + b1, b2, row]
+        for zz in range(tid, Z, NT):
+            w[zz] = parts_ml[zz * B1 + b1, b2, row]
+            w[MAX_SPLITS + zz] = parts_ml[(Z + zz) * B1 + b1, b2, row]
         cuda.syncthreads()
         mx = NEG_INF
         for zz in range(Z):
@@ -429,11 +431,11 @@ def make_merge(dtype_name: str, packed: bool = False):
             for zz in range(Z):
                 total += math.exp2(w[zz] - mx) * w[MAX_SPLITS + zz]
         cuda.syncthreads()                         # every thread has the maxima
-        if tid < Z:
+        for zz in range(tid, Z, NT):
             a = ZERO
             if total != ZERO:
-                a = math.exp2(w[tid] - mx) * w[MAX_SPLITS + tid] / total
-            w[tid] = a
+                a = math.exp2(w[zz] - mx) * w[MAX_SPLITS + zz] / total
+            w[zz] = a
         if tid == 0:
             lse[b1, b2, row] = NEG_INF if total == ZERO else (mx + math.log2(total)) * LN2_T
         cuda.syncthreads()
