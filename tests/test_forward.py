@@ -18,6 +18,7 @@ from numba_flash.scores import CAUSAL, key_bounds, spec_of
 from conftest import (ON_GPU, SLACK_ULPS, U32, U64, Case, baseline_fwd32, bits, check_forward, host, make_qkv,
                       rounding_sensitivity)
 from numba_flash import reference
+from numba_flash.testing import check_forward_low
 
 DTYPES = registry.VARIANTS["forward_simt"].dtypes   # the CUDA-core forward
 
@@ -271,10 +272,30 @@ def test_forward_splits_rule():
     assert f(128, 256, 660, False, one_warp) == 5   # B = 16: item 77's sweep
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_more_key_splits_than_sixteen(dtype):
+    """40 key splits (one decoding sequence on an H200 takes 32): the CUDA-core forward and
+    the one-warp tensor-core kernel (few query rows) write 40 partial results, which the
+    merge folds into the oracle's answer; rows that see no key in a split included
+    (causal, Nq < Nk)."""
+    if dtype == "float32":
+        bn = registry.forward_tiling(dtype, 8).BN
+    else:
+        assert registry.forward_specialisation(dtype, 16, registry.FULL, True, rows=3).variant == "forward_mma_split"
+        bn = registry.mma_split_tiling(dtype, 16).BN
+    case = Case((), 3, 40 * bn - 3, 8 if dtype == "float32" else 16, dtype, causal=True,
+                seed=int(np.random.default_rng().integers(2**31)))
+    q, k, v = case.inputs()
+    plan = api.plan_forward(q, k, v, causal=True, splits=40)
+    assert len(plan[1]) == 2 and plan[1][0][1][0] % 40 == 0, plan[1]     # the forward's grid, then the merge
+    out, lse = api._run(plan)
+    (check_forward if dtype == "float32" else check_forward_low)(out, lse, q, k, v, True, None)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merge_takes_the_most_splits(dtype):
-    """The merge kernel folds ``MAX_SPLITS`` key splits (one sequence's decoding splits its
-    keys 64 ways on an H200), in the simulator more than it has threads: its weights against
+    """The merge kernel folds ``MAX_SPLITS`` key splits (in the simulator more than it has
+    threads): its weights against
     float64 arithmetic, splits that saw no key (max −inf, sum 0) and a row no split saw
     (lse −inf, out 0) included."""
     from numba_flash import scores

@@ -375,7 +375,7 @@ def make_forward(dtype_name: str, D: int, t: Tiling, scores: ScoreSpec, use_asyn
 
 MERGE_THREADS = 32 if SIMULATOR else 128
 # At most this many key splits: a single decoding sequence (a handful of query tiles, one
-# per key/value head) needs about 64 on an H200 to give every SM a few blocks.
+# per key/value head) takes 32 on an H200 (docs/performance.md item 80), more with fewer heads.
 MAX_SPLITS = 128
 
 
