@@ -42,9 +42,12 @@ took 4 of the 8.7 seconds of the Hopper forward's compile (profile, numba-cuda 0
   (``block_entry_vars``), which only generators read (their state, and
   ``get_block_entry_vars``); the dead variables are read again only when the run inserts
   ``del`` statements. :func:`_postproc_run` does the rest of ``run`` as numba does for
-  functions that are not generators: the control flow, the uses and definitions and the
-  live map are still computed then (later passes read them through
-  ``func_ir.variable_lifetime``), the dead variables only with ``emit_dels``.
+  functions that are not generators, and leaves the control flow, the uses and
+  definitions and the live map to ``func_ir.variable_lifetime`` (numba's
+  ``VariableLifetime``, which computes each on first use: the dead variables need them
+  only with ``emit_dels``): of the 192 runs while the Hopper forward compiles, 43 have
+  them read, and the kernels compile to the same PTX (the other runs' analyses were of
+  IR that the next inline changed).
 * **Pointer types** (``llvmlite.ir.Type.as_pointer``, called by every ``getelementptr``
   the lowering builds): llvmlite makes a new pointer type object each time, and each
   prints its own text when the module is printed for NVVM (5% of a compile, both).
@@ -217,7 +220,6 @@ def _postproc_run(self, emit_dels=False, extend_lifetimes=False):
     from numba.cuda.core import postproc, transforms
     func_ir.blocks = transforms.canonicalize_cfg(func_ir.blocks)
     vlt = func_ir.variable_lifetime = postproc.VariableLifetime(func_ir.blocks)
-    vlt.cfg, vlt.usedefs, vlt.livemap          # as of now, as numba's run leaves them
     func_ir.generator_info = None
     if emit_dels:
         self._insert_var_dels(extend_lifetimes=extend_lifetimes)

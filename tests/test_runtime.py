@@ -164,7 +164,7 @@ def test_faster_compiles_compile_the_same_code():
     assert proc.returncode == 0, proc.stderr[-3000:]
     same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes = proc.stdout.split()
     assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
-    assert int(maps) > 50 and int(blocks) > 50, proc.stdout     # the kernel's own IR among them
+    assert int(maps) > 20 and int(blocks) > 50, proc.stdout     # (those read), the kernel's own IR among them
     assert int(scalar_ops) > 100, proc.stdout                   # the template's answers compared
     assert int(sizes) > 100, proc.stdout                        # ABI sizes compared
 
