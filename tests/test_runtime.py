@@ -115,7 +115,7 @@ def test_faster_compiles_compile_the_same_code():
     simulator) make the inliner's IR copies, the liveness analysis and the SSA rewrites
     cheaper, not different: every liveness map computed while a kernel built from inlined
     device functions compiles equals numba's own, set for set, the compile flags list the same values,
-    every answer of the array-operator template and every ABI size equal numba's, and the kernel compiles to
+    every answer of the array-operator template, every ABI size and every call signature equal numba's, and the kernel compiles to
     the same PTX with and without them (but for the names Numba numbers per compile)."""
     code = (
         "import re\n"
@@ -146,6 +146,15 @@ def test_faster_compiles_compile_the_same_code():
         "    sizes.append(ours)\n"
         "    return ours\n"
         "BaseContext.get_abi_sizeof = size_both\n"
+        "from numba.cuda.typing.context import BaseContext as TypingContext\n"
+        "calls = []\n"
+        "def calls_both(self, func, args, kws):\n"
+        "    ours = _fast_analysis._resolve_function_type(self, func, args, kws)\n"
+        "    theirs = _fast_analysis._originals['resolve_function_type'](self, func, args, kws)\n"
+        "    assert ours == theirs, (func, args, ours, theirs)\n"
+        "    calls.append(ours)\n"
+        "    return ours\n"
+        "TypingContext.resolve_function_type = calls_both\n"
         "from numba.cuda.flags import CUDAFlags\n"
         "flags = CUDAFlags(); flags.debuginfo = True; flags.fastmath = {'contract'}\n"
         "for f in (CUDAFlags(), flags, flags.copy()):\n"
@@ -158,15 +167,16 @@ def test_faster_compiles_compile_the_same_code():
         "_inline_copies.uninstall()\n"
         "without = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
         "print(with_patch == without, len(without), with_patch.count('fma.rn'), len(checked), max(checked),\n"
-        "      sum(operators), len(operators) - sum(operators), len(sizes))\n")
+        "      sum(operators), len(operators) - sum(operators), len(sizes), len(calls))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes = proc.stdout.split()
+    same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes, calls = proc.stdout.split()
     assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
     assert int(maps) > 20 and int(blocks) > 50, proc.stdout     # (those read), the kernel's own IR among them
     assert int(scalar_ops) > 100, proc.stdout                   # the template's answers compared
     assert int(sizes) > 100, proc.stdout                        # ABI sizes compared
+    assert int(calls) > 500, proc.stdout                        # call signatures compared
 
 
 def test_live_map_matches_numba_on_random_graphs():
