@@ -295,9 +295,8 @@ def test_more_key_splits_than_sixteen(dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merge_takes_the_most_splits(dtype):
     """The merge kernel folds ``MAX_SPLITS`` key splits (in the simulator more than it has
-    threads): its weights against
-    float64 arithmetic, splits that saw no key (max −inf, sum 0) and a row no split saw
-    (lse −inf, out 0) included."""
+    threads): its weights against float64 arithmetic, splits that saw no key (max −inf,
+    sum 0) and a row no split saw (lse −inf, out 0) included."""
     from numba_flash import scores
     from numba_flash.kernels.forward import MERGE_THREADS
     merge = registry.specialisation("forward_merge", dtype, 0, scores.FULL).kernel()

@@ -23,8 +23,9 @@ cache (``NUMBA_FLASH_CACHE_DIR``) is its own; in it each call is planned once
 error), then its launches are timed back to back with CUDA events (median of 7 repeats of
 at least 20 calls and 10 ms of the host's queueing), each repeat's calls queued behind a
 GPU sleep long enough to hold them all (``_time``): the time is the GPU's, not the
-host's pace of launching (which bounds a call of a few microseconds of work). A varlen call is timed whole (host time included: the same
-in every tree unless a tree changes it). Prints, per call, each tree's times and its mean
+host's pace of launching (which bounds a call of a few microseconds of work). A varlen
+call is timed whole, through the API, queued the same way (its host work, the same in
+every tree unless a tree changes it, is hidden unless it outlasts the kernels). Prints, per call, each tree's times and its mean
 against the first tree's; ``--json`` keeps every measurement.
 
 A tree's process differs from the others only in the source it imports, so the ratios
