@@ -62,3 +62,56 @@ def test_same_code_compares_instructions_not_mangled_counters():
     assert dict(same_code.compare(a, b)) == {"k.sass": "same", "only_a.sass": "only in one tree"}
     c = {"k.sass": listing.format(n=1).replace("R1", "R2")}
     assert dict(same_code.compare(a, c))["k.sass"] == "differs from instruction 0 (2 and 2 instructions)"
+
+
+def test_gpu_pace_queues_each_repeat_behind_a_long_enough_sleep():
+    """``benchmarks.gpu_pace``: each repeat's calls queued behind a sleep of at least 1.5×
+    the host's queueing time (converted to cycles by the rate its calibration measured),
+    the same number of calls each repeat, the median of the repeats' per-call times.
+    A stand-in for PyTorch's CUDA calls records what would be queued."""
+    import time
+    from benchmarks.gpu_pace import gpu_pace_ms
+
+    queue, ms_between = [], iter([2.0] + [float(x) for x in (9, 3, 5, 7, 1, 4, 8)])   # calibration, then repeats
+
+    class FakeEvent:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            queue.append("event")
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, other):
+            return next(ms_between)
+
+    class Cuda:
+        Event = FakeEvent
+
+        @staticmethod
+        def _sleep(cycles):
+            queue.append(("sleep", cycles))
+
+        @staticmethod
+        def synchronize():
+            pass
+
+    class Torch:
+        cuda = Cuda
+
+    def call():
+        time.sleep(0.001)              # 1 ms of host time a call
+        queue.append("call")
+
+    ms = gpu_pace_ms(call, Torch, reps=7, min_calls=3, min_s=0.0)
+    assert queue[:3] == ["call"] * 3 and queue[3:6] == ["event", ("sleep", 10**7), "event"]
+    rate = 10**7 / 2e-3                 # cycles a second: the calibration's sleep took 2 ms
+    repeats = queue[6:]
+    assert len(repeats) == 7 * (3 + 3)
+    for r in range(7):
+        sleep, start, *calls, end = repeats[6 * r:6 * r + 6]
+        assert sleep[0] == "sleep" and start == end == "event" and calls == ["call"] * 3
+        assert sleep[1] >= rate * 1.5 * 3e-3            # at least 1.5 × three calls' host time
+    assert ms == 5.0 / 3                                # the median repeat, per call

@@ -22,7 +22,7 @@ cache (``NUMBA_FLASH_CACHE_DIR``) is its own; in it each call is planned once
 (``api.plan_forward`` / ``plan_backward``), run and checked against PyTorch's SDPA (max abs
 error), then its launches are timed back to back with CUDA events (median of 7 repeats of
 at least 20 calls and 10 ms of the host's queueing), each repeat's calls queued behind a
-GPU sleep long enough to hold them all (``_time``): the time is the GPU's, not the
+GPU sleep long enough to hold them all (``benchmarks/gpu_pace.py``): the time is the GPU's, not the
 host's pace of launching (which bounds a call of a few microseconds of work). A varlen
 call is timed whole, through the API, queued the same way (its host work, the same in
 every tree unless a tree changes it, is hidden unless it outlasts the kernels). Prints, per call, each tree's times and its mean
@@ -38,8 +38,8 @@ import os
 import subprocess
 import sys
 import tempfile
-import time
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the project (benchmarks/)
 VARLEN_LENS = tuple(int(256 + i * (4096 - 256) / 15) for i in range(16))
 
 
@@ -87,40 +87,6 @@ def summarise(records, trees):
     return lines
 
 
-def _time(fn, reps=7, min_calls=20, min_s=0.01, max_calls=500):
-    """GPU milliseconds per call of ``fn`` (median of ``reps``): each repeat queues ``n``
-    calls behind ``torch.cuda._sleep`` (on the default stream, as the calls are) lasting
-    half as long again as the host took to queue them, so they run back to back at the
-    GPU's pace; ``n``: at least ``min_calls`` and ``min_s`` of queueing, at most
-    ``max_calls`` (the driver's launch queue stays short of full)."""
-    import torch
-    from numba import cuda
-    start, end = cuda.event(), cuda.event()
-    n, t0 = 0, time.perf_counter()
-    while n < max_calls and (n < min_calls or time.perf_counter() - t0 < min_s):
-        fn()
-        n += 1
-    host_s = time.perf_counter() - t0
-    cuda.synchronize()
-    start.record()
-    torch.cuda._sleep(10**7)
-    end.record()
-    end.synchronize()
-    cycles_per_s = 10**7 / (cuda.event_elapsed_time(start, end) / 1e3)
-    times = []
-    for _ in range(reps):
-        torch.cuda._sleep(int(cycles_per_s * (1.5 * host_s + 1e-3)))
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        host_s = max(host_s, time.perf_counter() - t0)
-        end.record()
-        end.synchronize()
-        times.append(cuda.event_elapsed_time(start, end) / n)
-    return sorted(times)[reps // 2]
-
-
 def _as_torch(x, torch):
     if isinstance(x, torch.Tensor):
         return x
@@ -133,11 +99,14 @@ def _as_torch(x, torch):
 def worker(tree, args):
     """One tree's measurements, in this process (``--worker``)."""
     sys.path.insert(0, os.path.abspath(tree))
+    sys.path.append(ROOT)                   # (after the tree: its numba_flash is the one imported)
     import torch
     import numba_flash
     from numba_flash import api
     from numba_flash.launch import launch
+    from benchmarks.gpu_pace import gpu_pace_ms
     assert os.path.abspath(numba_flash.__file__).startswith(os.path.abspath(tree)), numba_flash.__file__
+    _time = lambda fn: gpu_pace_ms(fn, torch)  # noqa: E731
     dt = getattr(torch, args.dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     records = []

@@ -12,6 +12,7 @@ from numba_flash import reference, scores
 from numba import cuda  # noqa: E402  (after numba_flash)
 
 from ..environment import environment
+from ..gpu_pace import gpu_pace_ms
 from ..harness import (NP_DTYPES, SEED, TorchEvents, max_abs_err, measure_back_to_back, random_arrays, time_numba,
                        time_torch, to_host)
 from ..peers import PEER_DTYPES, PEERS, ratio, run_peer
@@ -180,6 +181,8 @@ def run_serving(args):
                 if decoding and rec["ours"].get("ms_median"):
                     rec["ours"]["tb_per_s"] = serving_bytes(r) / (rec["ours"]["ms_median"] * 1e-3) / 1e12
                     rec["ours"]["back_to_back_ms"] = measure_back_to_back(call, bench.events, bench, calls, runs)
+                    if bench.torch is not None:
+                        rec["ours"]["gpu_pace_ms"] = gpu_pace_ms(call, bench.torch)
                 for name, peer_call in peers.items():
                     if r.dtype in PEER_DTYPES[name] and bench.peers:
                         peer = run_peer(name, bench, lambda: time_torch(peer_call, bench, rec["flops"]))
@@ -187,6 +190,7 @@ def run_serving(args):
                         if decoding and "error" not in peer:
                             peer["back_to_back_ms"] = measure_back_to_back(peer_call, TorchEvents(bench.torch),
                                                                            bench, calls, runs)
+                            peer["gpu_pace_ms"] = gpu_pace_ms(peer_call, bench.torch)
                         rec["peers"][name] = peer
                 if r.kind == "varlen":
                     varlen[r.dtype] = rec
@@ -227,13 +231,13 @@ def _serving_peers(rec):
                      + (f" [{p['error'][:50]}]" if p.get("error") else "") for n, p in rec["peers"].items())
 
 
-def _back_to_back(rec):
-    """Ours back to back (ms per call) and its ratio to each peer's (peer time / ours)."""
-    mine = rec["ours"].get("back_to_back_ms")
+def _back_to_back(rec, key="back_to_back_ms"):
+    """Ours back to back (ms per call; ``key`` "gpu_pace_ms": at the GPU's pace) and its
+    ratio to each peer's (peer time / ours)."""
+    mine = rec["ours"].get(key)
     if not mine:
         return ""
-    peers = "; ".join(f"{n} {p['back_to_back_ms'] / mine:.2f}" for n, p in rec["peers"].items()
-                      if p.get("back_to_back_ms"))
+    peers = "; ".join(f"{n} {p[key] / mine:.2f}" for n, p in rec["peers"].items() if p.get(key))
     return f"{mine:.3f}" + (f" ({peers})" if peers else "")
 
 
@@ -246,11 +250,11 @@ def _serving_versus(rec):
 
 
 def serving_line(rec):
-    r, o, b2b = rec["row"], rec["ours"], _back_to_back(rec)
+    r, o, b2b, pace = rec["row"], rec["ours"], _back_to_back(rec), _back_to_back(rec, "gpu_pace_ms")
     return (f"{r['label']:>12} {r['dtype']:>8} {_serving_shape(r):>18} {_fmt(o.get('ms_median'), '.3f'):>8} "
             f"{_fmt(o.get('tflops'), '.1f'):>7} {_fmt(o.get('tb_per_s'), '.2f'):>6} "
             f"{'ok' if rec.get('valid') else 'INVALID':>7}  {_serving_peers(rec)}{_serving_versus(rec)}"
-            + (f"; back to back {b2b}" if b2b else ""))
+            + (f"; back to back {b2b}" if b2b else "") + (f"; GPU pace {pace}" if pace else ""))
 
 
 # (header, width, row -> text), for --markdown and docs/gen_performance.py
@@ -265,6 +269,7 @@ SERVING_COLUMNS = [
     ("peers: TF/s (ours/peer)", 24, lambda rec: _serving_peers(rec) or "—"),
     ("vs padded or contiguous", 24, lambda rec: _serving_versus(rec) or "—"),
     ("back to back: ms (peer/ours)", 24, lambda rec: _back_to_back(rec) or "—"),
+    ("GPU pace: ms (peer/ours)", 24, lambda rec: _back_to_back(rec, "gpu_pace_ms") or "—"),
 ]
 
 
@@ -273,7 +278,8 @@ def serving_notes(doc):
             "once per K/V head ÷ time. varlen vs padded: time ratio and TFLOP/s ratio; paged vs contiguous: time "
             "ratio. peers: TFLOP/s (ours/peer). Back to back (decoding rows): ms per call of 20 calls queued "
             "without synchronisation or L2 flush between them (a decoding step's layers), and each peer's time "
-            "over ours (above 1: ours faster)."] + simulator_notes(doc)
+            "over ours (above 1: ours faster). GPU pace (decoding rows, with PyTorch): the same calls queued behind "
+            "a GPU sleep, so that they run at the GPU's pace whatever the host's (benchmarks/gpu_pace.py)."] + simulator_notes(doc)
 
 
 def serving_point(rec):
