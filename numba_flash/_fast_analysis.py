@@ -77,7 +77,7 @@ compiles kernels both ways to the same PTX. Installed for the numba-cuda this pa
 import threading
 from collections import defaultdict, deque
 
-from ._runtime import pinned_numba_cuda
+from ._runtime import classes_named, pinned_numba_cuda
 
 ENV = "NUMBA_FLASH_FAST_ANALYSIS"
 _originals = {}
@@ -319,16 +319,7 @@ def install():
 def _color_schemes():
     """numba-cuda's and numba's ``HighlightColorScheme`` (typing uses both; absent
     without colorama)."""
-    import importlib
-    found = []
-    for name in ("numba.cuda.core.errors", "numba.core.errors"):
-        try:
-            scheme = getattr(importlib.import_module(name), "HighlightColorScheme", None)
-        except ImportError:
-            scheme = None
-        if scheme is not None and scheme not in found:
-            found.append(scheme)
-    return found
+    return classes_named("HighlightColorScheme", ("numba.cuda.core.errors", "numba.core.errors"))
 
 
 def uninstall():

@@ -43,6 +43,21 @@ def pinned_numba_cuda(env):
         return False
 
 
+def classes_named(name, modules):
+    """The distinct classes called ``name`` in those of ``modules`` (dotted names) that
+    import and have one: numba and numba-cuda each keep their own copy of some classes."""
+    import importlib
+    found = []
+    for module in modules:
+        try:
+            cls = getattr(importlib.import_module(module), name, None)
+        except ImportError:
+            cls = None
+        if cls is not None and cls not in found:
+            found.append(cls)
+    return found
+
+
 def _gpu_present():
     for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
         try:

@@ -14,7 +14,6 @@ Profiles (``HYPOTHESIS_PROFILE`` picks one; ``ci`` is the default):
 simulator; tests use it to choose problem sizes.
 """
 import dataclasses
-import importlib
 import os
 import warnings
 
@@ -27,6 +26,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 
 import numba_flash  # noqa: E402
 import numba_flash.api  # noqa: E402
+from numba_flash._runtime import classes_named  # noqa: E402
 
 ON_GPU = not numba_flash.SIMULATOR
 
@@ -84,16 +84,10 @@ settings.register_profile("gpu", max_examples=150, **_QUIET)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 # numba's performance warning lives in numba.core.errors; numba-cuda has its own class.
-_PERF_WARNING_MODULES = ("numba.core.errors", "numba.cuda.core.errors", "numba.cuda.errors")
-_PERF_WARNINGS = []
-for _mod in _PERF_WARNING_MODULES:
-    try:
-        _cls = getattr(importlib.import_module(_mod), "NumbaPerformanceWarning", None)
-    except ImportError:
-        _cls = None
-    if _cls is not None and _cls not in _PERF_WARNINGS:
-        _PERF_WARNINGS.append(_cls)
-        warnings.filterwarnings("ignore", category=_cls)
+_PERF_WARNINGS = classes_named("NumbaPerformanceWarning",
+                               ("numba.core.errors", "numba.cuda.core.errors", "numba.cuda.errors"))
+for _cls in _PERF_WARNINGS:
+    warnings.filterwarnings("ignore", category=_cls)
 warnings.filterwarnings("ignore", category=numba_flash.SimulatorWarning)
 
 
