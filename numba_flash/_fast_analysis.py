@@ -211,6 +211,7 @@ def _markup(self, msg, color=None, style=_DEFAULT_STYLE):
 
 
 _CALLS = "_numba_flash_call_types"      # a typing context's remembered call signatures
+_REMEMBERED = ()                        # (str, types.Function, types.BoundFunction), from install()
 
 
 def _resolve_function_type(self, func, args, kws):
@@ -220,8 +221,7 @@ def _resolve_function_type(self, func, args, kws):
     protocol's names): an unrolled kernel asks the same few hundred questions thousands
     of times. Failures and unresolved calls are not remembered (asked afresh, as numba
     does)."""
-    from numba.cuda import types
-    if not isinstance(func, (str, types.Function, types.BoundFunction)):
+    if not isinstance(func, _REMEMBERED):
         return _originals["resolve_function_type"](self, func, args, kws)
     try:
         key = (func, tuple(args), tuple(sorted(kws.items())) if kws else ())
@@ -307,10 +307,15 @@ def install():
     BaseContext.get_abi_sizeof = _abi_sizeof
     ir.Type.as_pointer = _as_pointer
     postproc.PostProcessor.run = _postproc_run
+    from numba.cuda import types
+    global _REMEMBERED
+    _REMEMBERED = (str, types.Function, types.BoundFunction)
     TypingContext.resolve_function_type = _resolve_function_type
-    for scheme in _color_schemes():
+    schemes = _color_schemes()
+    if schemes:
         from colorama import Style
         _STYLES.update(bright=Style.BRIGHT, reset=Style.RESET_ALL)
+    for scheme in schemes:
         _originals.setdefault("markup", {})[scheme] = scheme._markup
         scheme._markup = _markup
     return True
