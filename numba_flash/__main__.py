@@ -13,7 +13,7 @@ from importlib import metadata
 PACKAGES = ("numba", "numba-cuda", "llvmlite", "numpy", "cuda-bindings", "ml_dtypes", "greenlet", "torch", "cupy",
             "jax")
 ENV = ("NUMBA_ENABLE_CUDASIM", "NUMBA_FLASH_SIMULATOR_THREADS", "NUMBA_FLASH_HOPPER", "NUMBA_FLASH_SHARED_SCOPE_COPIES",
-       "NUMBA_FLASH_FAST_ANALYSIS", "NUMBA_FLASH_DEFER_ML_DTYPES",
+       "NUMBA_FLASH_FAST_ANALYSIS", "NUMBA_FLASH_GC_PAUSE", "NUMBA_FLASH_DEFER_ML_DTYPES",
        "NUMBA_FLASH_CACHE",
        "NUMBA_FLASH_CACHE_DIR", "CUDA_VISIBLE_DEVICES")
 

@@ -188,6 +188,52 @@ def test_faster_compiles_compile_the_same_code():
     assert int(calls) > 500, proc.stdout                        # call signatures compared
 
 
+def test_compiles_run_without_collector_pauses_and_restore_it():
+    """numba_flash._gc_pause (installed at import, outside the simulator) turns Python's
+    cyclic collector off while numba-cuda's compiler lock is held and back on when the
+    outermost hold ends, unless it was off before: no collection starts during a kernel's
+    compile (numba starts hundreds), the collector is on after it, after a nested hold and
+    after a compile that fails to type, and stays off for a caller who turned it off."""
+    code = (
+        "import gc\n"
+        "from numba import cuda\n"
+        "from numba.cuda.core.compiler_lock import global_compiler_lock\n"
+        "from numba_flash import _gc_pause, ptx, registry\n"
+        "assert _gc_pause._originals\n"
+        "during, outside = [], []\n"
+        "gc.callbacks.append(lambda phase, info: phase == 'start' and\n"
+        "                    (during if _gc_pause._state['depth'] else outside).append(info['generation']))\n"
+        "spec = registry.specialisation('forward_simt', 'float32', 32, registry.FULL, True, False)\n"
+        "ptx.compile_spec(spec, [(8, 0)])\n"
+        "assert gc.isenabled() and not during, during\n"
+        "with global_compiler_lock:\n"
+        "    with global_compiler_lock:\n"
+        "        assert not gc.isenabled() and _gc_pause._state['depth'] == 2\n"
+        "    assert not gc.isenabled()\n"
+        "assert gc.isenabled() and _gc_pause._state['depth'] == 0\n"
+        "def bad(x):\n"
+        "    x[0] = undefined_name\n"
+        "try:\n"
+        "    cuda.compile_ptx(bad, 'void(float32[:])', cc=(8, 0))\n"
+        "except Exception as e:\n"
+        "    failed = type(e).__name__\n"
+        "assert gc.isenabled() and _gc_pause._state['depth'] == 0\n"
+        "gc.disable()\n"
+        "ptx.compile_spec(registry.specialisation('forward_simt', 'float32', 16, registry.FULL, True, False), [(8, 0)])\n"
+        "assert not gc.isenabled()\n"
+        "gc.enable()\n"
+        "_gc_pause.uninstall()\n"
+        "before = len(outside)\n"
+        "ptx.compile_spec(registry.specialisation('forward_simt', 'float32', 64, registry.FULL, True, False), [(8, 0)])\n"
+        "print(failed, len(outside) - before)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed, unpaused = proc.stdout.split()
+    assert failed == "TypingError", proc.stdout
+    assert int(unpaused) > 50, proc.stdout      # uninstalled, a compile collects as before
+
+
 def test_live_map_matches_numba_on_random_graphs():
     """``_fast_analysis.compute_live_map`` against numba's on random control-flow graphs
     (loops, unreachable blocks, blocks without variables), set for set."""

@@ -171,3 +171,40 @@ def test_report_names_the_mode(monkeypatch):
         monkeypatch.setattr(_simulator, "COOPERATIVE", cooperative)
         line = next(line for line in report().splitlines() if line.startswith("simulator:"))
         assert words in line, line
+
+
+def test_a_launch_holds_the_collector_off_and_restores_it(mode, monkeypatch):
+    """A simulated launch runs without starts of Python's cyclic collector (numba_flash.
+    _gc_pause) and leaves it as it found it: on, and off for a caller who turned it off,
+    also when the launch raises; with ``NUMBA_FLASH_GC_PAUSE=0`` the same launch collects."""
+    import gc
+    from numba_flash import _gc_pause
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((1, 2, 40, 16)).astype(np.float32) for _ in range(3))
+    starts = []
+    callback = lambda phase, info: phase == "start" and starts.append(_gc_pause._state["depth"])  # noqa: E731
+    gc.callbacks.append(callback)
+    try:
+        numba_flash.attention(q, k, v)
+        assert gc.isenabled() and not [d for d in starts if d], starts
+        gc.disable()
+        try:
+            numba_flash.attention(q, k, v)
+            assert not gc.isenabled()
+        finally:
+            gc.enable()
+        x = np.zeros((2, 61))
+        with pytest.raises(ZeroDivisionError):
+            _divide_by_zero[2, 64](x)
+        assert gc.isenabled() and _gc_pause._state["depth"] == 0
+        monkeypatch.setenv(_gc_pause.ENV, "0")
+        del starts[:]
+        numba_flash.attention(q, k, v)
+        assert starts, "a launch of this size starts collections when nothing holds them off"
+    finally:
+        gc.callbacks.remove(callback)
+
+
+@cuda.jit
+def _divide_by_zero(x):
+    x[cuda.blockIdx.x, cuda.threadIdx.x % 61] = 1 // (cuda.threadIdx.x - 7)
