@@ -115,7 +115,7 @@ def test_faster_compiles_compile_the_same_code():
     simulator) make the inliner's IR copies, the liveness analysis and the SSA rewrites
     cheaper, not different: every liveness map computed while a kernel built from inlined
     device functions compiles equals numba's own, set for set, the compile flags list the same values,
-    every answer of the array-operator template, every ABI size and every call signature equal numba's, and the kernel compiles to
+    every answer of the array-operator template, every ABI size, every call signature and every function type's resolution (with its implementation key) equal numba's, and the kernel compiles to
     the same PTX with and without them (but for the names Numba numbers per compile)."""
     code = (
         "import re\n"
@@ -155,6 +155,15 @@ def test_faster_compiles_compile_the_same_code():
         "    calls.append(ours)\n"
         "    return ours\n"
         "TypingContext.resolve_function_type = calls_both\n"
+        "call_types = []\n"
+        "def call_type_both(self, context, args, kws):\n"
+        "    ours = _fast_analysis._get_call_type(self, context, args, kws)\n"
+        "    our_key = self._impl_keys[ours.args]\n"
+        "    theirs = _fast_analysis._originals['get_call_type'](self, context, args, kws)\n"
+        "    assert ours == theirs and self._impl_keys[theirs.args] == our_key, (args, ours, theirs)\n"
+        "    call_types.append(ours)\n"
+        "    return ours\n"
+        "_fast_analysis._function_base().get_call_type = call_type_both\n"
         "for cls, markup in _fast_analysis._originals.get('markup', {}).items():   # (none without colorama)\n"
         "    scheme = cls()\n"
         "    for part in ('code', 'errmsg', 'filename', 'indicate', 'highlight', 'reset'):\n"
@@ -176,16 +185,17 @@ def test_faster_compiles_compile_the_same_code():
         "_inline_copies.uninstall()\n"
         "without = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
         "print(with_patch == without, len(without), with_patch.count('fma.rn'), len(checked), max(checked),\n"
-        "      sum(operators), len(operators) - sum(operators), len(sizes), len(calls))\n")
+        "      sum(operators), len(operators) - sum(operators), len(sizes), len(calls), len(call_types))\n")
     proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes, calls = proc.stdout.split()
+    same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes, calls, call_types = proc.stdout.split()
     assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
     assert int(maps) > 20 and int(blocks) > 50, proc.stdout     # (those read), the kernel's own IR among them
     assert int(scalar_ops) > 100, proc.stdout                   # the template's answers compared
     assert int(sizes) > 100, proc.stdout                        # ABI sizes compared
     assert int(calls) > 500, proc.stdout                        # call signatures compared
+    assert int(call_types) > 100, proc.stdout                   # function types' resolutions compared
 
 
 def test_compiles_run_without_collector_pauses_and_restore_it():
