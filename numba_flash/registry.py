@@ -17,6 +17,7 @@ from .kernels.backward import smem_words as bwd_smem_words
 from .kernels.backward_mma import MmaBwdTiling, make_backward_mma
 from .kernels.backward_mma import smem_elements as mma_bwd_smem_elements
 from .kernels.copy import make_append, make_copy4
+from .kernels.kv_metadata import make_kv_metadata
 from .kernels.merge import make_merge_finish, make_merge_into
 from .kernels.forward import MAX_SPLITS, Tiling, make_forward, make_merge, smem_words
 from .kernels.forward_mma import MmaTiling, make_forward_mma
@@ -372,6 +373,13 @@ VARIANTS = {v.name: v for v in (
             lambda dt, d, sim: None, lambda s: make_append(paged=True), lambda d, t: 0,
             lambda dt, layout: f"void({_a4(dt, 'A')}, {_a4(dt, 'A')}, int32[::1], int32[:, ::1], int64)",
             ("uint16", "float32", "float64")),
+    Variant("kv_metadata", "KV caches: device metadata made into the sequence table and append rows",
+            lambda dt, d, sim: None, lambda s: make_kv_metadata(), lambda d, t: 0,
+            lambda dt, layout: f"void({dt}[:], int32[:, ::1], int32[::1], int64, int64)", ("int32", "int64")),
+    Variant("kv_metadata_paged", "paged KV caches: device metadata made into the sequence, page and append tables",
+            lambda dt, d, sim: None, lambda s: make_kv_metadata(paged=True), lambda d, t: 0,
+            lambda dt, layout: f"void({dt}[:], {dt}[:, :], int32[:, ::1], int32[::1], int32[:, ::1], int64, int64, "
+                               "int64, int64)", ("int32", "int64")),
     Variant("merge_into", "merge_attention: fold one partial (out, lse) into a running softmax",
             lambda dt, d, sim: None, lambda s: make_merge_into(s.dtype), lambda d, t: 0, _sig_merge_into,
             DTYPES + LOW_DTYPES),

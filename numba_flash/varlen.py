@@ -13,7 +13,8 @@ block of the forward kernels which rows are its sequence's. No row is copied or 
 
 The sequence metadata (``cu_seqlens``, ``cache_seqlens``) is checked on the host before
 any launch, so device metadata is first copied to the host (a few bytes, and a wait for
-the work queued before it); pass NumPy metadata to avoid that wait.
+the work queued before it); pass NumPy metadata to avoid that wait, or, for a KV cache,
+``check_metadata=False``, which reads it on the device (``kernels/kv_metadata.py``).
 """
 import dataclasses
 import functools
@@ -177,7 +178,7 @@ def _check_rank(x, name, rank, layout):
 
 
 def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_rows=0, page_size=0, append=None,
-             gaps=False, made=None, sig=None):
+             gaps=False, made=None, sig=None, meta=None):
     """The packed forward of ``inp`` (q, k, v given as ``(H, T, d)``), through a launch
     plan when one fits (:mod:`numba_flash._plans`; device inputs, no ALiBi), else the
     full path, which leaves a plan behind; returns ``(out, lse)`` in ``q_kind``'s kind,
@@ -195,7 +196,9 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
     ``gaps``: the keys' rows have gaps between sequences (:class:`Packed`); ``made``: a
     list the plan that ran or was captured is appended to; ``sig``: the call's plan
     signature where the caller made it and tried its plan (:func:`_through_plan`), else
-    made and tried here.
+    made and tried here; ``meta``: ``(cache_seqlens, block_table, n_new, num_pages)`` of a
+    KV-cache call that reads its metadata on the device (:func:`_metadata_launches`; the
+    uploads are then the sequence table alone, and ``sig_arrays`` end with the metadata).
     """
     from numba import cuda
     inp.scores = dataclasses.replace(inp.scores, packed=True, paged=bool(page_size))
@@ -208,9 +211,15 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
             return found
     devs = [cuda.to_device(u, stream=inp.stream) for u in uploads]
     table = uploads[0]
-    inp.packed = Packed(devs[0], table.shape[0], max_q, max_k, devs[1] if page_size else None, page_size,
-                        int(table[-1, 4]) if table.shape[0] else 0, gaps)
     launches, inputs, scratch = [], [], []
+    if meta is None:
+        first, meta_inputs = [], []
+        pages, pos = (devs[1] if page_size else None), devs[-1]
+    else:
+        first, meta_inputs, pages, pos = _metadata_launches(inp, *meta, devs[0], page_size, max_k)
+        scratch += [pos] + ([pages] if page_size else [])
+    inp.packed = Packed(devs[0], table.shape[0], max_q, max_k, pages, page_size,
+                        int(table[-1, 4]) if table.shape[0] else 0, gaps)
     hq, d = inp.lead[0] * max(group_rows, 1), inp.d
     out = inp.empty_like(out_shape + (hq, d))
     lse = inp.empty_like(out_shape + (hq,), inp.acc_dtype)
@@ -230,10 +239,11 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
                                      None, scratch, cc)
         inputs += [qd, kd, vd]
     if append is not None:
-        pos = devs[-1]
-        appends, written = _append_launches(inp, *append, pos, devs[1] if page_size else None)
+        appends, written = _append_launches(inp, *append, pos, pages)
         launches = appends + launches
         inputs += written
+    launches = first + launches
+    inputs += meta_inputs
     for args in launches:
         api.launch(*args)
     if sig is not None and not copied and len(inputs) == len(sig_arrays):
@@ -417,8 +427,9 @@ def _swap01_2d(x):
 
 # --------------------------------------------------------------------------- KV cache
 def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
-                           causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False):
-    """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False) -> out (or (out, lse))
+                           causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
+                           check_metadata=True):
+    """attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None, causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False, check_metadata=True) -> out (or (out, lse))
 
     Attention of new queries to a KV cache (decoding, chunked prefill), in the
     ``(batch, tokens, heads, d)`` layout of FlashAttention's ``flash_attn_with_kvcache``:
@@ -449,6 +460,18 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
             see keys ``j <= i + Nk − Nq`` (bottom-right, the queries being the newest
             positions). ALiBi slopes ``(Hq,)`` only.
         return_lse: also return ``lse (B, Nq, Hq)`` (q's shape without d).
+        check_metadata: True: ``cache_seqlens`` and ``block_table`` are checked on the
+            host before any launch (device metadata is copied there first, which waits
+            for the work queued before the call), and bad values raise ValueError.
+            False: they must be device arrays (int32 or int64), and the call reads them
+            on the device (``kernels/kv_metadata.py``): no copy, no wait, nothing
+            depends on their values on the host, so a decoding step can run ahead of
+            the GPU and be captured in a CUDA graph (call it once before capturing,
+            which builds its launch plan; replays then read the metadata as it is at
+            replay time). A sequence whose length lies outside ``[0, Nmax − Nnew]`` or
+            which uses a page outside the cache is then skipped, not reported: nothing is
+            appended to its cache, its output is zeros and its lse ``−inf``. No value of
+            the metadata makes a launch read or write outside the arrays.
 
     Returns:
         ``out (B, Nq, Hq, d)`` (and ``lse``), C-contiguous, of q's kind. A sequence with no
@@ -465,11 +488,12 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     (a repeat call with the same arguments' kinds, shapes, strides, dtypes, options and
     stream skips the input checks and array views as well). Metadata on the device
     (``cache_seqlens``, ``block_table``) is copied back to be checked, which waits for the
-    work queued before the call: pass NumPy metadata in a decoding loop. A cache far
+    work queued before the call: pass NumPy metadata in a decoding loop, or device
+    metadata with ``check_metadata=False``. A cache far
     larger than the rows in use pays for its empty splits (blocks that exit at once).
     """
     fast = _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table,
-                         (causal, window, softcap, scale, alibi_slopes is None))
+                         (causal, window, softcap, scale, bool(check_metadata), alibi_slopes is None))
     known = None if fast is None else _KV_CALLS.get(fast.key)
     if known is not None:
         found = known.run(fast, q, cache_seqlens, block_table)
@@ -482,15 +506,19 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
     if tuple(v_cache.shape) != ks:
         raise ValueError(f"k_cache and v_cache must have the same shape, got {ks} and {tuple(v_cache.shape)}.")
     b, nq = qs[0], qs[1]
-    pages = None
+    pages = meta = None
+    if not check_metadata:
+        meta = _device_metadata(q, k_cache, cache_seqlens, block_table, b)
     if block_table is None:
         if qs[0] != ks[0]:
             raise ValueError(f"q and k_cache must have the same batch size (axis 0), got q {qs} and k_cache {ks}.")
         nmax = ks[1]
-    else:
+    elif meta is None:
         pages = _page_table(block_table, b)
         nmax = pages.shape[1] * ks[1]
-    lens = _cache_lens(cache_seqlens, b, nmax)
+    else:
+        nmax = tuple(meta[1].shape)[1] * ks[1]
+    lens = _cache_lens(cache_seqlens, b, nmax) if meta is None else None
     n_new = 0
     if (k_new is None) != (v_new is None):
         raise ValueError("k_new and v_new go together: pass both or neither.")
@@ -501,7 +529,10 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
             raise ValueError(f"k_new and v_new must be (batch={b}, Nnew, {ks[2]}, {ks[3]}) like the cache, got "
                              f"k_new {ns} and v_new {tuple(v_new.shape)}.")
         n_new = ns[1]
-        _check_room(lens, n_new, nmax)
+        if meta is None:
+            _check_room(lens, n_new, nmax)
+        elif n_new > nmax:
+            raise ValueError(f"k_new adds {n_new} rows to caches of Nmax={nmax} rows. Allocate a longer cache.")
     if pages is not None:
         _check_pages(pages, lens + n_new, ks[1], ks[0])
     k2, v2 = (_swap01(_merge01(c, n, view_only=True)) for c, n in ((k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -528,18 +559,24 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
             _append_on_host(k_cache, v_cache, k_new, v_new, lens, pages)
     starts = np.arange(b, dtype=np.int64)
     q_starts, q_lens = (starts * row_step, np.full(b, group)) if grouped else (starts * nq, np.full(b, nq))
-    k_starts = starts * nmax if pages is None else np.zeros(b, np.int64)
+    k_starts = starts * nmax if block_table is None else np.zeros(b, np.int64)
     table = _table(q_starts, q_lens, k_starts, 0)     # (gaps: mma.sync only)
-    uploads = _kv_uploads(table, lens, n_new, pages, append is not None)
     sig_arrays = [q, k_cache, v_cache] + ([k_new, k_cache, v_new, v_cache] if append is not None else [])
+    page_size = ks[1] if block_table is not None else 0
+    if meta is None:
+        uploads = _kv_uploads(table, lens, n_new, pages, append is not None)
+    else:
+        uploads = [table]           # its key lengths, the page table and the append rows: made on the device
+        sig_arrays += [cache_seqlens] + ([block_table] if page_size else [])
+        meta = (*meta, n_new, ks[0])
     made = []
     out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q,
-                        group if grouped else 0, ks[1] if pages is not None else 0, append, gaps=True, made=made)
+                        group if grouped else 0, page_size, append, gaps=True, made=made, meta=meta)
     if fast is not None and made:
         if len(_KV_CALLS) >= _plans.MAX_PLANS:
             _KV_CALLS.clear()        # (the plans' own table waits for queued work when it drops plans)
-        _KV_CALLS[fast.key] = _KVCall(made[0], b, nmax, n_new, ks[1] if pages is not None else 0, ks[0],
-                                      table, append is not None)
+        _KV_CALLS[fast.key] = _KVCall(made[0], b, nmax, n_new, page_size, ks[0], table, append is not None,
+                                      meta is not None)
     return (out, lse) if return_lse else out
 
 
@@ -554,10 +591,13 @@ _KV_CALLS = {}
 def _kv_signature(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, options):
     """The plan signature of an ``attention_with_kvcache`` call over device arrays, with
     its inputs' pointers in the order the launches read them (q, the caches, then the
-    appends' k_new, k_cache, v_new, v_cache), or None (host arrays, ALiBi, the simulator)."""
+    appends' k_new, k_cache, v_new, v_cache, then with ``check_metadata=False`` the
+    metadata), or None (host arrays, ALiBi, the simulator)."""
     if not options[-1] or (k_new is None) != (v_new is None):
         return None
     arrays = [q, k_cache, v_cache] + ([] if k_new is None else [k_new, k_cache, v_new, v_cache])
+    if not options[-2]:         # check_metadata=False: the launches read the metadata
+        arrays += [cache_seqlens] + ([] if block_table is None else [block_table])
     meta = tuple(None if x is None else (type(x), tuple(getattr(x, "shape", ())), getattr(x, "dtype", None))
                  for x in (cache_seqlens, block_table))     # (lists too: their length is checked per call)
     try:
@@ -578,9 +618,13 @@ class _KVCall:
     num_pages: int
     table: np.ndarray       # the sequence table but its key lengths (which the metadata gives)
     append: bool
+    on_device: bool = False     # check_metadata=False: the metadata is read by the launches
 
     def run(self, sig, q, cache_seqlens, block_table):
         """``(out, lse)`` of q's kind, or None where the plan cannot serve the call."""
+        if self.on_device:
+            found = self.plan.run(sig, api._POISON, [self.table], like=q)
+            return None if found is None else _arrays.like(q, found)
         lens = _cache_lens(cache_seqlens, self.batch, self.nmax)
         _check_room(lens, self.n_new, self.nmax)
         pages = None
@@ -693,6 +737,53 @@ def _check_new(inp, k_new, v_new):
             raise TypeError(f"{name} must have the cache's dtype {inp.dtype}, got {_arrays.logical_dtype(new)}.")
         if api._kind(new, name) != ("device" if inp.on_device else "NumPy"):
             raise TypeError(f"{name} must be on the same side as the cache (all NumPy or all device arrays).")
+
+
+def _device_metadata(q, k_cache, cache_seqlens, block_table, batch):
+    """``(cache_seqlens, block_table)`` as Numba device arrays for a call with
+    ``check_metadata=False`` (block_table None without one), or an error naming the fix:
+    device arrays of int32 or int64, ``(batch,)`` and ``(batch, max_pages >= 1)``, with
+    the call's other arrays on the device too."""
+    fix = "pass them as device arrays, or leave check_metadata=True"
+    if api._kind(q, "q") != "device" or api._kind(k_cache, "k_cache") != "device":
+        raise ValueError("check_metadata=False reads the metadata on the device: q and the caches must be device "
+                         "arrays (NumPy calls check their metadata on the host at no cost).")
+    found = []
+    for name, x, rank in (("cache_seqlens", cache_seqlens, 1), ("block_table", block_table, 2)):
+        if x is None:
+            found.append(None)
+            continue
+        if not _arrays.is_device_array(x):
+            raise TypeError(f"with check_metadata=False, {name} must be a device array ({fix}), got "
+                            f"{type(x).__name__}.")
+        d = _arrays.as_numba_device(x)
+        shape = tuple(d.shape)
+        want = (batch,) if rank == 1 else (batch, "max_pages >= 1")
+        if d.dtype not in (np.int32, np.int64) or len(shape) != rank or shape[0] != batch \
+                or (rank == 2 and shape[1] < 1):
+            raise ValueError(f"with check_metadata=False, {name} must be an int32 or int64 device array of shape "
+                             f"{want}, got dtype {d.dtype} and shape {shape}.")
+        found.append(d)
+    return tuple(found)
+
+
+def _metadata_launches(inp, lens, block_table, n_new, num_pages, table, page_size, nmax):
+    """``(launches, inputs, pages, pos)``: the launch that makes a KV-cache call's device
+    metadata into its sequence table's key lengths (written into ``table``), the append
+    rows ``pos`` and the int32 page table ``pages`` (None unpaged), both new arrays;
+    ``inputs``: the metadata arrays it reads (``kernels/kv_metadata.py``)."""
+    b = tuple(lens.shape)[0]
+    pos = _arrays.device_empty((max(b, 1),), np.int32, stream=inp.stream)
+    if page_size:
+        pages = _arrays.device_empty(tuple(block_table.shape), np.int32, stream=inp.stream)
+        kern = registry.specialisation("kv_metadata_paged", lens.dtype.name, 0).kernel()
+        args, inputs = (lens, block_table, table, pos, pages, nmax, n_new, num_pages, page_size), [lens, block_table]
+    else:
+        pages = None
+        kern = registry.specialisation("kv_metadata", lens.dtype.name, 0).kernel()
+        args, inputs = (lens, table, pos, nmax, n_new), [lens]
+    launches = [(kern, b, kern.threads, 0, args, inp.stream)] if b else []
+    return launches, inputs, pages, pos
 
 
 def _append_on_host(k_cache, v_cache, k_new, v_new, lens, pages=None):

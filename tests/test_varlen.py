@@ -525,6 +525,139 @@ def test_paged_kvcache_matches_oracle(dtype, page, nq, n_new, device, d, monkeyp
                _heads_first(flat_k[i][:n]), _heads_first(flat_v[i][:n]), dict(causal=True))
 
 
+def _kvcache_problem(rng, dtype, paged, b, nq, hq, hkv, d, n_new, max_pages=4, page=5, nmax=20):
+    """Random inputs of a KV-cache call: ``(q, k_cache, v_cache, k_new, v_new, table)``
+    (table None for a contiguous cache of ``nmax`` rows; else ``b`` rows of ``max_pages``
+    shuffled pages of ``page`` rows, two pages used by no sequence)."""
+    dt = np_dtype(dtype)
+    table = None
+    if paged:
+        num_pages = b * max_pages + 2
+        table = rng.permutation(num_pages)[:b * max_pages].reshape(b, max_pages).astype(np.int32)
+        shape = (num_pages, page, hkv, d)
+    else:
+        shape = (b, nmax, hkv, d)
+    q = rng.standard_normal((b, nq, hq, d)).astype(dt)
+    kc, vc = (rng.standard_normal(shape).astype(dt) for _ in range(2))
+    kn, vn = ((rng.standard_normal((b, n_new, hkv, d)).astype(dt) for _ in range(2)) if n_new else (None, None))
+    return q, kc, vc, kn, vn, table
+
+
+def _cache_rows(cache, table, i, n):
+    """Sequence ``i``'s first ``n`` cache rows (through ``table`` for a paged cache)."""
+    if table is None:
+        return cache[i, :n]
+    page = cache.shape[1]
+    rows = np.arange(n)
+    return cache[table[i, rows // page], rows % page]
+
+
+@pytest.mark.parametrize("dtype,paged,nq,hq,n_new,meta_dtype", [
+    ("float32", False, 2, 2, 2, np.int32), ("bfloat16", False, 1, 4, 1, np.int64),
+    ("bfloat16", True, 1, 2, 2, np.int32), ("float16", True, 3, 2, 0, np.int64), ("float64", True, 1, 2, 1, np.int32)])
+def test_kvcache_device_metadata_matches_the_checked_call(dtype, paged, nq, hq, n_new, meta_dtype, monkeypatch):
+    """``check_metadata=False``: cache_seqlens and block_table stay on the device (never
+    copied to the host: the host readers raise here) and the call computes what the
+    checked call computes, bit for bit, caches included (contiguous and paged caches,
+    appends, grouped query heads decoding in one block, int32 and int64 metadata), which
+    matches the oracle per sequence."""
+    from numba_flash import varlen
+    rng = np.random.default_rng(11)
+    b, hkv, d = 3, 1 if hq == 4 else 2, 16 if dtype in LOW else 8
+    q, kc, vc, kn, vn, table = _kvcache_problem(rng, dtype, paged, b, nq, hq, hkv, d, n_new)
+    nmax = 20
+    lens = np.array([7, 0, nmax - n_new], meta_dtype)
+    dev = lambda x: None if x is None else _device(x)  # noqa: E731
+    extra = {} if table is None else dict(block_table=table)
+    checked = numba_flash.attention_with_kvcache(dev(q), dev(kc), dev(vc), lens, k_new=dev(kn), v_new=dev(vn),
+                                                 causal=True, return_lse=True, **extra)
+    caches = [dev(kc), dev(vc)]
+    for name in ("_host_ints", "_page_table"):
+        monkeypatch.setattr(varlen, name, lambda *a, name=name: pytest.fail(f"{name}: metadata read on the host"))
+    extra = {} if table is None else dict(block_table=cuda.to_device(table.astype(meta_dtype)))
+    out, lse = numba_flash.attention_with_kvcache(dev(q), *caches, cuda.to_device(lens), k_new=dev(kn), v_new=dev(vn),
+                                                  causal=True, return_lse=True, check_metadata=False, **extra)
+    for ours, theirs in ((out, checked[0]), (lse, checked[1])):
+        np.testing.assert_array_equal(_host(ours).view(np.uint8), _host(theirs).view(np.uint8))
+    kh, vh = (_host(x) for x in caches)
+    for i in range(b):
+        n = lens[i] + n_new
+        k_rows, v_rows = _cache_rows(kh, table, i, n), _cache_rows(vh, table, i, n)
+        if n_new:
+            np.testing.assert_array_equal(k_rows[lens[i]:].view(np.uint8), kn[i].view(np.uint8))
+            np.testing.assert_array_equal(v_rows[lens[i]:].view(np.uint8), vn[i].view(np.uint8))
+        _check(dtype, _heads_first(_host(out)[i]), np.ascontiguousarray(_host(lse)[i].T), _heads_first(q[i]),
+               _heads_first(k_rows), _heads_first(v_rows), dict(causal=True))
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_device_metadata_skips_what_the_host_would_refuse(paged):
+    """``check_metadata=False`` with lengths outside ``[0, Nmax - Nnew]`` (negative, past
+    the end) and, paged, a page outside the cache among the entries a sequence uses: those
+    sequences get zeros and lse -inf and their caches are left as they were; a bad entry
+    that no row in use reaches skips nothing; the other sequences are right."""
+    rng = np.random.default_rng(12)
+    b, nq, hq, hkv, d, n_new, page, max_pages = 5, 1, 2, 1, 8, 2, 5, 4
+    q, kc, vc, kn, vn, table = _kvcache_problem(rng, "float32", paged, b, nq, hq, hkv, d, n_new, max_pages, page)
+    nmax = 20
+    lens = np.array([-3, 6, nmax - n_new + 1, 3, 2**31 - 1], np.int32)
+    skipped = {0, 2, 4}
+    if paged:
+        table[1, 1] = 10**6             # sequence 1 uses rows 0..7: pages 0 and 1
+        table[3, 3] = -7                # sequence 3 uses rows 0..4: its last entry is never read
+        skipped.add(1)
+    args = [cuda.to_device(x) for x in (q, kc, vc)]
+    extra = {} if table is None else dict(block_table=cuda.to_device(table))
+    out, lse = numba_flash.attention_with_kvcache(*args, cuda.to_device(lens), k_new=cuda.to_device(kn),
+                                                  v_new=cuda.to_device(vn), return_lse=True, check_metadata=False,
+                                                  **extra)
+    out, lse = _host(out), _host(lse)
+    kh, vh = _host(args[1]), _host(args[2])
+    for i in range(b):
+        if i in skipped:
+            assert (out[i] == 0).all() and np.isneginf(lse[i]).all(), i
+            continue
+        n = lens[i] + n_new
+        k_rows, v_rows = _cache_rows(kh, table, i, n), _cache_rows(vh, table, i, n)
+        np.testing.assert_array_equal(k_rows[lens[i]:], kn[i])
+        _check("float32", _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+               _heads_first(k_rows), _heads_first(v_rows), dict(causal=False))
+    written = {i for i in range(b) if i not in skipped}
+    untouched = np.ones(kh.shape[:2], bool)          # the rows no sequence appended to
+    for i in written:
+        rows = np.arange(lens[i], lens[i] + n_new)
+        if table is None:
+            untouched[i, rows] = False
+        else:
+            untouched[table[i, rows // page], rows % page] = False
+    np.testing.assert_array_equal(kh[untouched], kc[untouched])
+    np.testing.assert_array_equal(vh[untouched], vc[untouched])
+
+
+def test_kvcache_device_metadata_bad_input():
+    """``check_metadata=False`` refuses, naming the fix, what it cannot read on the device."""
+    q, kc = np.zeros((2, 1, 2, 8), np.float32), np.zeros((2, 6, 2, 8), np.float32)
+    qd, kd = cuda.to_device(q), cuda.to_device(kc)
+    lens = cuda.to_device(np.array([1, 2], np.int32))
+    call = lambda *a, **kw: numba_flash.attention_with_kvcache(*a, check_metadata=False, **kw)  # noqa: E731
+    with pytest.raises(ValueError, match="q and the caches must be device arrays"):
+        call(q, kc, kc, np.array([1, 2], np.int32))
+    with pytest.raises(TypeError, match="cache_seqlens must be a device array"):
+        call(qd, kd, kd, np.array([1, 2], np.int32))
+    with pytest.raises(ValueError, match=r"int32 or int64 device array of shape \(2,\), got dtype float32"):
+        call(qd, kd, kd, cuda.to_device(np.array([1, 2], np.float32)))
+    with pytest.raises(ValueError, match=r"shape \(2,\), got dtype int32 and shape \(3,\)"):
+        call(qd, kd, kd, cuda.to_device(np.array([1, 2, 3], np.int32)))
+    with pytest.raises(ValueError, match="k_new adds 7 rows to caches of Nmax=6 rows"):
+        kn = cuda.to_device(np.zeros((2, 7, 2, 8), np.float32))
+        call(qd, kd, kd, lens, k_new=kn, v_new=kn)
+    pages = cuda.to_device(np.zeros((2, 6, 2, 8), np.float32))
+    with pytest.raises(TypeError, match="block_table must be a device array"):
+        call(qd, pages, pages, lens, block_table=np.zeros((2, 1), np.int32))
+    with pytest.raises(ValueError, match=r"block_table must be an int32 or int64 device array of shape"):
+        call(qd, pages, pages, lens, block_table=cuda.to_device(np.zeros((2, 0), np.int32)))
+
+
 def test_paged_kvcache_bad_input():
     q = np.zeros((2, 1, 2, 8), np.float16)
     kc = np.zeros((4, 4, 2, 8), np.float16)
@@ -681,6 +814,56 @@ def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
                 k_rows, v_rows = kh[i, :n], vh[i, :n]
             np.testing.assert_array_equal(k_rows[-1], f(kn)[i, 0])
             np.testing.assert_array_equal(v_rows[-1], f(vn)[i, 0])
+            _check("bfloat16", _heads_first(f(out)[i]), np.ascontiguousarray(lse.cpu().numpy()[i].T),
+                   _heads_first(f(q)[i]), _heads_first(k_rows), _heads_first(v_rows), dict(causal=False))
+        lens += 1
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and launch plans exist only on a GPU")
+@pytest.mark.parametrize("paged", [False, True])
+def test_decode_steps_with_device_metadata_replay_in_a_cuda_graph(paged):
+    """A server's decoding step with ``check_metadata=False`` (PyTorch tensors, the
+    lengths advanced on the device): two calls on a side stream (the first builds the launch
+    plan, the second runs it), then one captured in a CUDA graph on that stream; each replay
+    reads the lengths as they are at replay time, appends where they say and matches the
+    oracle, with no host copy of the metadata anywhere."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(13)
+    b, nmax, hq, hkv, d, page = 3, 96, 4, 2, 64, 16
+    t = lambda x: torch.tensor(x, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    if paged:
+        n_pages = b * nmax // page
+        kc, vc = (t(rng.standard_normal((n_pages, page, hkv, d))) for _ in range(2))
+        table = rng.permutation(n_pages).astype(np.int32).reshape(b, nmax // page)
+        extra = dict(block_table=torch.tensor(table, device="cuda"))
+    else:
+        kc, vc = (t(rng.standard_normal((b, nmax, hkv, d))) for _ in range(2))
+        table, extra = None, {}
+    lens = torch.tensor([10, 0, 77], dtype=torch.int32, device="cuda")
+    q, kn, vn = t(np.zeros((b, 1, hq, d))), t(np.zeros((b, 1, hkv, d))), t(np.zeros((b, 1, hkv, d)))
+    step = lambda: numba_flash.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn, return_lse=True,  # noqa: E731
+                                                      check_metadata=False, **extra)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):                      # (writes zeros at rows 10, 0 and 77, then at 11, 1 and 78)
+            step()
+            lens += 1
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out, lse = step()
+    f = lambda x: x.float().cpu().numpy().astype(np_dtype("bfloat16"))  # noqa: E731  (exact)
+    for _ in range(3):
+        for x in (q, kn, vn):
+            x.copy_(t(rng.standard_normal(tuple(x.shape))))
+        graph.replay()
+        lens_h = lens.cpu().numpy()
+        kh, vh = f(kc), f(vc)
+        for i in range(b):
+            n = lens_h[i] + 1
+            k_rows, v_rows = _cache_rows(kh, table, i, n), _cache_rows(vh, table, i, n)
+            np.testing.assert_array_equal(k_rows[-1], f(kn)[i, 0])
             _check("bfloat16", _heads_first(f(out)[i]), np.ascontiguousarray(lse.cpu().numpy()[i].T),
                    _heads_first(f(q)[i]), _heads_first(k_rows), _heads_first(v_rows), dict(causal=False))
         lens += 1

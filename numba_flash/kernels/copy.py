@@ -41,7 +41,8 @@ def make_copy4():
 def make_append(paged=False):
     """``dst[b, pos[b] + i, h, c] = src[b, i, h, c]``: new rows written into a KV cache at
     each sequence's length (``pos`` int32 ``(B,)``, checked on the host to keep every row
-    inside ``dst``). With ``paged``, ``dst`` is a paged cache ``(num_pages, page_size, H,
+    inside ``dst``, or made so on the device by ``kv_metadata``; nothing is written for a
+    negative ``pos[b]``). With ``paged``, ``dst`` is a paged cache ``(num_pages, page_size, H,
     D)`` and two more arguments, the page table ``pages (B, max pages)`` int32 and
     ``page_size``, place row ``j = pos[b] + i`` at page ``pages[b, j // page_size]``, row
     ``j % page_size``. Launch with ``grid = ceil(Nnew · H · D / THREADS) · B``,
@@ -60,6 +61,8 @@ def make_append(paged=False):
             h = i // D
             c = i - h * D
             j = pos[b] + r
+            if j < r:
+                return      # a negative position: the sequence is skipped (kv_metadata)
             if paged:
                 page = j // page_size
                 dst[pages[b, page], j - page * page_size, h, c] = src[b, r, h, c]
