@@ -219,6 +219,14 @@ _CALLS = "_numba_flash_call_types"      # a typing context's remembered call sig
 _REMEMBERED = ()                        # (str, types.Function, types.BoundFunction), from install()
 
 
+def _memo(obj, name):
+    """The dict of remembered answers kept on ``obj`` under the attribute ``name``."""
+    memo = obj.__dict__.get(name)
+    if memo is None:
+        memo = obj.__dict__[name] = {}
+    return memo
+
+
 def _resolve_function_type(self, func, args, kws):
     """``BaseContext.resolve_function_type``: remembered per typing context for the calls
     whose signature depends on nothing but the function and the argument types (builtin
@@ -228,11 +236,9 @@ def _resolve_function_type(self, func, args, kws):
     does)."""
     if not isinstance(func, _REMEMBERED):
         return _originals["resolve_function_type"](self, func, args, kws)
+    memo = _memo(self, _CALLS)
     try:
         key = (func, tuple(args), tuple(sorted(kws.items())) if kws else ())
-        memo = self.__dict__.get(_CALLS)
-        if memo is None:
-            memo = self.__dict__[_CALLS] = {}
         found = memo.get(key)
     except TypeError:                        # an unhashable argument type
         return _originals["resolve_function_type"](self, func, args, kws)
@@ -255,11 +261,9 @@ def _get_call_type(self, context, args, kws):
     Failures (raised) are not remembered; calls with keywords are not remembered."""
     if kws:
         return _originals["get_call_type"](self, context, args, kws)
+    memo = _memo(self, _CALL_TYPES)
     try:
         key = (context, _originals["get_local_target"](context), tuple(args))
-        memo = self.__dict__.get(_CALL_TYPES)
-        if memo is None:
-            memo = self.__dict__[_CALL_TYPES] = {}
         found = memo.get(key)
     except TypeError:                        # an unhashable argument type
         return _originals["get_call_type"](self, context, args, kws)

@@ -771,6 +771,20 @@ def test_decoding_groups_query_heads(dtype, device, paged, monkeypatch):
                dict(softcap=5.0))
 
 
+def _torch_caches(torch, rng, paged, b, nmax, hkv, d, page):
+    """``(t, k_cache, v_cache, table, extra)`` of random bf16 PyTorch caches: ``t`` makes
+    bf16 CUDA tensors; paged: ``b · nmax / page`` shuffled pages, ``table`` their
+    page table and ``extra`` the call's ``block_table``; else ``(b, nmax, hkv, d)``,
+    table None and no extra."""
+    t = lambda x: torch.tensor(x, dtype=torch.bfloat16, device="cuda")  # noqa: E731
+    if not paged:
+        return (t, *(t(rng.standard_normal((b, nmax, hkv, d))) for _ in range(2)), None, {})
+    n_pages = b * nmax // page
+    kc, vc = (t(rng.standard_normal((n_pages, page, hkv, d))) for _ in range(2))
+    table = rng.permutation(n_pages).astype(np.int32).reshape(b, nmax // page)
+    return t, kc, vc, table, dict(block_table=torch.tensor(table, device="cuda"))
+
+
 @pytest.mark.skipif(not ON_GPU, reason="launch plans exist only on a GPU")
 @pytest.mark.parametrize("paged,group", [(False, 1), (False, 4), (True, 2)])
 def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
@@ -789,15 +803,7 @@ def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
     b, nmax, hkv, d, page = 3, 96, 2, 64, 16
     hq = hkv * group
     lens = np.array([10, 0, 77], np.int32)
-    t = lambda x: torch.tensor(x, dtype=torch.bfloat16, device="cuda")  # noqa: E731
-    if paged:
-        n_pages = b * nmax // page
-        kc, vc = (t(rng.standard_normal((n_pages, page, hkv, d))) for _ in range(2))
-        table = rng.permutation(n_pages).astype(np.int32).reshape(b, nmax // page)
-        extra = dict(block_table=torch.tensor(table, device="cuda"))
-    else:
-        kc, vc = (t(rng.standard_normal((b, nmax, hkv, d))) for _ in range(2))
-        extra = {}
+    t, kc, vc, table, extra = _torch_caches(torch, rng, paged, b, nmax, hkv, d, page)
     for step in range(3):
         q = t(rng.standard_normal((b, 1, hq, d)))
         kn, vn = (t(rng.standard_normal((b, 1, hkv, d))) for _ in range(2))
@@ -807,11 +813,7 @@ def test_decode_steps_through_launch_plans(paged, group, monkeypatch):
         kh, vh = f(kc), f(vc)
         for i in range(b):
             n = lens[i] + 1
-            rows = np.arange(n)
-            if paged:
-                k_rows, v_rows = (x[table[i, rows // page], rows % page] for x in (kh, vh))
-            else:
-                k_rows, v_rows = kh[i, :n], vh[i, :n]
+            k_rows, v_rows = _cache_rows(kh, table, i, n), _cache_rows(vh, table, i, n)
             np.testing.assert_array_equal(k_rows[-1], f(kn)[i, 0])
             np.testing.assert_array_equal(v_rows[-1], f(vn)[i, 0])
             _check("bfloat16", _heads_first(f(out)[i]), np.ascontiguousarray(lse.cpu().numpy()[i].T),
@@ -830,15 +832,7 @@ def test_decode_steps_with_device_metadata_replay_in_a_cuda_graph(paged):
     torch = pytest.importorskip("torch")
     rng = np.random.default_rng(13)
     b, nmax, hq, hkv, d, page = 3, 96, 4, 2, 64, 16
-    t = lambda x: torch.tensor(x, dtype=torch.bfloat16, device="cuda")  # noqa: E731
-    if paged:
-        n_pages = b * nmax // page
-        kc, vc = (t(rng.standard_normal((n_pages, page, hkv, d))) for _ in range(2))
-        table = rng.permutation(n_pages).astype(np.int32).reshape(b, nmax // page)
-        extra = dict(block_table=torch.tensor(table, device="cuda"))
-    else:
-        kc, vc = (t(rng.standard_normal((b, nmax, hkv, d))) for _ in range(2))
-        table, extra = None, {}
+    t, kc, vc, table, extra = _torch_caches(torch, rng, paged, b, nmax, hkv, d, page)
     lens = torch.tensor([10, 0, 77], dtype=torch.int32, device="cuda")
     q, kn, vn = t(np.zeros((b, 1, hq, d))), t(np.zeros((b, 1, hkv, d))), t(np.zeros((b, 1, hkv, d)))
     step = lambda: numba_flash.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=vn, return_lse=True,  # noqa: E731
