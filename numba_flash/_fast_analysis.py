@@ -60,6 +60,12 @@ took 4 of the 8.7 seconds of the Hopper forward's compile (profile, numba-cuda 0
   5% of the Hopper forward's compile). :func:`_get_call_type` remembers each answer per
   function type, typing context, target and argument types, with the implementation key
   it recorded, which a repeat records again.
+* **A BLAS check at import** (``numba.cuda.np.arraymath``, imported by the first
+  compile of a process): numba-cuda decides whether ``np.dot`` may call a BLAS by
+  importing ``scipy.linalg.cython_blas``, which brings scipy.linalg, numpy.f2py and
+  charset_normalizer along: 0.12-0.19 s of a first call, for a BLAS no kernel calls.
+  :func:`_import_arraymath` imports that module with a check that finds the same
+  extension module's file without importing it.
 * **Error texts** (``errors.HighlightColorScheme._markup``): typing builds the message
   of every template that does not match a call (thousands per kernel, read only if the
   call fails to type), and numba marks each part of it up inside colorama's
@@ -353,6 +359,7 @@ def install():
     _REMEMBERED = (str, types.Function, types.BoundFunction)
     TypingContext.resolve_function_type = _resolve_function_type
     BaseFunction.get_call_type = _get_call_type
+    _import_arraymath()
     schemes = _color_schemes()
     if schemes:
         from colorama import Style
@@ -361,6 +368,35 @@ def install():
         _originals.setdefault("markup", {})[scheme] = scheme._markup
         scheme._markup = _markup
     return True
+
+
+def _blas_present():
+    """Whether scipy's ``linalg.cython_blas`` extension module is installed (numba-cuda's
+    ``ensure_blas`` imports it to find out), found by its file; raises ImportError as
+    ``ensure_blas`` does when it is not."""
+    import glob
+    import importlib.util
+    import os
+    spec = importlib.util.find_spec("scipy")
+    where = [] if spec is None or not spec.submodule_search_locations else list(spec.submodule_search_locations)
+    if not any(glob.glob(os.path.join(d, "linalg", "cython_blas.*")) for d in where):
+        raise ImportError("scipy 0.16+ is required for linear algebra")
+
+
+def _import_arraymath():
+    """Import ``numba.cuda.np.arraymath`` with :func:`_blas_present` as its BLAS check,
+    then give it back numba-cuda's ``ensure_blas`` (unless a compile imported it already)."""
+    import sys
+    if "numba.cuda.np.arraymath" in sys.modules:
+        return
+    from numba.cuda.np import linalg
+    original = linalg.ensure_blas
+    linalg.ensure_blas = _blas_present
+    try:
+        from numba.cuda.np import arraymath
+    finally:
+        linalg.ensure_blas = original
+    arraymath.ensure_blas = original
 
 
 def _function_base():

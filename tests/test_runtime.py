@@ -244,6 +244,31 @@ def test_compiles_run_without_collector_pauses_and_restore_it():
     assert int(unpaused) > 50, proc.stdout      # uninstalled, a compile collects as before
 
 
+def test_first_compile_finds_the_blas_without_importing_scipy():
+    """numba-cuda's array lowering decides at import whether a BLAS is there; numba_flash
+    makes that decision without importing scipy.linalg (0.12-0.19 s of a first call): a
+    process that compiles a kernel never imports it, the decision is the one numba-cuda's
+    own check makes, and its ``ensure_blas`` is numba-cuda's again afterwards."""
+    code = (
+        "import sys\n"
+        "from numba_flash import ptx, registry\n"
+        "ptx.compile_spec(registry.specialisation('forward_simt', 'float32', 32, registry.FULL, True, False), "
+        "[(8, 0)])\n"
+        "imported = 'scipy.linalg' in sys.modules\n"
+        "from numba.cuda.np import arraymath, linalg\n"
+        "try:\n"
+        "    linalg.ensure_blas()\n"
+        "    real = True\n"
+        "except ImportError:\n"
+        "    real = False\n"
+        "print(imported, arraymath._HAVE_BLAS == real, arraymath.ensure_blas is linalg.ensure_blas, real)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    imported, same, restored, _ = proc.stdout.split()
+    assert (imported, same, restored) == ("False", "True", "True"), proc.stdout
+
+
 def test_live_map_matches_numba_on_random_graphs():
     """``_fast_analysis.compute_live_map`` against numba's on random control-flow graphs
     (loops, unreachable blocks, blocks without variables), set for set."""
