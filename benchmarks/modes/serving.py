@@ -29,7 +29,8 @@ class ServingRow:
     ``page`` rows a page, its pages in shuffled order), "decode" (``attention`` with ``Nq = 1``
     in the (B, H, N, d) layout), "varlen" (``attention_varlen``, causal prefill of
     sequences of ``lens``) or "padded" (the same sequences padded to the longest, one
-    ``attention`` call)."""
+    ``attention`` call). ``device_meta``: a "kvcache" row's ``cache_seqlens`` on the
+    device, read there (``check_metadata=False``), where the array kind allows."""
     label: str
     kind: str
     B: int
@@ -40,6 +41,7 @@ class ServingRow:
     dtype: str
     lens: tuple = ()
     page: int = 0
+    device_meta: bool = False
 
 
 def _serving_rows(B, Hq, N, d, lens, dtypes, pages=(16, 256)):
@@ -51,6 +53,8 @@ def _serving_rows(B, Hq, N, d, lens, dtypes, pages=(16, 256)):
                  ServingRow("decode", "decode", B, Hq, Hq, N, d, dt),
                  ServingRow("decode gqa", "decode", B, Hq, Hq // 4, N, d, dt),
                  ServingRow("decode gqa b1", "decode", 1, Hq, Hq // 4, N, d, dt),
+                 ServingRow("kvcache gqa b1", "kvcache", 1, Hq, Hq // 4, N, d, dt),
+                 ServingRow("kv gqa b1 dev", "kvcache", 1, Hq, Hq // 4, N, d, dt, device_meta=True),
                  ServingRow("varlen", "varlen", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens)),
                  ServingRow("padded", "padded", len(lens), Hq // 2, Hq // 2, max(lens), d, dt, tuple(lens))]
     return rows
@@ -119,7 +123,11 @@ def serving_inputs(r: ServingRow, bench):
             q, kc, vc = random_arrays([(r.B, 1, r.Hq, r.d), (r.B, r.Nk, r.Hkv, r.d), (r.B, r.Nk, r.Hkv, r.d)],
                                       r.dtype, kind, torch)
             lens = np.full(r.B, r.Nk, np.int32)
-            call = lambda: numba_flash.attention_with_kvcache(q, kc, vc, lens)  # noqa: E731
+            meta = {}
+            if r.device_meta and kind != "numpy":     # (NumPy calls check their metadata on the host)
+                lens = torch.tensor(lens, device="cuda") if kind == "torch" else cuda.to_device(lens)
+                meta = dict(check_metadata=False)
+            call = lambda: numba_flash.attention_with_kvcache(q, kc, vc, lens, **meta)  # noqa: E731
             heads_first = lambda x: np.swapaxes(x, 0, 1)  # noqa: E731
             if sdpa:
                 tq, tk, tv = (x.transpose(1, 2) for x in (q, kc, vc))
