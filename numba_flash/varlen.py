@@ -340,6 +340,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None, 
 
 
 def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
+    q_kind = q          # (PyTorch CPU tensors go in as NumPy views and come back as tensors)
     q, k, v = (_arrays.host_view(a) for a in (q, k, v))
     for a, n in ((q, "q"), (k, "k"), (v, "v")):
         _check_rank(a, n, 3, "(total_tokens, heads, d)")
@@ -350,11 +351,11 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, slopes, options, scale):
     if slopes is None:      # a repeat call: its plan, before the inputs' checks and views
         sig = _plans.signature("varlen", [q, k, v], (*(tuple(o) if isinstance(o, list) else o for o in options),
                                                      scale, max_q, max_k, table.shape, registry.hopper_choice()))
-        found = _through_plan(sig, [table], q)
+        found = _through_plan(sig, [table], q_kind)
         if found is not None:
             return found
     inp = api._Inputs({"q": _swap01(q), "k": _swap01(k), "v": _swap01(v)}, options, scale, slopes, "forward")
-    return _forward(inp, [q, k, v], [table], max_q, max_k, (total_q,), q, sig=sig)
+    return _forward(inp, [q, k, v], [table], max_q, max_k, (total_q,), q_kind, sig=sig)
 
 
 def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *, max_seqlen_q=None,
@@ -376,6 +377,7 @@ def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
     the packed gradients in place): correct for any batch, but a batch of many short
     sequences pays a few launches each.
     """
+    q_kind = q
     arrays = [_arrays.host_view(a) for a in (dout, q, k, v, out)]
     lse = _arrays.host_view(lse)
     for a, n in zip(arrays, ("dout", "q", "k", "v", "out")):
@@ -410,7 +412,7 @@ def attention_varlen_bwd(dout, q, k, v, out, lse, cu_seqlens_q, cu_seqlens_k, *,
         for args in families.backward(seq, *(found[n] for n in ("q", "k", "v", "dout", "out", "lse")), *views,
                                       seq.low or aligned, scratch):
             api.launch(*args)
-    return _arrays.like(arrays[1], inp.result(*grads))
+    return _arrays.like(q_kind, inp.result(*grads))
 
 
 def _swap01_2d(x):
@@ -499,6 +501,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
         found = known.run(fast, q, cache_seqlens, block_table)
         if found is not None:
             return found if return_lse else found[0]
+    q_kind = q          # (PyTorch CPU tensors go in as NumPy views and come back as tensors)
     q, k_cache, v_cache = (_arrays.host_view(a) for a in (q, k_cache, v_cache))
     qs = _check_rank(q, "q", 4, "(batch, Nq, heads, d)")
     layout = "(batch, Nmax, heads, d)" if block_table is None else "(num_pages, page_size, heads, d)"
@@ -570,7 +573,7 @@ def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_
         sig_arrays += [cache_seqlens] + ([block_table] if page_size else [])
         meta = (*meta, n_new, ks[0])
     made = []
-    out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q,
+    out, lse = _forward(inp, sig_arrays, uploads, group if grouped else nq, nmax, (b, nq), q_kind,
                         group if grouped else 0, page_size, append, gaps=True, made=made, meta=meta)
     if fast is not None and made:
         if len(_KV_CALLS) >= _plans.MAX_PLANS:

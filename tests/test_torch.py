@@ -53,6 +53,39 @@ def test_results_are_tensors_on_the_inputs_device(device, dtype):
         _close(g, r, dtype)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_serving_results_are_tensors_on_the_inputs_device(device, dtype):
+    """The packed entry points too (varlen forward and backward, KV caches): tensors of
+    q's device and dtype out, matching the oracle, and a KV cache's append visible in
+    the caller's tensor."""
+    gen = torch.Generator().manual_seed(2)
+    cu = np.array([0, 3, 8], np.int32)
+    q, k, v, dout = (_randn(gen, (8, 2, 16), dtype, device) for _ in range(4))
+    out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu, cu, causal=True)
+    grads = numba_flash.attention_varlen_bwd(dout, q, k, v, out, lse, cu, cu, causal=True)
+    for x, like in [(out, q), (lse, None), *zip(grads, (q, k, v))]:
+        assert isinstance(x, torch.Tensor) and x.device == q.device
+        assert x.dtype == (torch.float32 if like is None else like.dtype)
+    for s in range(2):
+        rows = slice(cu[s], cu[s + 1])
+        heads = lambda x: np.swapaxes(_f64(x)[rows], 0, 1)  # noqa: E731
+        _close(np.swapaxes(_f64(out)[rows], 0, 1), reference.attention(heads(q), heads(k), heads(v), causal=True),
+               dtype)
+    qc, kc, vc, kn = (_randn(gen, shape, dtype, device) for shape in
+                      [(2, 1, 2, 16), (2, 6, 1, 16), (2, 6, 1, 16), (2, 1, 1, 16)])
+    lens = np.array([2, 4], np.int32)
+    out, lse = numba_flash.attention_with_kvcache(qc, kc, vc, lens, k_new=kn, v_new=kn, return_lse=True)
+    assert isinstance(out, torch.Tensor) and out.device == qc.device and out.dtype == dtype
+    assert isinstance(lse, torch.Tensor) and lse.dtype == torch.float32
+    for b in range(2):
+        assert torch.equal(kc[b, lens[b]], kn[b, 0]), "the append is in the caller's tensor"
+        n = lens[b] + 1
+        keys, values = (np.repeat(np.swapaxes(_f64(c)[b, :n], 0, 1), 2, axis=0) for c in (kc, vc))
+        _close(np.swapaxes(_f64(out)[b], 0, 1), reference.attention(np.swapaxes(_f64(qc)[b], 0, 1), keys, values),
+               dtype)
+
+
 def test_numpy_in_numpy_out():
     rng = np.random.default_rng(2)
     q, k, v = (rng.standard_normal((3, 8)).astype(np.float32) for _ in range(3))
