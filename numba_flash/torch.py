@@ -1,12 +1,15 @@
 """PyTorch integration: custom ops with autograd, ``torch.compile`` support and an SDPA drop-in.
 
 ``import numba_flash.torch`` (needs PyTorch: ``pip install numba_flash[torch]``) registers
-two operators with ``torch.library.custom_op``::
+three operators with ``torch.library.custom_op``::
 
     torch.ops.numba_flash.attention_fwd(q, k, v, causal, scale, window_left, window_right,
                                          softcap, alibi_slopes) -> (out, lse)
     torch.ops.numba_flash.attention_bwd(dout, q, k, v, out, lse, causal, scale, window_left,
                                          window_right, softcap, alibi_slopes) -> (dq, dk, dv)
+    torch.ops.numba_flash.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new,
+        v_new, block_table, causal, scale, window_left, window_right, softcap, alibi_slopes,
+        check_metadata) -> (out, lse)      # mutates k_cache and v_cache (the appends)
 
 each with a fake (meta) implementation, so ``torch.compile`` and ``torch.export`` trace
 them without running them, and the forward with its autograd formula (the backward op),
@@ -14,7 +17,9 @@ so ``loss.backward()`` reaches q, k and v. A window side of ``-1`` means unbound
 in :func:`numba_flash.attention_fwd`). ``lse`` carries no gradient.
 
 The functions to call: :func:`attention` and :func:`attention_fwd` (numba_flash's
-semantics and options: bottom-right causal, windows, softcap, ALiBi, grouped heads), and
+semantics and options: bottom-right causal, windows, softcap, ALiBi, grouped heads),
+:func:`attention_with_kvcache` (a decoding step: no gradient; with ``check_metadata=False``
+and CUDA tensors nothing in it waits for the GPU, what ``torch.compile``'s CUDA graphs need), and
 :func:`scaled_dot_product_attention`, a drop-in for ``torch.nn.functional.
 scaled_dot_product_attention`` with its semantics (top-left ``is_causal``).
 
@@ -27,9 +32,9 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import api
+from . import api, varlen
 
-__all__ = ["attention", "attention_fwd", "scaled_dot_product_attention"]
+__all__ = ["attention", "attention_fwd", "attention_with_kvcache", "scaled_dot_product_attention"]
 
 
 def _window(left: int, right: int):
@@ -99,6 +104,35 @@ def attention(q, k, v, *, causal=False, scale=None, window=None, softcap=None, a
     semantics: ``causal`` is bottom-right aligned when ``Nq != Nk``)."""
     return attention_fwd(q, k, v, causal=causal, scale=scale, window=window, softcap=softcap,
                          alibi_slopes=alibi_slopes)[0]
+
+
+@torch.library.custom_op("numba_flash::attention_with_kvcache", mutates_args=("k_cache", "v_cache"))
+def _kvcache(q: Tensor, k_cache: Tensor, v_cache: Tensor, cache_seqlens: Tensor, k_new: Optional[Tensor],
+             v_new: Optional[Tensor], block_table: Optional[Tensor], causal: bool, scale: Optional[float],
+             window_left: int, window_right: int, softcap: Optional[float], alibi_slopes: Optional[Tensor],
+             check_metadata: bool) -> tuple[Tensor, Tensor]:
+    return varlen.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, k_new=k_new, v_new=v_new,
+                                         block_table=block_table, causal=causal, scale=scale,
+                                         window=_window(window_left, window_right), softcap=softcap,
+                                         alibi_slopes=alibi_slopes, return_lse=True, check_metadata=check_metadata)
+
+
+@_kvcache.register_fake
+def _kvcache_fake(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, causal, scale, window_left,
+                  window_right, softcap, alibi_slopes, check_metadata):
+    return _fwd_fake(q, k_cache, v_cache, causal, scale, window_left, window_right, softcap, alibi_slopes)
+
+
+def attention_with_kvcache(q, k_cache, v_cache, cache_seqlens, *, k_new=None, v_new=None, block_table=None,
+                           causal=False, scale=None, window=None, softcap=None, alibi_slopes=None, return_lse=False,
+                           check_metadata=True):
+    """:func:`numba_flash.attention_with_kvcache` as a PyTorch op (the same arguments and
+    semantics; ``cache_seqlens`` and ``block_table`` as tensors): ``torch.compile`` traces
+    it, the caches' appends declared as its mutations. No gradient."""
+    out, lse = _kvcache(q, k_cache, v_cache, cache_seqlens, k_new, v_new, block_table, bool(causal),
+                        None if scale is None else float(scale), *_sides(window),
+                        None if softcap is None else float(softcap), alibi_slopes, bool(check_metadata))
+    return (out, lse) if return_lse else out
 
 
 def scaled_dot_product_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,

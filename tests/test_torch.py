@@ -132,6 +132,35 @@ def test_opcheck():
     torch.library.opcheck(torch.ops.numba_flash.attention_bwd.default, (dout, q, k, v, out, lse, *opts))
 
 
+def test_kvcache_op():
+    """The KV-cache op: opcheck (schema with its declared mutations, fake tensors, AOT
+    dispatch), and torch.compile(fullgraph=True) of a decoding step: the same result and
+    the same appended cache as eager mode, which matches the oracle."""
+    gen = torch.Generator().manual_seed(7)
+    dev = DEVICES[-1]
+    q, kc, vc, kn = (_randn(gen, shape, torch.float32, dev) for shape in
+                     [(2, 1, 4, 8), (2, 6, 2, 8), (2, 6, 2, 8), (2, 1, 2, 8)])
+    lens = torch.tensor([2, 4], dtype=torch.int32, device=dev)
+    opts = (None, False, None, -1, -1, None, None, True)
+    torch.library.opcheck(torch.ops.numba_flash.attention_with_kvcache.default,
+                          (q, kc.clone(), vc.clone(), lens, kn, kn.clone(), *opts))
+
+    def step(q, kc, vc, lens, kn):
+        return nft.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=kn)
+
+    k1, v1, k2, v2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+    eager = step(q, k1, v1, lens, kn)
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(q, k2, v2, lens, kn)
+    torch.testing.assert_close(compiled, eager)
+    assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    for b in range(2):
+        n = int(lens[b]) + 1
+        assert torch.equal(k1[b, n - 1], kn[b, 0])
+        keys, values = (np.repeat(np.swapaxes(_f64(c)[b, :n], 0, 1), 2, axis=0) for c in (k1, v1))
+        _close(np.swapaxes(_f64(eager)[b], 0, 1), reference.attention(np.swapaxes(_f64(q)[b], 0, 1), keys, values),
+               torch.float32)
+
+
 def test_compile_fullgraph():
     """torch.compile(fullgraph=True) traces a model using the op without graph breaks,
     and its gradients equal eager mode's."""
