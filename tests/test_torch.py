@@ -200,6 +200,32 @@ def test_compile_inductor_on_gpu():
     torch.testing.assert_close(got.float(), eager.float(), atol=2e-2, rtol=5e-2)
 
 
+@pytest.mark.skipif("cuda" not in DEVICES, reason="CUDA graphs need a CUDA GPU")
+def test_decoding_step_under_compile_with_cuda_graphs():
+    """A decoding step (the KV-cache op with ``check_metadata=False``, the lengths advanced
+    on the device) under ``torch.compile(mode="reduce-overhead")``, which replays CUDA
+    graphs: every step matches eager mode's on copies of the same caches."""
+    gen = torch.Generator().manual_seed(10)
+    b, nmax, hq, hkv, d = 2, 64, 8, 2, 64
+    kc, vc = (torch.randn((b, nmax, hkv, d), generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
+    k2, v2 = kc.clone(), vc.clone()
+    lens, lens2 = (torch.tensor([5, 30], dtype=torch.int32, device="cuda") for _ in range(2))
+
+    def step(q, kn, kc, vc, lens):
+        out = nft.attention_with_kvcache(q, kc, vc, lens, k_new=kn, v_new=kn, check_metadata=False)
+        lens.add_(1)
+        return out
+
+    compiled = torch.compile(step, mode="reduce-overhead", fullgraph=True)
+    for _ in range(5):
+        q = torch.randn((b, 1, hq, d), generator=gen).to("cuda", torch.bfloat16)
+        kn = torch.randn((b, 1, hkv, d), generator=gen).to("cuda", torch.bfloat16)
+        want = step(q, kn, kc, vc, lens).clone()
+        got = compiled(q, kn, k2, v2, lens2).clone()
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
+        assert torch.equal(k2, kc) and torch.equal(lens2, lens)
+
+
 @pytest.mark.parametrize("nq,nk", [(5, 5), (3, 7), (7, 3)])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_sdpa_drop_in_matches_torch(nq, nk, is_causal):
