@@ -255,7 +255,7 @@ def _resolve_function_type(self, func, args, kws):
     return found
 
 
-_CALL_TYPES = "_numba_flash_call_types"    # a function type's remembered resolutions
+_CALL_TYPES = "_numba_flash_resolutions"   # a function type's remembered resolutions
 
 
 def _get_call_type(self, context, args, kws):
