@@ -115,3 +115,14 @@ def test_gpu_pace_queues_each_repeat_behind_a_long_enough_sleep():
         assert sleep[0] == "sleep" and start == end == "event" and calls == ["call"] * 3
         assert sleep[1] >= rate * 1.5 * 3e-3            # at least 1.5 × three calls' host time
     assert ms == 5.0 / 3                                # the median repeat, per call
+
+
+def test_first_call_parses_calls_and_rejects_bad_ones():
+    first_call = _load("first_call")
+    assert first_call.parse_calls("bfloat16,4,16,4096,128,0; float16,1,8,512,128,1;") == [
+        ("bfloat16", 4, 16, 4096, 128, 0), ("float16", 1, 8, 512, 128, 1)]
+    assert len(first_call.parse_calls(first_call.DEFAULT_CALLS)) == 2
+    for bad in ("bfloat16,4,16,4096,128", "int8,4,16,4096,128,0", "bfloat16,0,16,4096,128,1",
+                "bfloat16,4,16,4096,128,2"):
+        with pytest.raises(ValueError, match="dtype,B,H,N,d,causal"):
+            first_call.parse_calls(bad)
