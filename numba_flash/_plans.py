@@ -374,7 +374,8 @@ def _leaves(args):
             yield a
 
 
-def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), constants=(), aliases=None):
+def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), constants=(), aliases=None,
+            host_uploads=None):
     """The :class:`Plan` of a call the full path just ran, or None.
 
     ``inputs``: the device arrays the call's input pointers point to, in the
@@ -389,7 +390,11 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
     numba_flash keeps), passed by their pointers and kept alive by the plan. ``aliases``:
     ``{input index: earlier input index}`` of inputs that are the same array as an earlier
     one in every call of the signature (a KV cache read, then written); otherwise two
-    inputs sharing memory get no plan (a later call might pass two different arrays)."""
+    inputs sharing memory get no plan (a later call might pass two different arrays).
+    ``host_uploads``: the host arrays ``uploads`` were copied from; where there is one, its
+    device copy becomes the plan's upload buffer, so that a later call with the same
+    contents copies nothing, the first included (a call under CUDA-graph capture cannot
+    copy from the host)."""
     from numba.cuda.cudadrv import devices
 
     from . import families
@@ -443,4 +448,7 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
             values += _launch.array_params(a, 0)
         plans.append(_Launch(entry[0], grid, block, smem, values, entry[1], slots))
     outs = [(tuple(a.shape), a.dtype, np.dtype(dt)) for a, dt in outputs]
-    return Plan(plans, outs, total, finish, ctx, pool, len(uploads), constants)
+    plan = Plan(plans, outs, total, finish, ctx, pool, len(uploads), constants)
+    if host_uploads is not None and len(uploads) == len(host_uploads) == 1:
+        plan.uploaded = (uploads[0], _offsets(host_uploads), [a.tobytes() for a in host_uploads])
+    return plan

@@ -250,7 +250,8 @@ def _forward(inp, sig_arrays, uploads, max_q, max_k, out_shape, q_kind, group_ro
         finish = functools.partial(api._finish, inp.dtype if inp.low else None)
         # appends: the caches are read (inputs 1, 2) and written (4, 6): the same arrays twice
         plan = _plans.capture(inputs, [(out, inp.dtype), (lse, inp.acc_dtype)], scratch, launches, finish,
-                              sig.stream, devs, aliases={4: 1, 6: 2} if append is not None else {})
+                              sig.stream, devs, aliases={4: 1, 6: 2} if append is not None else {},
+                              host_uploads=uploads)
         _plans.remember(sig, plan)
         if made is not None and plan is not None:
             made.append(plan)
