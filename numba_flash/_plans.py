@@ -198,6 +198,7 @@ class Plan:
                 return None
             roots.append(int(block))
         maps = []       # the tensor maps whose addresses the launches take: alive until launched
+        capturing = []  # [whether the stream is being captured into a CUDA graph], asked once
         try:
             with self.lock:
                 if uploads:
@@ -205,7 +206,8 @@ class Plan:
                 for i, ln in enumerate(self.launches):
                     for index, root, offset, tmap in ln.slots:
                         ptr = roots[root] + offset
-                        ln.buf[index] = ptr if tmap is None else self._map_address((i, index), ptr, tmap, maps, stream)
+                        ln.buf[index] = ptr if tmap is None else self._map_address((i, index), ptr, tmap, maps, stream,
+                                                                                   capturing)
                     err, = cu.cuLaunchKernel(ln.handle, *ln.grid, *ln.block, ln.smem, stream, ln.address, 0)
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
@@ -231,15 +233,20 @@ class Plan:
             self.uploaded = (buf, offsets, contents)
         return [base + offset for offset in offsets[:-1]]
 
-    def _map_address(self, slot, ptr, tmap, held, stream):
+    def _map_address(self, slot, ptr, tmap, held, stream, capturing):
         """The device address of the tensor map of ``tmap``'s view at ``ptr`` for the
         parameter ``slot``: the last call's where it had the same pointer there and the
         table of maps has not started afresh since (the map and its memory are then still
-        the table's), else :func:`_map_pointer`'s. The map is appended to ``held``."""
+        the table's), else :func:`_map_pointer`'s. The map is appended to ``held``. Under
+        CUDA-graph capture (``capturing``: a list this fills on its first use) always
+        :func:`_map_pointer`'s, which gives a captured graph a map no later one replaces
+        (``families._MapSlots``)."""
         from . import families
+        if not capturing:
+            capturing.append(families._capturing(stream))
         generation = families.map_generation()
         last = self.maps.get(slot)
-        if last is not None and last[0] == ptr and last[1] == generation:
+        if last is not None and last[0] == ptr and last[1] == generation and not capturing[0]:
             held.append(last[3])
             return last[2]
         address = _map_pointer(ptr, tmap, held, stream)

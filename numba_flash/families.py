@@ -214,8 +214,11 @@ def tensor_map(ptr, shape, strides, rows, ary=None, stream=0):
     from .launch import context_handle
     key = (None if SIMULATOR else context_handle(), stream, ptr, shape, strides, rows)
     m = _MAPS.get(key)
+    capturing = m is not None and not SIMULATOR and _capturing(stream)
+    if capturing and not _SLOTS[key[0]].holds_captured(m):
+        m = None            # a graph must not read a slot that later maps may take (_MapSlots)
     if m is None:
-        if len(_MAPS) >= MAX_MAPS:
+        if len(_MAPS) >= MAX_MAPS and not (not SIMULATOR and _capturing(stream)):
             # Kernels queued by earlier calls may still read the maps dropped here, and the
             # launches of the call under way may read those it made before this one: wait
             # for the first, and keep the maps until the next time the table fills (after
@@ -230,6 +233,17 @@ def tensor_map(ptr, shape, strides, rows, ary=None, stream=0):
             _GENERATION[0] += 1
         m = _MAPS[key] = _new_map(ptr, shape, strides, rows, ary, stream)
     return m
+
+
+def _capturing(stream):
+    """Whether ``stream`` (a handle) is being captured into a CUDA graph (False where the
+    driver cannot say)."""
+    try:
+        from cuda.bindings import driver as cu
+        err, status = cu.cuStreamIsCapturing(stream)
+        return err == cu.CUresult.CUDA_SUCCESS and status == cu.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+    except Exception:  # noqa: BLE001 - not capturing as far as anyone can tell
+        return False
 
 
 def map_generation():
@@ -264,8 +278,16 @@ class _MapSlots:
     A slot is written again ``SLOTS`` maps later: by then its map has left the table (which
     starts afresh every ``MAX_MAPS`` maps, at most half of ``SLOTS``) and the device has
     been synchronised since (:func:`tensor_map`), so no queued kernel and no copy reads it,
-    and a call under way, which makes a handful of maps, is not holding it."""
+    and a call under way, which makes a handful of maps, is not holding it.
+
+    A map made while its stream is being captured into a CUDA graph (``torch.compile``'s
+    "reduce-overhead" mode, ``torch.cuda.graph``) takes one of ``CAPTURED`` slots kept
+    apart and never written again: the graph copies the map at each replay, from host to
+    device memory that must still hold it then, however many maps were made since.
+    (Maps made under capture also never start the table afresh: that waits for the
+    device, which a capture forbids.)"""
     SLOTS = 1024
+    CAPTURED = 256
 
     def __init__(self):
         import numpy as np
@@ -280,6 +302,18 @@ class _MapSlots:
         self.host_ptr = int(self.host_ptr)
         self.views = [None] * self.SLOTS     # each slot's device array, made on its first use
         self.made = 0
+        m = self.CAPTURED * 128             # the slots of maps made under capture
+        self.captured = cuda.device_array(m, np.uint8)
+        err, self.captured_host = cu.cuMemHostAlloc(m, 0)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            raise MemoryError(f"cuMemHostAlloc of {m} bytes for tensor maps failed: {err!r}")
+        self.captured_host = int(self.captured_host)
+        self.captured_made = 0
+
+    def holds_captured(self, m):
+        """Whether the map ``m`` lies in the slots of maps made under capture."""
+        start = _arrays.device_pointer(self.captured)
+        return start <= _arrays.device_pointer(m) < start + 128 * self.CAPTURED
 
     def put(self, ptr, shape, strides, rows, stream):
         """The map of that view (``ops_hopper.encode_tensor_map_4d``) encoded into the next
@@ -288,15 +322,25 @@ class _MapSlots:
 
         from . import ops_hopper
         assert 2 * MAX_MAPS <= self.SLOTS, MAX_MAPS
-        i = self.made % self.SLOTS
-        self.made += 1
-        ops_hopper.encode_tensor_map_4d(ptr, shape, strides, rows, into=self.host_ptr + 128 * i)
-        err, = cu.cuMemcpyHtoDAsync(self.device_ptr + 128 * i, self.host_ptr + 128 * i, 128, stream)
+        if _capturing(stream):
+            i = self.captured_made
+            if i >= self.CAPTURED:
+                raise RuntimeError(f"more than {self.CAPTURED} tensor maps made under CUDA-graph capture in this "
+                                   "process (each stays for the graphs that copy it): capture fewer distinct inputs")
+            self.captured_made += 1
+            host, device = self.captured_host + 128 * i, _arrays.device_pointer(self.captured) + 128 * i
+            view = self.captured[128 * i:128 * (i + 1)]
+        else:
+            i = self.made % self.SLOTS
+            self.made += 1
+            host, device = self.host_ptr + 128 * i, self.device_ptr + 128 * i
+            view = self.views[i]
+            if view is None:
+                view = self.views[i] = self.device[128 * i:128 * (i + 1)]
+        ops_hopper.encode_tensor_map_4d(ptr, shape, strides, rows, into=host)
+        err, = cu.cuMemcpyHtoDAsync(device, host, 128, stream)
         if err != cu.CUresult.CUDA_SUCCESS:
             raise RuntimeError(f"cuMemcpyHtoDAsync of a tensor map failed: {err!r}")
-        view = self.views[i]
-        if view is None:
-            view = self.views[i] = self.device[128 * i:128 * (i + 1)]
         return view
 
 

@@ -340,15 +340,54 @@ def test_plan_reuses_a_slots_tensor_map_while_the_table_stands(monkeypatch):
     plan.maps = {}
     view = ((1, 1, 8, 64), (1024, 1024, 128, 2), 64)
     held = []
-    first = plan._map_address((0, 4), 256, view, held, 0)
-    assert plan._map_address((0, 4), 256, view, held, 0) == first and held == [("map", 1)] * 2
-    assert plan._map_address((0, 5), 256, view, held, 0) != first          # another slot: its own map
-    assert plan._map_address((0, 4), 512, view, held, 0) not in (first,)   # another pointer
+    first = plan._map_address((0, 4), 256, view, held, 0, [False])
+    assert plan._map_address((0, 4), 256, view, held, 0, [False]) == first and held == [("map", 1)] * 2
+    assert plan._map_address((0, 5), 256, view, held, 0, [False]) != first          # another slot: its own map
+    assert plan._map_address((0, 4), 512, view, held, 0, [False]) not in (first,)   # another pointer
     assert len(made) == 3
     families._GENERATION[0] += 1                                            # the table started afresh
-    plan._map_address((0, 4), 512, view, held, 0)
+    plan._map_address((0, 4), 512, view, held, 0, [False])
     assert made[-1] == (512, 6) and len(made) == 4
-    assert plan._map_address((0, 4), 512, view, held, 0) == 1004 and len(made) == 4
+    assert plan._map_address((0, 4), 512, view, held, 0, [False]) == 1004 and len(made) == 4
+    assert plan._map_address((0, 4), 512, view, held, 0, [True]) == 1005 and len(made) == 5   # under capture
+
+
+def test_tensor_maps_under_capture_are_made_for_the_graph(monkeypatch):
+    """While the stream is captured into a CUDA graph, a map found in the table is used
+    only if it lies in the slots kept for captured maps (else a new one is made there), and
+    a full table does not start afresh (that waits for the device). (Host-side: capture,
+    contexts and slots stand-ins.)"""
+    from numba_flash import _runtime, families, launch
+    captured = set()
+
+    class Slots:
+        def holds_captured(self, m):
+            return m in captured
+
+    capturing = [False]
+
+    def new_map(*args):
+        m = object()
+        if capturing[0]:
+            captured.add(m)
+        return m
+    for name, value in (("_MAPS", {}), ("MAP_SOURCES", {}), ("_RETIRED", []), ("MAX_MAPS", 2),
+                        ("_SLOTS", {"ctx": Slots()}), ("_new_map", new_map), ("_capturing", lambda s: capturing[0])):
+        monkeypatch.setattr(families, name, value)
+    monkeypatch.setattr(_runtime, "SIMULATOR", False)
+    monkeypatch.setattr(launch, "context_handle", lambda: "ctx")
+    view = ((1, 1, 8, 64), (1024, 1024, 128, 2), 64)
+    eager = families.tensor_map(0, *view)
+    assert families.tensor_map(0, *view) is eager
+    capturing[0] = True
+    graph = families.tensor_map(0, *view)
+    assert graph is not eager and graph in captured, "an eager slot may be taken by later maps"
+    assert families.tensor_map(0, *view) is graph
+    generation = families.map_generation()
+    more = [families.tensor_map(p, *view) for p in (256, 512, 768)]      # past MAX_MAPS, under capture
+    assert families.map_generation() == generation and all(m in captured for m in more)
+    capturing[0] = False
+    assert families.tensor_map(0, *view) is graph                        # eager calls may use it too
 
 
 def test_plan_uploads_are_copied_only_when_they_change(monkeypatch):

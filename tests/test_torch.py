@@ -226,6 +226,35 @@ def test_decoding_step_under_compile_with_cuda_graphs():
         assert torch.equal(k2, kc) and torch.equal(lens2, lens)
 
 
+@pytest.mark.skipif("cuda" not in DEVICES, reason="CUDA graphs need a CUDA GPU")
+def test_attention_in_a_cuda_graph_outlives_later_tensor_maps():
+    """bf16 attention (on an H200 the Hopper family, whose kernels read TMA tensor maps)
+    captured in a CUDA graph after a warm-up call on the capturing stream, then more new
+    maps made by eager calls on other tensors than there are map slots: each replay still
+    equals eager mode's result on the graph's inputs, bit for bit."""
+    from numba_flash import families
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn((2, 8, 256, 128), generator=gen).to("cuda", torch.bfloat16) for _ in range(3))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        nft.attention(q, k, v, causal=True)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out = nft.attention(q, k, v, causal=True)
+    calls = families._MapSlots.SLOTS // 2 + 100          # two new maps a call (q's rows, k's and v's)
+    big = torch.randn((calls * 16 + 64, 128), generator=gen).to("cuda", torch.bfloat16)
+    for i in range(calls):
+        x = big[16 * i:16 * i + 64].view(1, 1, 64, 128)
+        nft.attention(x, x, x)
+    for _ in range(2):
+        q.copy_(torch.randn(q.shape, generator=gen).to("cuda", torch.bfloat16))
+        graph.replay()
+        torch.cuda.synchronize()
+        torch.testing.assert_close(out, nft.attention(q, k, v, causal=True), atol=0, rtol=0)
+
+
 @pytest.mark.parametrize("nq,nk", [(5, 5), (3, 7), (7, 3)])
 @pytest.mark.parametrize("is_causal", [False, True])
 def test_sdpa_drop_in_matches_torch(nq, nk, is_causal):
