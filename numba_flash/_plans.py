@@ -229,6 +229,13 @@ class Plan:
         base = _arrays.device_pointer(buf)
         contents = [a.tobytes() for a in uploads]
         if contents != last:
+            from . import families
+            if families._capturing(stream):
+                raise RuntimeError(
+                    "this call copies host metadata (sequence or page tables) to the device, which a CUDA graph "
+                    "would copy again from a reused buffer at every replay: for a KV cache pass cache_seqlens and "
+                    "block_table as device tensors with check_metadata=False; varlen calls cannot be captured "
+                    "unless their cu_seqlens stay the same as the call before the capture.")
             _upload(uploads, offsets, base, stream, context)
             self.uploaded = (buf, offsets, contents)
         return [base + offset for offset in offsets[:-1]]

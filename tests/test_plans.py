@@ -410,6 +410,13 @@ def test_plan_uploads_are_copied_only_when_they_change(monkeypatch):
     lens[1] = 6                                    # a decoding step: the lengths grew
     assert plan._resident([table, lens], offsets, 0, None) == addresses and len(copies) == 2
     assert copies[1][0][1].tolist() == [3, 6] and copies[1][2] == base
+    from numba_flash import families
+    monkeypatch.setattr(families, "_capturing", lambda stream: True)     # under CUDA-graph capture:
+    assert plan._resident([table, lens], offsets, 0, None) == addresses   # the same tables copy nothing
+    lens[1] = 7
+    with pytest.raises(RuntimeError, match="check_metadata=False"):      # new ones would be copied at
+        plan._resident([table, lens], offsets, 0, None)                   # every replay from a reused buffer
+    assert len(copies) == 2
 
 
 def test_parameter_buffer_layout():
