@@ -634,6 +634,75 @@ def test_kvcache_device_metadata_skips_what_the_host_would_refuse(paged):
     np.testing.assert_array_equal(vh[untouched], vc[untouched])
 
 
+@st.composite
+def device_metadata_cases(draw):
+    """A KV-cache call with metadata on the device: lengths anywhere in [-3, Nmax + 3] and,
+    paged, a page table whose entries may name pages that do not exist."""
+    b = draw(st.integers(1, 4))
+    page = draw(st.sampled_from([0, 3, 4]))          # 0: a contiguous cache
+    max_pages = draw(st.integers(1, 4))
+    nmax = page * max_pages if page else draw(st.integers(1, 12))
+    n_new = draw(st.integers(0, min(2, nmax)))
+    lens = draw(st.lists(st.integers(0, nmax - n_new) | st.integers(-3, nmax + 3), min_size=b, max_size=b))
+    num_pages = b * max_pages + 1
+    table = None
+    if page:        # distinct pages (sequences share none), some entries replaced by pages that do not exist
+        order = draw(st.permutations(range(num_pages)))[:b * max_pages]
+        bad = draw(st.lists(st.sampled_from([None] * 9 + [-1, num_pages, 2**31 - 1]), min_size=b * max_pages,
+                            max_size=b * max_pages))
+        flat = [p if x is None else x for p, x in zip(order, bad)]
+        table = [flat[i * max_pages:(i + 1) * max_pages] for i in range(b)]
+    return dict(b=b, page=page, nmax=nmax, n_new=n_new, lens=lens, table=table, num_pages=num_pages,
+                nq=draw(st.integers(1, 3)), group=draw(st.sampled_from([1, 2])),
+                dtype=draw(st.sampled_from(["float32", "bfloat16"])), causal=draw(st.booleans()))
+
+
+@given(case=device_metadata_cases())
+def test_kvcache_device_metadata_property(case):
+    """Whatever the device metadata holds: a sequence whose length lies in [0, Nmax - Nnew]
+    and whose pages in use exist matches the oracle over its rows after its appends; any
+    other is skipped (zeros, lse -inf); only the kept sequences' new rows are written."""
+    note(str(case))
+    rng = np.random.default_rng()
+    b, page, n_new, nmax = case["b"], case["page"], case["n_new"], case["nmax"]
+    hkv, d = 1, 16 if case["dtype"] in LOW else 8
+    hq = hkv * case["group"]
+    dt = np_dtype(case["dtype"])
+    shape = (case["num_pages"], page, hkv, d) if page else (b, nmax, hkv, d)
+    q = rng.standard_normal((b, case["nq"], hq, d)).astype(dt)
+    kc, vc = (rng.standard_normal(shape).astype(dt) for _ in range(2))
+    kn, vn = (rng.standard_normal((b, n_new, hkv, d)).astype(dt) for _ in range(2))
+    lens = np.array(case["lens"], np.int32)
+    table = None if not page else np.array(case["table"], np.int32)
+    caches = [_device(kc), _device(vc)]
+    extra = {} if table is None else dict(block_table=cuda.to_device(table))
+    new = dict(k_new=_device(kn), v_new=_device(vn)) if n_new else {}
+    out, lse = numba_flash.attention_with_kvcache(_device(q), *caches, cuda.to_device(lens), causal=case["causal"],
+                                                  return_lse=True, check_metadata=False, **new, **extra)
+    out, lse, kh, vh = _host(out), _host(lse), _host(caches[0]), _host(caches[1])
+    expect_k, expect_v = kc.copy(), vc.copy()
+    for i in range(b):
+        n = int(lens[i])
+        ok = 0 <= n <= nmax - n_new
+        if ok and page:
+            used = -(-(n + n_new) // page)
+            ok = all(0 <= p < case["num_pages"] for p in table[i, :used])
+        if not ok:
+            assert (out[i].astype(np.float64) == 0).all() and np.isneginf(lse[i]).all(), i
+            continue
+        rows = np.arange(n, n + n_new)
+        for expect, new in ((expect_k, kn), (expect_v, vn)):
+            if page:
+                expect[table[i, rows // page], rows % page] = new[i]
+            else:
+                expect[i, rows] = new[i]
+        k_rows, v_rows = _cache_rows(expect_k, table, i, n + n_new), _cache_rows(expect_v, table, i, n + n_new)
+        _check(case["dtype"], _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+               _heads_first(k_rows), _heads_first(v_rows), dict(causal=case["causal"]))
+    np.testing.assert_array_equal(kh.view(np.uint8), expect_k.view(np.uint8))
+    np.testing.assert_array_equal(vh.view(np.uint8), expect_v.view(np.uint8))
+
+
 def test_kvcache_device_metadata_bad_input():
     """``check_metadata=False`` refuses, naming the fix, what it cannot read on the device."""
     q, kc = np.zeros((2, 1, 2, 8), np.float32), np.zeros((2, 6, 2, 8), np.float32)
