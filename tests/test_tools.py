@@ -126,3 +126,17 @@ def test_first_call_parses_calls_and_rejects_bad_ones():
                 "bfloat16,4,16,4096,128,2"):
         with pytest.raises(ValueError, match="dtype,B,H,N,d,causal"):
             first_call.parse_calls(bad)
+
+
+def test_first_call_offline_times_a_kernels_compile(tmp_path):
+    """``--offline``: a fresh process compiles the named kernel to sm_90 PTX and its time
+    is recorded (a name that matches no kernel is an error)."""
+    import json
+    first_call = _load("first_call")
+    out = tmp_path / "first.json"
+    assert first_call.main(["--offline", "forward_simt/float32/d32/full/plain", "--rounds", "1",
+                            "--json", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["kernel"] == "forward_simt/float32/d32/full/plain" and rec["seconds"] > 0
+    with pytest.raises(RuntimeError, match="matched no kernel"):
+        first_call.offline(["no_such_kernel"], 1)

@@ -14,6 +14,13 @@ once, so that the files are in the page cache as they are for a user's second ru
 machine just started read 20.99 s once, against 7.2 s after: docs/performance.md item 73).
 Issue targets: the first call of the first process <= 5 s, of the second process <= 1 s
 after the import.
+
+Without a GPU, ``--offline`` times the part of a first call that does not need one: in a
+fresh process per kernel and round, ``python -m numba_flash.ptx --cc 9.0 --only KERNEL``
+(the import, Numba's front end and NVVM for sm_90a, as a first call on an H200 compiles
+it; default: the fp16 causal and bf16 full-rows d = 128 Hopper forwards). On a 2-core
+x86-64 machine it read 7.5 s for the fp16 causal kernel when the H200's first call took
+7.2 s (docs/performance.md items 73 and 83).
 """
 import argparse
 import json
@@ -23,6 +30,7 @@ import sys
 import tempfile
 
 DEFAULT_CALLS = "bfloat16,4,16,4096,128,0;float16,1,8,512,128,1"
+OFFLINE_KERNELS = "forward_wgmma/float16/d128/causal,forward_wgmma/bfloat16/d128/full"
 
 WORKER = r"""
 import json, sys, time
@@ -69,12 +77,38 @@ def run_process(call, cache_dir, env=None, timeout=600):
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def offline(kernels, rounds):
+    """``[(kernel, round, seconds)]``: each kernel's compile to sm_90a PTX in a fresh process."""
+    import time
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
+    found = []
+    for r in range(rounds):
+        for kernel in kernels:
+            t = time.perf_counter()
+            proc = subprocess.run([sys.executable, "-m", "numba_flash.ptx", "--cc", "9.0", "--only", kernel], env=env,
+                                  capture_output=True, text=True, timeout=600)
+            seconds = time.perf_counter() - t
+            if proc.returncode != 0 or kernel not in proc.stdout:
+                raise RuntimeError(f"compiling {kernel} failed (or matched no kernel):\n{proc.stderr[-3000:]}")
+            found.append((kernel, r, seconds))
+            print(f"{kernel:>40} round {r}: {seconds:.2f} s (process start, import, front end, NVVM)", flush=True)
+    return found
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--call", default=DEFAULT_CALLS, help=f'calls "dtype,B,H,N,d,causal;..." (default {DEFAULT_CALLS})')
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--json", default=None, help="write every measurement here")
+    p.add_argument("--offline", nargs="?", const=OFFLINE_KERNELS, default=None, metavar="KERNELS",
+                   help=f"no GPU: time the compile of these kernels (comma-separated names, default {OFFLINE_KERNELS})")
     a = p.parse_args(argv)
+    if a.offline:
+        found = offline([k for k in a.offline.split(",") if k], a.rounds)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump([dict(kernel=k, round=r, seconds=s) for k, r, s in found], f, indent=1)
+        return 0
     calls = parse_calls(a.call)
     records = []
     with tempfile.TemporaryDirectory() as warm:
