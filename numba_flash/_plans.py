@@ -160,6 +160,7 @@ class Plan:
         self.launches, self.outputs, self.scratch_bytes = launches, outputs, scratch_bytes
         self.finish, self.ctx, self.pool, self.n_uploads = finish, ctx, pool, n_uploads
         self.keep = tuple(keep)         # the constants' memory, whose pointers the launches hold
+        self.has_maps = any(tmap is not None for ln in launches for *_, tmap in ln.slots)
         self.device_id = ctx.device.id
         self.lock = threading.Lock()
         # (launch, parameter index) -> (pointer, map generation, map address, map) of the
@@ -198,7 +199,7 @@ class Plan:
                 return None
             roots.append(int(block))
         maps = []       # the tensor maps whose addresses the launches take: alive until launched
-        capturing = []  # [whether the stream is being captured into a CUDA graph], asked once
+        capturing = self.has_maps and _capturing(stream)
         try:
             with self.lock:
                 if uploads:
@@ -229,8 +230,7 @@ class Plan:
         base = _arrays.device_pointer(buf)
         contents = [a.tobytes() for a in uploads]
         if contents != last:
-            from . import families
-            if families._capturing(stream):
+            if _capturing(stream):
                 raise RuntimeError(
                     "this call copies host metadata (sequence or page tables) to the device, which a CUDA graph "
                     "would copy again from a reused buffer at every replay: for a KV cache pass cache_seqlens and "
@@ -240,20 +240,17 @@ class Plan:
             self.uploaded = (buf, offsets, contents)
         return [base + offset for offset in offsets[:-1]]
 
-    def _map_address(self, slot, ptr, tmap, held, stream, capturing):
+    def _map_address(self, slot, ptr, tmap, held, stream, capturing=False):
         """The device address of the tensor map of ``tmap``'s view at ``ptr`` for the
         parameter ``slot``: the last call's where it had the same pointer there and the
         table of maps has not started afresh since (the map and its memory are then still
         the table's), else :func:`_map_pointer`'s. The map is appended to ``held``. Under
-        CUDA-graph capture (``capturing``: a list this fills on its first use) always
-        :func:`_map_pointer`'s, which gives a captured graph a map no later one replaces
-        (``families._MapSlots``)."""
+        CUDA-graph capture (``capturing``) always :func:`_map_pointer`'s, which gives a
+        captured graph a map no later one replaces (``families._MapSlots``)."""
         from . import families
-        if not capturing:
-            capturing.append(families._capturing(stream))
         generation = families.map_generation()
         last = self.maps.get(slot)
-        if last is not None and last[0] == ptr and last[1] == generation and not capturing[0]:
+        if last is not None and last[0] == ptr and last[1] == generation and not capturing:
             held.append(last[3])
             return last[2]
         address = _map_pointer(ptr, tmap, held, stream)
@@ -360,6 +357,12 @@ def _offsets(uploads):
     for a in uploads:
         offsets.append(offsets[-1] + -(-a.nbytes // SCRATCH_ALIGN) * SCRATCH_ALIGN)
     return offsets
+
+
+def _capturing(stream):
+    """Whether ``stream`` is being captured into a CUDA graph (``families._capturing``)."""
+    from . import families
+    return families._capturing(stream)
 
 
 def _map_pointer(ptr, tmap, held, stream):

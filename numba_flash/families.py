@@ -214,11 +214,11 @@ def tensor_map(ptr, shape, strides, rows, ary=None, stream=0):
     from .launch import context_handle
     key = (None if SIMULATOR else context_handle(), stream, ptr, shape, strides, rows)
     m = _MAPS.get(key)
-    capturing = m is not None and not SIMULATOR and _capturing(stream)
-    if capturing and not _SLOTS[key[0]].holds_captured(m):
+    capturing = not SIMULATOR and _capturing(stream)
+    if capturing and m is not None and not _SLOTS[key[0]].holds_captured(m):
         m = None            # a graph must not read a slot that later maps may take (_MapSlots)
     if m is None:
-        if len(_MAPS) >= MAX_MAPS and not (not SIMULATOR and _capturing(stream)):
+        if len(_MAPS) >= MAX_MAPS and not capturing:
             # Kernels queued by earlier calls may still read the maps dropped here, and the
             # launches of the call under way may read those it made before this one: wait
             # for the first, and keep the maps until the next time the table fills (after
@@ -231,7 +231,7 @@ def tensor_map(ptr, shape, strides, rows, ary=None, stream=0):
             _MAPS.clear()
             MAP_SOURCES.clear()
             _GENERATION[0] += 1
-        m = _MAPS[key] = _new_map(ptr, shape, strides, rows, ary, stream)
+        m = _MAPS[key] = _new_map(ptr, shape, strides, rows, ary, stream, capturing)
     return m
 
 
@@ -253,7 +253,7 @@ def map_generation():
     return _GENERATION[0]
 
 
-def _new_map(ptr, shape, strides, rows, ary, stream):
+def _new_map(ptr, shape, strides, rows, ary, stream, capturing=False):
     """A new tensor map: in the simulator its twin's, on a GPU encoded on the host into the
     next of the context's slots (:class:`_MapSlots`) and copied on ``stream``."""
     from . import ops_hopper
@@ -265,7 +265,7 @@ def _new_map(ptr, shape, strides, rows, ary, stream):
     slots = _SLOTS.get(ctx)
     if slots is None:
         slots = _SLOTS[ctx] = _MapSlots()
-    return slots.put(ptr, shape, strides, rows, stream)
+    return slots.put(ptr, shape, strides, rows, stream, capturing)
 
 
 class _MapSlots:
@@ -315,14 +315,14 @@ class _MapSlots:
         start = _arrays.device_pointer(self.captured)
         return start <= _arrays.device_pointer(m) < start + 128 * self.CAPTURED
 
-    def put(self, ptr, shape, strides, rows, stream):
+    def put(self, ptr, shape, strides, rows, stream, capturing=False):
         """The map of that view (``ops_hopper.encode_tensor_map_4d``) encoded into the next
         slot and copied on ``stream``: that slot's device array."""
         from cuda.bindings import driver as cu
 
         from . import ops_hopper
         assert 2 * MAX_MAPS <= self.SLOTS, MAX_MAPS
-        if _capturing(stream):
+        if capturing:
             i = self.captured_made
             if i >= self.CAPTURED:
                 raise RuntimeError(f"more than {self.CAPTURED} tensor maps made under CUDA-graph capture in this "

@@ -340,16 +340,16 @@ def test_plan_reuses_a_slots_tensor_map_while_the_table_stands(monkeypatch):
     plan.maps = {}
     view = ((1, 1, 8, 64), (1024, 1024, 128, 2), 64)
     held = []
-    first = plan._map_address((0, 4), 256, view, held, 0, [False])
-    assert plan._map_address((0, 4), 256, view, held, 0, [False]) == first and held == [("map", 1)] * 2
-    assert plan._map_address((0, 5), 256, view, held, 0, [False]) != first          # another slot: its own map
-    assert plan._map_address((0, 4), 512, view, held, 0, [False]) not in (first,)   # another pointer
+    first = plan._map_address((0, 4), 256, view, held, 0, False)
+    assert plan._map_address((0, 4), 256, view, held, 0, False) == first and held == [("map", 1)] * 2
+    assert plan._map_address((0, 5), 256, view, held, 0, False) != first          # another slot: its own map
+    assert plan._map_address((0, 4), 512, view, held, 0, False) not in (first,)   # another pointer
     assert len(made) == 3
     families._GENERATION[0] += 1                                            # the table started afresh
-    plan._map_address((0, 4), 512, view, held, 0, [False])
+    plan._map_address((0, 4), 512, view, held, 0, False)
     assert made[-1] == (512, 6) and len(made) == 4
-    assert plan._map_address((0, 4), 512, view, held, 0, [False]) == 1004 and len(made) == 4
-    assert plan._map_address((0, 4), 512, view, held, 0, [True]) == 1005 and len(made) == 5   # under capture
+    assert plan._map_address((0, 4), 512, view, held, 0, False) == 1004 and len(made) == 4
+    assert plan._map_address((0, 4), 512, view, held, 0, True) == 1005 and len(made) == 5   # under capture
 
 
 def test_tensor_maps_under_capture_are_made_for_the_graph(monkeypatch):
