@@ -59,7 +59,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
         hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
         stream = _arrays.stream_handle(inp.stream)
         maps = [_tma_maps(q4, k4, v4, spec.tiling, stream) for q4, _, _, _, k4, v4 in hviews]
-        packed = [_arrays.packed_view(o4) for _, o4, _, _, _, _ in hviews]
+        packed = [_arrays.packed_view(o4, forward_wgmma.out_align(spec.kernel())) for _, o4, _, _, _, _ in hviews]
         gaps = inp.packed is not None and inp.packed.gaps    # (its TMA boxes would read a KV cache's unused rows)
         if hviews and not gaps and all(x is not None for x in maps + packed):     # (arrays compare elementwise)
             return _hopper_launches(inp, spec, hviews, maps, packed, score_args, sm_count)
@@ -176,7 +176,7 @@ def _hopper_launches(inp, spec, views, maps, packed, score_args, sm_count):
             forward_wgmma.paired_places(-(-rows // t.BM), b, g, 2 * math.prod(k4.shape[:2]) * inp.nk * inp.d
                                         * inp.dtype.itemsize)      # (the bytes of K and V)
             if forward_wgmma.paired(inp.scores, t.BM) else 0)
-        launches.append((kern, g, t.threads, spec.smem_bytes,
+        launches.append((kern, g, t.threads, kern.smem_bytes,
                          (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), last),
                          inp.stream))
     return launches

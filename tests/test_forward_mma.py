@@ -190,15 +190,12 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
     check_forward_low(out, lse, q, k, v, True, None)
 
 
-@pytest.mark.parametrize("rules", ["causal", "full", "packed"])
-def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
-    """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
-    ``overlap``, on by default for causal rows with two consumer warpgroups) changes when the
-    products are issued, not what is computed: forced on and off, the same bits, and both
-    within the tolerance of the float64 oracle. d = 128 (two consumers); causal rows with
-    Nq > Nk, so that query tiles with no key lie between tiles with keys (the overlap passes
-    over them); a varlen batch with an empty sequence. (In the simulator one persistent block
-    takes every item, so every transition between items runs.)"""
+def _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
+    """``make_forward_wgmma(..., option=True)`` and ``option=False`` give the same bits, both
+    within the tolerance of the float64 oracle, for ``rules``: causal rows with Nq > Nk, so
+    that query tiles with no key lie between tiles with keys; full rows; a varlen batch with
+    an empty sequence. (In the simulator one persistent block takes every item, so every
+    transition between items runs.)"""
     if ON_GPU:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
@@ -211,18 +208,18 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     if rules == "packed":
         lens = np.array([150, 0, 70])
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        q, k, v = (rng.standard_normal((int(cu[-1]), 1, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
         call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
     else:
         causal = rules == "causal"
-        q = rng.standard_normal((1, 300, 128)).astype(ml_dtypes.bfloat16)
-        k, v = (rng.standard_normal((1, 90 if causal else 150, 128)).astype(ml_dtypes.bfloat16) for _ in range(2))
+        q = rng.standard_normal((1, 300, d)).astype(ml_dtypes.bfloat16)
+        k, v = (rng.standard_normal((1, 90 if causal else 150, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
         _assert_hopper_launch(q, k, v, causal=causal)
         call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
     results = []
-    for overlap in (True, False):
+    for on in (True, False):
         monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                            lambda dt, d, scores, _o=overlap, **kw: plain(dt, d, scores, overlap=_o, **kw))
+                            lambda dt, d, scores, _on=on, **kw: plain(dt, d, scores, **{option: _on}, **kw))
         results.append([host(x) for x in call()])
     assert [bits(x) for x in results[0]] == [bits(x) for x in results[1]]
     if rules == "packed":
@@ -233,6 +230,25 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
                                   *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
         check_forward_low(results[0][0], results[0][1], q, k, v, rules == "causal", None)
+
+
+@pytest.mark.parametrize("rules", ["causal", "full", "packed"])
+def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
+    """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
+    ``overlap``, on by default for causal rows with two consumer warpgroups) changes when the
+    products are issued, not what is computed. d = 128 (two consumers)."""
+    _assert_hopper_option_changes_no_bit("overlap", rules, 128, monkeypatch)
+
+
+@pytest.mark.parametrize("rules, d", [("causal", 128), ("full", 64), ("packed", 128)])
+def test_hopper_bulk_store_changes_no_bit(rules, d, monkeypatch):
+    """The epilogue through shared memory and bulk copies (``make_forward_wgmma``'s
+    ``bulk_store``) writes the bits the 8-byte stores write: every row of every item,
+    rows past a sequence's end left alone (the varlen batch's next sequence), items with
+    no key (zeros), three consumer warpgroups (full rows at d = 64: 192 rows) and two. In the simulator
+    a copy's shared bytes are read at issue and written at its wait, and must be unchanged
+    then: a missing wait leaves rows unwritten, an early rewrite of the staging raises."""
+    _assert_hopper_option_changes_no_bit("bulk_store", rules, d, monkeypatch)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

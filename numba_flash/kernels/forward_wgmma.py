@@ -89,6 +89,12 @@ HEAD_DIMS = (64, 128)
 # was measured 10-15 % slower on an H200 (docs/performance.md item 32): none by default; the
 # factory's ``exp2_fma`` keeps the option, tested.
 EXP2_FMA_SOFTCAP = 0
+# The epilogue through shared memory: each thread writes its rows' packed outputs into a
+# staging area and one lane per row hands the row to the copy engine (``cp.async.bulk``,
+# no tensor map, so any output view whose rows are 16-byte aligned), instead of 8-byte
+# global stores after a shuffle (:func:`wgmma_parts.make_store_rows`). The factory's
+# ``bulk_store``; not yet the registry's (not yet measured on a GPU).
+BULK_STORE = False
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
@@ -191,21 +197,36 @@ def buffers(D):
     return (2, 2) if D > 64 else (2, 4)
 
 
-def _layout(D, qbuf, stages, bn=BN, bm=BM):
+def staging(D):
+    """The output staging area of :data:`BULK_STORE`'s epilogue at head dim ``D``: ``(row
+    bytes, row stride, group stride)``. A row is the ``2 D`` bytes a bulk copy takes;
+    rows go in groups of eight, ``2 D + 16`` bytes apart within a group (an odd multiple of
+    16 bytes: the eight rows a warp's store reaches at once, each lane a word of the quad
+    that shares a row, fall in 32 different banks), and a group is ``7 (2 D + 16) + 2 D``
+    bytes long (the last row unpadded: at d = 128 a uniform stride would not fit beside
+    two Q buffers and two stages)."""
+    row = 2 * D
+    return row, row + 16, 7 * (row + 16) + row
+
+
+def _layout(D, qbuf, stages, bn=BN, bm=BM, bulk=False):
     nsub = D // 64
     sub_q, sub_k = bm * SUB, bn * SUB          # bytes of one 64-column sub-tile
     q_off = 0
     k_off = q_off + qbuf * nsub * sub_q
     v_off = k_off + stages * nsub * sub_k
-    bar_off = v_off + stages * nsub * sub_k
-    return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
+    o_off = v_off + stages * nsub * sub_k      # (BULK_STORE) the output's staging area
+    bar_off = o_off + (bm // 8 * staging(D)[2] if bulk else 0)
+    return nsub, sub_q, sub_k, q_off, k_off, v_off, o_off, bar_off
 
 
-def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
-    """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
-    Q buffer, per K stage and per V stage), and room to align the base to 1024 bytes."""
+def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, bulk=None):
+    """Q's buffers (``bm`` rows each), the K and V rings, with ``bulk`` (default
+    :data:`BULK_STORE`) the output's staging area, the mbarriers (full and empty per Q
+    buffer, per K stage and per V stage), and room to align the base to 1024 bytes."""
     qbuf, stages = buffers(D) if qbuf is None else (qbuf, stages)
-    return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
+    bulk = BULK_STORE if bulk is None else bulk
+    return _layout(D, qbuf, stages, bn, bm, bulk)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
 def overlaps(scores, bm, d):
@@ -225,7 +246,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None):
+                       overlap: bool = None, bulk_store: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -237,7 +258,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     H200, docs/performance.md item 57); ``bm``: query rows per block, 64 per consumer
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
-    :func:`overlaps`)."""
+    :func:`overlaps`); ``bulk_store``: the epilogue through shared memory and bulk copies
+    (default :data:`BULK_STORE`; the output's rows must then be 16-byte aligned)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -273,8 +295,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     FLOAT_POS = scores.alibi and scores.mods is None
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
-    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
-    assert smem_bytes(D, QBUF, STAGES, BN, BM) <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
+    BULK = BULK_STORE if bulk_store is None else bulk_store
+    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, O_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM, BULK)
+    assert smem_bytes(D, QBUF, STAGES, BN, BM, BULK) <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
+    ROW_BYTES, ROW_STRIDE, GROUP_BYTES = staging(D)
+    wait_read, wait_written = H.bulk_wait_read(0), H.bulk_wait(0)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
@@ -595,12 +620,60 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
         inv0 = ZERO if l0 == ZERO else F32(1) / l0
         inv1 = ZERO if l1 == ZERO else F32(1) / l1
-        store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
+        if BULK:
+            stage_rows(out, b1, b2, qs, row0, nq, o0, o1, inv0, inv1, tq4)
+        else:
+            store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
         if tq4 == 0:
             if row0 < nq:
                 lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
             if row0 + 8 < nq:
                 lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+
+    @cuda.jit(device=True, inline=True)
+    def block_base():
+        """The shared address of the block's layout (:func:`_layout`): the dynamic shared
+        memory's first 1024-aligned byte."""
+        sm = cuda.shared.array(0, numba.uint8, alignment=1024)
+        return (H.shared_address(sm) + 1023) & ~1023
+
+    @cuda.jit(device=True, inline=True)
+    def stage_rows(out, b1, b2, qs, row0, nq, o0, o1, inv0, inv1, tq4):
+        """:data:`BULK_STORE`'s epilogue of the thread's two rows: once this lane's copies of
+        the item before have read the staging area, the quad sharing a row writes its packed
+        words there (:func:`staging`: the thread's rows ``r`` and ``r + 8`` of the block lie
+        in consecutive groups of eight, at the same place), fences them for the copy engine,
+        and its first lane copies each row that exists (``row < nq``) to ``out[b1, b2, qs +
+        row]`` (a uint64 view: its strides in bytes) with one ``cp.async.bulk``. A quad's
+        rows are its own in the staging area, so a warp's rendezvous orders it."""
+        wait_read()
+        warp.syncwarp(warp.FULL_MASK)
+        ct = cuda.threadIdx.x - 128
+        r = ((ct >> 5) << 4) + ((ct & 31) >> 2)      # the thread's first row in the block
+        at0 = block_base() + O_OFF + (r >> 3) * GROUP_BYTES + (r & 7) * ROW_STRIDE + 4 * tq4
+        at1 = at0 + GROUP_BYTES
+        # element 4 c + e: row r + 8 (e // 2), column 8 c + 2 tq4 + e % 2, so bytes 16 c on;
+        # two loops of four, each unrolled (a longer one stayed rolled and picked the
+        # accumulator's registers by branching)
+        for h in range(2):
+            for u in range(4):
+                c = 4 * h + u
+                H.st_shared_b32(at0 + 16 * c, pack(o0[4 * c] * inv0, o0[4 * c + 1] * inv0))
+                H.st_shared_b32(at1 + 16 * c, pack(o0[4 * c + 2] * inv1, o0[4 * c + 3] * inv1))
+                if D == 128:
+                    H.st_shared_b32(at0 + 128 + 16 * c, pack(o1[4 * c] * inv0, o1[4 * c + 1] * inv0))
+                    H.st_shared_b32(at1 + 128 + 16 * c, pack(o1[4 * c + 2] * inv1, o1[4 * c + 3] * inv1))
+        H.fence_async_shared()
+        warp.syncwarp(warp.FULL_MASK)
+        if tq4 == 0:
+            I64 = numba.int64
+            at = (H.global_address(out) + I64(b1) * out.strides[0] + I64(b2) * out.strides[1]
+                  + I64(qs + row0) * out.strides[2])
+            if row0 < nq:
+                H.bulk_store(at, at0, ROW_BYTES)
+            if row0 + 8 < nq:
+                H.bulk_store(at + 8 * out.strides[2], at1, ROW_BYTES)
+        H.bulk_commit()
 
     @cuda.jit(device=True, inline=True)
     def next_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, out, lse, wg, w, g, tq4):
@@ -750,9 +823,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         geo = (nk, nk - Nq, left, right)
         geo0 = geo
 
-        sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         tid = cuda.threadIdx.x
-        base = (H.shared_address(sm) + 1023) & ~1023
+        base = block_base()
         q_full, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
         if tid == 0:
             for buf in range(QBUF):
@@ -871,6 +943,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
+        if BULK:
+            wait_written()       # the block's shared memory outlives its last copies
 
     if PACKED:
         @cuda.jit(launch_bounds=(THREADS, 1))
@@ -882,9 +956,16 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
                          sched)
 
-    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
+    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM, BULK)
+    forward.bulk_store = BULK
     forward.threads = THREADS
     return forward
+
+
+def out_align(kernel):
+    """The byte alignment a kernel of :func:`make_forward_wgmma` needs of its output rows'
+    start and strides: 16 for the bulk copies of ``bulk_store``, else 8 (8-byte stores)."""
+    return 16 if getattr(kernel, "bulk_store", False) else 8
 
 
 def pair_place(i, G, units):
