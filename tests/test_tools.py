@@ -17,8 +17,10 @@ def _load(name):
 
 def test_ab_parses_shapes_and_rejects_bad_ones():
     ab = _load("ab")
-    assert ab.parse_shapes("4,16,4096,128,1; 16,16,1024,128,0;") == [(4, 16, 4096, 128, 1), (16, 16, 1024, 128, 0)]
-    for bad in ("4,16,4096,128", "4,16,4096,128,2", "0,16,4096,128,1"):
+    assert ab.parse_shapes("4,16,4096,128,1; 16,16,1024,128,0;") == [(4, 16, 4096, 128, 1, None),
+                                                                     (16, 16, 1024, 128, 0, None)]
+    assert ab.parse_shapes("1,16,16384,128,1,1024") == [(1, 16, 16384, 128, 1, 1024)]
+    for bad in ("4,16,4096,128", "4,16,4096,128,2", "0,16,4096,128,1", "1,16,64,64,1,-1", "1,2,3,4,1,5,6"):
         with pytest.raises(ValueError, match="B,H,N,d,causal"):
             ab.parse_shapes(bad)
 

@@ -8,7 +8,9 @@ trees taking turns, each in its own process (a GPU machine)::
 directory; ``--tree`` names a directory that holds a ``numba_flash`` package (on a GPU
 machine whose copy of the project has no git history, export the trees beforehand:
 ``git archive REV numba_flash | tar -x -C DIR``). A shape is
-``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``); ``--varlen`` adds the causal
+``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``), or ``B,H,N,d,causal,left`` for a
+sliding window of ``left`` keys before each query (``window=(left, 0)`` when causal, else
+``(left, left)``); ``--varlen`` adds the causal
 varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128),
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
 separated, ``L*n`` for ``n`` sequences of ``L`` rows); ``--decode`` adds the decoding
@@ -60,14 +62,26 @@ def parse_lens(text):
 
 
 def parse_shapes(text):
-    """``"B,H,N,d,causal;..."`` -> ``[(B, H, N, d, causal), ...]`` (ints; causal 0 or 1)."""
+    """``"B,H,N,d,causal[,left];..."`` -> ``[(B, H, N, d, causal, left), ...]`` (ints; causal 0
+    or 1; ``left`` a window's keys before each query, None without a window)."""
     shapes = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         values = tuple(int(x) for x in part.split(","))
-        if len(values) != 5 or values[4] not in (0, 1) or min(values[:4]) < 1:
-            raise ValueError(f"shape {part!r}: expected B,H,N,d,causal with positive sizes and causal 0 or 1")
-        shapes.append(values)
+        if len(values) not in (5, 6) or values[4] not in (0, 1) or min(values[:4]) < 1 or min(values[5:] + (0,)) < 0:
+            raise ValueError(f"shape {part!r}: expected B,H,N,d,causal[,left] with positive sizes, causal 0 or 1 "
+                             "and left >= 0")
+        shapes.append(values if len(values) == 6 else values + (None,))
     return shapes
+
+
+def _window_reference(q, k, v, causal, left, rows, sdpa, torch):
+    """SDPA's output for the last ``rows`` queries under the sliding window of ``left`` keys
+    (a boolean mask of those rows only: the whole N x N one would not fit at large N)."""
+    n = q.shape[2]
+    i = torch.arange(n - rows, n, device=q.device)[:, None]
+    j = torch.arange(n, device=q.device)[None, :]
+    mask = (j >= i - left) & ((j <= i) if causal else (j <= i + left))
+    return sdpa(q[:, :, n - rows:], k, v, attn_mask=mask)
 
 
 def summarise(records, trees):
@@ -110,20 +124,26 @@ def worker(tree, args):
     dt = getattr(torch, args.dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     records = []
-    for B, H, N, d, causal in parse_shapes(args.shapes):
+    for B, H, N, d, causal, left in parse_shapes(args.shapes):
         torch.manual_seed(0)
         q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(4))
-        result, launches = api.plan_forward(q, k, v, causal=bool(causal))
+        window = None if left is None else (left, 0 if causal else left)
+        result, launches = api.plan_forward(q, k, v, causal=bool(causal), window=window)
         for a in launches:
             launch(*a)
         out, lse = result()
-        err = (_as_torch(out, torch).float() - sdpa(q, k, v, is_causal=bool(causal)).float()).abs().max().item()
-        name = f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}"
+        if window is None:
+            err = (_as_torch(out, torch).float() - sdpa(q, k, v, is_causal=bool(causal)).float()).abs().max().item()
+        else:
+            rows = min(N, 256)
+            ref = _window_reference(q, k, v, causal, left, rows, sdpa, torch)
+            err = (_as_torch(out, torch)[:, :, N - rows:].float() - ref.float()).abs().max().item()
+        name = f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}{'' if left is None else f' window {left}'}"
         records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err))
         if args.backward:
             result, launches = api.plan_backward(dout, q, k, v, _as_torch(out, torch), _as_torch(lse, torch),
-                                                 causal=bool(causal))
-            records.append(dict(call=f"bwd ({B},{H},{N},{d}){' causal' if causal else ''}",
+                                                 causal=bool(causal), window=window)
+            records.append(dict(call="bwd" + name[3:],
                                 ms=_time(lambda: [launch(*a) for a in launches]), err=None))
     if args.decode:
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -170,7 +190,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rev", action="append", default=[], help="a git revision to measure (repeatable)")
     p.add_argument("--tree", action="append", default=[], help="a directory holding numba_flash (repeatable)")
-    p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal;..." (q, k, v of shape (B, H, N, d))')
+    p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal[,left];..." (q, k, v of shape (B, H, N, d); '
+                   'left: a sliding window)')
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
     p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16" or "100,3000"')
