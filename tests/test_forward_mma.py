@@ -232,23 +232,23 @@ def _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
         check_forward_low(results[0][0], results[0][1], q, k, v, rules == "causal", None)
 
 
-@pytest.mark.parametrize("rules", ["causal", "full", "packed"])
-def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
-    """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
-    ``overlap``, on by default for causal rows with two consumer warpgroups) changes when the
-    products are issued, not what is computed. d = 128 (two consumers)."""
-    _assert_hopper_option_changes_no_bit("overlap", rules, 128, monkeypatch)
-
-
-@pytest.mark.parametrize("rules, d", [("causal", 128), ("full", 64), ("packed", 128)])
-def test_hopper_bulk_store_changes_no_bit(rules, d, monkeypatch):
-    """The epilogue through shared memory and bulk copies (``make_forward_wgmma``'s
-    ``bulk_store``) writes the bits the 8-byte stores write: every row of every item,
-    rows past a sequence's end left alone (the varlen batch's next sequence), items with
-    no key (zeros), three consumer warpgroups (full rows at d = 64: 192 rows) and two. In the simulator
-    a copy's shared bytes are read at issue and written at its wait, and must be unchanged
-    then: a missing wait leaves rows unwritten, an early rewrite of the staging raises."""
-    _assert_hopper_option_changes_no_bit("bulk_store", rules, d, monkeypatch)
+@pytest.mark.parametrize("option, rules, d", [
+    ("overlap", "causal", 128), ("overlap", "full", 128), ("overlap", "packed", 128),
+    ("bulk_store", "causal", 128), ("bulk_store", "full", 64), ("bulk_store", "packed", 128),
+    ("lookahead", "full", 64), ("lookahead", "packed", 128)])
+def test_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
+    """Options of ``make_forward_wgmma`` that change when things happen, not what is
+    computed, forced on and off. ``overlap`` (an item's last P V issued with the next
+    item's first Q Kᵀ; on by default for causal rows with two consumer warpgroups) at
+    d = 128 (two consumers). ``bulk_store`` (the epilogue through shared memory and bulk
+    copies) writes the bits the 8-byte stores write: every row of every item, rows past a
+    sequence's end left alone (the varlen batch's next sequence), items with no key
+    (zeros), three consumer warpgroups (full rows at d = 64: 192 rows) and two; in the
+    simulator a copy's shared bytes are read at issue and written at its wait, and must be
+    unchanged then, so a missing wait leaves rows unwritten and an early rewrite of the
+    staging raises. ``lookahead`` (the producer finds its next item before its last V
+    load): items of one key tile and of several, items with none, a packed batch."""
+    _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

@@ -95,6 +95,13 @@ EXP2_FMA_SOFTCAP = 0
 # global stores after a shuffle (:func:`wgmma_parts.make_store_rows`). The factory's
 # ``bulk_store``; not yet the registry's (not yet measured on a GPU).
 BULK_STORE = False
+# The producer (one thread) finds its next work item (``place``: the schedule's arithmetic,
+# a packed batch's search of its sequence table) between an item's last K load and its
+# last V load, whose stage the consumers are still using, so that the next item's Q and
+# K_0 loads follow that V at once rather than after the search (an item with one key tile
+# loads its V first: the consumers need it soon). The same loads in the same order. The
+# factory's ``lookahead``; not yet the registry's (not yet measured on a GPU).
+LOOKAHEAD_PLACE = False
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
@@ -246,7 +253,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, bulk_store: bool = None):
+                       overlap: bool = None, bulk_store: bool = None, lookahead: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -259,7 +266,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
     :func:`overlaps`); ``bulk_store``: the epilogue through shared memory and bulk copies
-    (default :data:`BULK_STORE`; the output's rows must then be 16-byte aligned)."""
+    (default :data:`BULK_STORE`; the output's rows must then be 16-byte aligned);
+    ``lookahead``: the producer finds its next work item before its last V load rather
+    than after it (default :data:`LOOKAHEAD_PLACE`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -296,6 +305,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     BULK = BULK_STORE if bulk_store is None else bulk_store
+    LOOKAHEAD = LOOKAHEAD_PLACE if lookahead is None else lookahead
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, O_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM, BULK)
     assert smem_bytes(D, QBUF, STAGES, BN, BM, BULK) <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     ROW_BYTES, ROW_STRIDE, GROUP_BYTES = staging(D)
@@ -308,7 +318,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     zeros_o = H.accumulator(64)
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the
     # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
-    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED else 24
+    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED or LOOKAHEAD else 24
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
@@ -543,6 +553,32 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         for sub in range(NSUB):
             H.tma_load_4d(ring + (st * NSUB + sub) * SUB_K, tmap, 64 * sub, k0, b2k, b1, full0 + 8 * st)
         return count + 1
+
+    @cuda.jit(device=True, inline=True)
+    def load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks, g, n_q, ck, cv, last_v):
+        """The producer's loads of a work item with key tiles: Q once its buffer is free,
+        K_0, then K_j with V_{j-1} (the order the consumers use them in), and with ``last_v``
+        the last V. Returns the counts of Q, K and V tiles loaded."""
+        q_full, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
+        buf = n_q % QBUF
+        if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
+            wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
+        H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
+        for sub in range(NSUB):
+            H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
+                          64 * sub, qs + q0, b2, b1, q_full + 8 * buf)
+        b2k = b2 // group
+        ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                  ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
+        for j in range(1, tiles):
+            ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                      ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
+            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                      cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
+        if last_v:
+            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                      cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
+        return n_q + 1, ck, cv
 
     @cuda.jit(device=True, inline=True)
     def advance(st, phase):
@@ -846,28 +882,32 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.tensormap_acquire(H.global_address(tv))
                 ck, cv = 0, 0            # K and V tiles loaded (all items)
                 n_q = 0                  # Q tiles loaded so far
-                for i in range(cuda.blockIdx.x, n_items, G):
+                if not LOOKAHEAD:
+                    for i in range(cuda.blockIdx.x, n_items, G):
+                        b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                        if tiles > 0:
+                            n_q, ck, cv = load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks,
+                                                    g, n_q, ck, cv, True)
+                elif cuda.blockIdx.x < n_items:
+                    i = cuda.blockIdx.x
                     b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
-                    if tiles > 0:
-                        buf = n_q % QBUF
-                        if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
-                            wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
-                        H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
-                        for sub in range(NSUB):
-                            H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
-                                          64 * sub, qs + q0, b2, b1, q_full + 8 * buf)
-                        n_q += 1
-                        b2k = b2 // group
-                        # K_0, then K_j with V_{j-1}: the order the consumers use them in
-                        ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                  ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
-                        for j in range(1, tiles):
-                            ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                                      ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
-                            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                      cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
-                        cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                                  cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
+                    while True:
+                        # an item's loads but its last V (with one key tile: all of them), then the
+                        # next item's place while that V's stage is still in use, then that V
+                        late = tiles > 1
+                        if tiles > 0:
+                            n_q, ck, cv = load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks,
+                                                    g, n_q, ck, cv, not late)
+                        last_v = ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2) if late else ks
+                        vb1, vb2k = b1, b2 // group
+                        i += G
+                        if i < n_items:
+                            b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes,
+                                                                         seqs)
+                        if late:
+                            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v, cv, last_v, vb2k, vb1)
+                        if i >= n_items:
+                            break
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
