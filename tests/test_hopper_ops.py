@@ -549,3 +549,19 @@ def test_forward_in_simulator(d, causal, nq, nk):
 
 if __name__ == "__main__":
     main()
+
+
+def test_packed_output_views_check_the_alignment_asked():
+    """The Hopper forward's output view (``_arrays.packed_view``): quads of 16-bit values
+    whose rows start on 8 bytes, or on 16 for the bulk copies of ``bulk_store``
+    (``forward_wgmma.out_align``); a view that does not align is refused (None: the next
+    family takes the call), never written out of line."""
+    import numpy as np
+    from numba import cuda
+    from numba_flash import _arrays
+    from numba_flash.kernels import forward_wgmma as F
+    rows16, rows8 = (cuda.to_device(np.zeros((2, 3, 5, d), np.uint16)) for d in (8, 4))
+    assert _arrays.packed_view(rows16, 16) is not None and _arrays.packed_view(rows8, 8) is not None
+    assert _arrays.packed_view(rows8, 16) is None
+    assert F.out_align(F.make_forward_wgmma("bfloat16", 64, F.ScoreSpec(), bulk_store=True)) == 16
+    assert F.out_align(F.make_forward_wgmma("bfloat16", 64, F.ScoreSpec())) == 8
