@@ -22,6 +22,7 @@ if not SIMULATOR:
     shfl_sync = cuda.shfl_sync
     shfl_xor_sync = cuda.shfl_xor_sync
     shfl_down_sync = cuda.shfl_down_sync
+    any_sync = cuda.any_sync
 
     @cuda.jit(device=True, inline=True)
     def syncwarp(mask):
@@ -89,6 +90,11 @@ else:
         lane, values = _exchange(mask, value)
         src = lane + int(delta)
         return values[src] if src < 32 else value
+
+    def any_sync(mask, predicate):
+        """``__any_sync``: whether ``predicate`` holds on any lane in ``mask``."""
+        _, values = _exchange(mask, bool(predicate))
+        return any(values[lane] for lane in range(32) if int(mask) >> lane & 1)
 
     def syncwarp(mask=FULL_MASK):
         """``__syncwarp``: the lanes in ``mask`` meet (their memory accesses before it are

@@ -251,6 +251,43 @@ def test_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
     _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch)
 
 
+@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
+def test_hopper_lazy_rescale_matches_the_oracle(d, causal, monkeypatch):
+    """``make_forward_wgmma(lazy_rescale=True)``: rows keep their maximum while a tile's
+    stays within ``RESCALE_SLACK`` of it and O is rescaled only when a warp's vote says a
+    row took a new one. Keys whose scale grows along the row (so that some tiles raise a
+    row's maximum by more than the slack and others by less) and a second problem of
+    plain keys: both within the oracle's tolerance, out and lse; in the simulator the
+    vote is watched, and both of its answers occur."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    from numba_flash import warp
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
+    plain = forward_wgmma.make_forward_wgmma
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda dt, dd, scores, **kw: plain(dt, dd, scores, lazy_rescale=True, **kw))
+    votes = []
+    if not ON_GPU:
+        vote = warp.any_sync
+        monkeypatch.setattr(warp, "any_sync", lambda mask, p: votes.append(vote(mask, p)) or votes[-1])
+    rng = np.random.default_rng(43 + d)
+    nq, nk = 140, 700
+    ramp = np.linspace(0.2, 4.0, nk)[:, None]
+    q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
+    k = (ramp * rng.standard_normal((1, nk, d))).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16)
+    for keys in (k, (k.astype(np.float32) / ramp).astype(ml_dtypes.bfloat16)):
+        _assert_hopper_launch(q, keys, v, causal=causal)
+        out, lse = numba_flash.attention_fwd(q, keys, v, causal=causal)
+        check_forward_low(host(out), host(lse), q, keys, v, causal, None)
+    if not ON_GPU:
+        assert True in votes and False in votes, votes
+
+
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):
