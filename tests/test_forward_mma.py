@@ -235,7 +235,8 @@ def _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
 @pytest.mark.parametrize("option, rules, d", [
     ("overlap", "causal", 128), ("overlap", "full", 128), ("overlap", "packed", 128),
     ("bulk_store", "causal", 128), ("bulk_store", "full", 64), ("bulk_store", "packed", 128),
-    ("lookahead", "full", 64), ("lookahead", "packed", 128)])
+    ("lookahead", "full", 64), ("lookahead", "packed", 128), ("q_warp", "causal", 128), ("q_warp", "full", 64),
+    ("q_warp", "packed", 128)])
 def test_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
     """Options of ``make_forward_wgmma`` that change when things happen, not what is
     computed, forced on and off. ``overlap`` (an item's last P V issued with the next
@@ -247,7 +248,8 @@ def test_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
     simulator a copy's shared bytes are read at issue and written at its wait, and must be
     unchanged then, so a missing wait leaves rows unwritten and an early rewrite of the
     staging raises. ``lookahead`` (the producer finds its next item before its last V
-    load): items of one key tile and of several, items with none, a packed batch."""
+    load): items of one key tile and of several, items with none, a packed batch.
+    ``q_warp`` (Q tiles loaded by a thread of their own): the same."""
     _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch)
 
 

@@ -376,7 +376,7 @@ from numba_flash.scores import FULL
 spec = registry.specialisation("forward_wgmma", "bfloat16", 128, FULL)
 tool = ptx.find_ptxas()
 kern = forward_wgmma.make_forward_wgmma("bfloat16", 128, FULL, bm=spec.tiling.BM, bulk_store=True, lookahead=True,
-                                        lazy_rescale=True)
+                                        lazy_rescale=True, q_warp=True)
 text = ptx.compile_ptx(kern.py_func, spec.signature(), [(9, 0, "a")], (spec.tiling.threads, 1))[(9, 0, "a")]
 print(json.dumps({"smem": kern.smem_bytes, "text": text, "ptxas": ptx.assemble(text, (9, 0, "a"), tool) if tool else None}))
 """

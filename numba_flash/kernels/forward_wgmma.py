@@ -102,6 +102,13 @@ BULK_STORE = False
 # loads its V first: the consumers need it soon). The same loads in the same order. The
 # factory's ``lookahead``; not yet the registry's (not yet measured on a GPU).
 LOOKAHEAD_PLACE = False
+# The Q tiles loaded by a thread of the producer's second warp, each as soon as its buffer
+# is free (the consumers release a Q buffer once an item's last Q Kᵀ is done; with two
+# buffers that is about an item before the Q is needed), rather than by the producer's
+# thread after the item before's last V load (which waits for the consumers to free a V
+# stage, near that item's end): the Q load's latency hidden behind a whole item. The
+# factory's ``q_warp``; not yet the registry's (not yet measured on a GPU).
+Q_WARP = False
 # A row keeps its running maximum while a tile's stays within RESCALE_SLACK (log2 units) of
 # it: its exponentials are then at most 2^RESCALE_SLACK (P = 256 at most, exact enough in
 # bfloat16 and float16 alike, the sums in float32), and O is rescaled only when some row of
@@ -264,7 +271,7 @@ def overlaps(scores, bm, d):
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, bulk_store: bool = None, lookahead: bool = None,
-                       lazy_rescale: bool = None):
+                       lazy_rescale: bool = None, q_warp: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -281,7 +288,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     ``lookahead``: the producer finds its next work item before its last V load rather
     than after it (default :data:`LOOKAHEAD_PLACE`); ``lazy_rescale``: rows keep their
     maximum within :data:`RESCALE_SLACK` and O is rescaled only when a row of the warp
-    took a new one (default :data:`LAZY_RESCALE`)."""
+    took a new one (default :data:`LAZY_RESCALE`); ``q_warp``: a thread of the producer's
+    second warp loads the Q tiles (default :data:`Q_WARP`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -319,6 +327,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     BULK = BULK_STORE if bulk_store is None else bulk_store
     LOOKAHEAD = LOOKAHEAD_PLACE if lookahead is None else lookahead
+    QWARP = Q_WARP if q_warp is None else q_warp
     LAZY = LAZY_RESCALE if lazy_rescale is None else lazy_rescale
     SLACK = numba.float32(RESCALE_SLACK)
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, O_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM, BULK)
@@ -333,7 +342,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     zeros_o = H.accumulator(64)
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the
     # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
-    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED or LOOKAHEAD else 24
+    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED or LOOKAHEAD or QWARP else 24
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
@@ -576,11 +585,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return count + 1
 
     @cuda.jit(device=True, inline=True)
-    def load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks, g, n_q, ck, cv, last_v):
-        """The producer's loads of a work item with key tiles: Q once its buffer is free,
-        K_0, then K_j with V_{j-1} (the order the consumers use them in), and with ``last_v``
-        the last V. Returns the counts of Q, K and V tiles loaded."""
-        q_full, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
+    def load_q(base, tq, b1, b2, q0, qs, n_q):
+        """The load of the ``n_q``-th Q tile (of the block's items with key tiles) once its
+        buffer is free; returns ``n_q + 1``."""
+        q_full, q_empty, _, _, _, _ = barriers(base)
         buf = n_q % QBUF
         if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
             wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
@@ -588,6 +596,17 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         for sub in range(NSUB):
             H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
                           64 * sub, qs + q0, b2, b1, q_full + 8 * buf)
+        return n_q + 1
+
+    @cuda.jit(device=True, inline=True)
+    def load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks, g, n_q, ck, cv, last_v):
+        """The producer's loads of a work item with key tiles: Q (unless a thread of its own
+        loads the Q tiles: ``q_warp``), K_0, then K_j with V_{j-1} (the order the consumers
+        use them in), and with ``last_v`` the last V. Returns the counts of Q, K and V tiles
+        loaded."""
+        _, _, full_k, empty_k, full_v, empty_v = barriers(base)
+        if not QWARP:
+            n_q = load_q(base, tq, b1, b2, q0, qs, n_q)
         b2k = b2 // group
         ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
                   ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
@@ -599,7 +618,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         if last_v:
             cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
                       cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
-        return n_q + 1, ck, cv
+        return n_q, ck, cv
 
     @cuda.jit(device=True, inline=True)
     def advance(st, phase):
@@ -900,7 +919,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         if tid < 128:                    # ---- producer warpgroup ---------------------------------
             give()
             if tid == 0:
-                H.tensormap_acquire(H.global_address(tq))
+                if not QWARP:
+                    H.tensormap_acquire(H.global_address(tq))
                 H.tensormap_acquire(H.global_address(tk))
                 H.tensormap_acquire(H.global_address(tv))
                 ck, cv = 0, 0            # K and V tiles loaded (all items)
@@ -931,6 +951,13 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                             cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v, cv, last_v, vb2k, vb1)
                         if i >= n_items:
                             break
+            elif QWARP and tid == 32:    # the Q tiles, each as soon as its buffer is free
+                H.tensormap_acquire(H.global_address(tq))
+                n_q = 0
+                for i in range(cuda.blockIdx.x, n_items, G):
+                    b1, b2, q0, _, tiles, qs, _, _, _ = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                    if tiles > 0:
+                        n_q = load_q(base, tq, b1, b2, q0, qs, n_q)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
