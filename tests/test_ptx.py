@@ -375,10 +375,12 @@ from numba_flash.kernels import forward_wgmma
 from numba_flash.scores import FULL
 spec = registry.specialisation("forward_wgmma", "bfloat16", 128, FULL)
 tool = ptx.find_ptxas()
-kern = forward_wgmma.make_forward_wgmma("bfloat16", 128, FULL, bm=spec.tiling.BM, bulk_store=True, lookahead=True,
-                                        lazy_rescale=True, q_warp=True)
-text = ptx.compile_ptx(kern.py_func, spec.signature(), [(9, 0, "a")], (spec.tiling.threads, 1))[(9, 0, "a")]
-print(json.dumps({"smem": kern.smem_bytes, "text": text, "ptxas": ptx.assemble(text, (9, 0, "a"), tool) if tool else None}))
+found = []
+for options in (dict(bulk_store=True, lookahead=True, lazy_rescale=True), dict(q_warp=True)):
+    kern = forward_wgmma.make_forward_wgmma("bfloat16", 128, FULL, bm=spec.tiling.BM, **options)
+    text = ptx.compile_ptx(kern.py_func, spec.signature(), [(9, 0, "a")], (spec.tiling.threads, 1))[(9, 0, "a")]
+    found.append({"smem": kern.smem_bytes, "text": text, "ptxas": ptx.assemble(text, (9, 0, "a"), tool) if tool else None})
+print(json.dumps(found))
 """
 
 
@@ -391,20 +393,24 @@ def test_hopper_forward_options_compile():
     the proxy fence, and no global store writes the output (the two left are lse's).
     ``lazy_rescale``: one warp vote a tile. With ptxas, no spills (``lookahead``'s producer
     holds two items) and the products asynchronous (``lazy_rescale`` branches around O's
-    rescaling, outside the products' pipeline stage). (A process of its own: this one may
-    run the simulator, which compiles nothing.)"""
+    rescaling, outside the products' pipeline stage). ``q_warp`` apart (its producer's
+    second walk through the schedule spills a few words in the producer's code): it
+    compiles, products asynchronous. (A process of its own: this one may run the
+    simulator, which compiles nothing.)"""
     import subprocess
     import sys
     from numba_flash import ptx
     done = subprocess.run([sys.executable, "-c", _BULK_PROBE], cwd=ROOT, env=project_env(NUMBA_ENABLE_CUDASIM="0"),
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
     assert done.returncode == 0, done.stderr[-3000:]
-    r = json.loads(done.stdout.splitlines()[-1])
+    r, r_qwarp = json.loads(done.stdout.splitlines()[-1])
     text = r["text"]
     assert r["smem"] <= forward_wgmma.SMEM_LIMIT < r["smem"] + 256
     assert text.count("st.shared.b32") == 32 and text.count("cp.async.bulk.global.shared::cta") == 2
     assert "fence.proxy.async.shared::cta" in text and "cp.async.bulk.wait_group.read 0" in text
     assert ptx.features(text)["st.global"] == 2 and ".local" not in text
     assert text.count("vote.sync.any") == 1
+    assert r_qwarp["text"].count("wgmma.mma_async") == text.count("wgmma.mma_async")
     if r["ptxas"] is not None:
         assert r["ptxas"]["spill_stores"] == 0 and not r["ptxas"]["wgmma_serialized"], r["ptxas"]
+        assert not r_qwarp["ptxas"]["wgmma_serialized"], r_qwarp["ptxas"]
