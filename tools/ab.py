@@ -8,9 +8,10 @@ trees taking turns, each in its own process (a GPU machine)::
 directory; ``--tree`` names a directory that holds a ``numba_flash`` package (on a GPU
 machine whose copy of the project has no git history, export the trees beforehand:
 ``git archive REV numba_flash | tar -x -C DIR``). A shape is
-``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``), or ``B,H,N,d,causal,left`` for a
-sliding window of ``left`` keys before each query (``window=(left, 0)`` when causal, else
-``(left, left)``); ``--varlen`` adds the causal
+``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``), with optional score rules after
+it: ``w=L``, a sliding window of ``L`` keys before each query (``window=(L, 0)`` when
+causal, else ``(L, L)``), ``c=C``, a softcap ``C`` (e.g. ``1,16,16384,128,1,w=1024`` or
+``4,16,4096,128,0,c=30``); ``--varlen`` adds the causal
 varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128),
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
 separated, ``L*n`` for ``n`` sequences of ``L`` rows); ``--decode`` adds the decoding
@@ -62,26 +63,44 @@ def parse_lens(text):
 
 
 def parse_shapes(text):
-    """``"B,H,N,d,causal[,left];..."`` -> ``[(B, H, N, d, causal, left), ...]`` (ints; causal 0
-    or 1; ``left`` a window's keys before each query, None without a window)."""
+    """``"B,H,N,d,causal[,w=L][,c=C];..."`` -> ``[(B, H, N, d, causal, left, softcap), ...]``
+    (ints but the softcap; causal 0 or 1; ``left`` a window's keys before each query and
+    ``softcap`` a float, None where not given)."""
     shapes = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
-        values = tuple(int(x) for x in part.split(","))
-        if len(values) not in (5, 6) or values[4] not in (0, 1) or min(values[:4]) < 1 or min(values[5:] + (0,)) < 0:
-            raise ValueError(f"shape {part!r}: expected B,H,N,d,causal[,left] with positive sizes, causal 0 or 1 "
-                             "and left >= 0")
-        shapes.append(values if len(values) == 6 else values + (None,))
+        fields = [f.strip() for f in part.split(",")]
+        rules = dict(f.split("=", 1) for f in fields[5:] if "=" in f)
+        try:
+            values = tuple(int(x) for x in fields[:5])
+            left = int(rules.pop("w")) if "w" in rules else None
+            cap = float(rules.pop("c")) if "c" in rules else None
+        except ValueError:
+            values, left, cap = (), None, None
+        if (len(values) != 5 or values[4] not in (0, 1) or min(values[:4]) < 1 or rules
+                or len(fields) - 5 != (left is not None) + (cap is not None)
+                or left is not None and left < 0 or cap is not None and not cap > 0):
+            raise ValueError(f"shape {part!r}: expected B,H,N,d,causal with positive sizes and causal 0 or 1, then "
+                             "optionally w=L (a window, L >= 0) and c=C (a softcap, C > 0)")
+        shapes.append(values + (left, cap))
     return shapes
 
 
-def _window_reference(q, k, v, causal, left, rows, sdpa, torch):
-    """SDPA's output for the last ``rows`` queries under the sliding window of ``left`` keys
-    (a boolean mask of those rows only: the whole N x N one would not fit at large N)."""
+def _reference(q, k, v, causal, left, cap, rows, torch):
+    """The output of the last ``rows`` queries in float32 (scores of those rows only: the
+    whole N x N would not fit at large N), with the window of ``left`` keys and the softcap
+    ``cap`` where given."""
     n = q.shape[2]
+    s = (q[:, :, n - rows:].float() @ k.float().transpose(-1, -2)) / q.shape[-1] ** 0.5
+    if cap is not None:
+        s = cap * torch.tanh(s / cap)
     i = torch.arange(n - rows, n, device=q.device)[:, None]
     j = torch.arange(n, device=q.device)[None, :]
-    mask = (j >= i - left) & ((j <= i) if causal else (j <= i + left))
-    return sdpa(q[:, :, n - rows:], k, v, attn_mask=mask)
+    seen = torch.ones_like(s, dtype=torch.bool)
+    if causal:
+        seen = seen & (j <= i)
+    if left is not None:
+        seen = seen & (j >= i - left) & (j <= i + left)
+    return torch.softmax(s.masked_fill(~seen, float("-inf")), -1) @ v.float()
 
 
 def summarise(records, trees):
@@ -124,25 +143,26 @@ def worker(tree, args):
     dt = getattr(torch, args.dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     records = []
-    for B, H, N, d, causal, left in parse_shapes(args.shapes):
+    for B, H, N, d, causal, left, cap in parse_shapes(args.shapes):
         torch.manual_seed(0)
         q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(4))
         window = None if left is None else (left, 0 if causal else left)
-        result, launches = api.plan_forward(q, k, v, causal=bool(causal), window=window)
+        result, launches = api.plan_forward(q, k, v, causal=bool(causal), window=window, softcap=cap)
         for a in launches:
             launch(*a)
         out, lse = result()
-        if window is None:
+        if window is None and cap is None:
             err = (_as_torch(out, torch).float() - sdpa(q, k, v, is_causal=bool(causal)).float()).abs().max().item()
         else:
             rows = min(N, 256)
-            ref = _window_reference(q, k, v, causal, left, rows, sdpa, torch)
-            err = (_as_torch(out, torch)[:, :, N - rows:].float() - ref.float()).abs().max().item()
-        name = f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}{'' if left is None else f' window {left}'}"
+            ref = _reference(q, k, v, causal, left, cap, rows, torch)
+            err = (_as_torch(out, torch)[:, :, N - rows:].float() - ref).abs().max().item()
+        name = (f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}{'' if left is None else f' window {left}'}"
+                f"{'' if cap is None else f' softcap {cap:g}'}")
         records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err))
         if args.backward:
             result, launches = api.plan_backward(dout, q, k, v, _as_torch(out, torch), _as_torch(lse, torch),
-                                                 causal=bool(causal), window=window)
+                                                 causal=bool(causal), window=window, softcap=cap)
             records.append(dict(call="bwd" + name[3:],
                                 ms=_time(lambda: [launch(*a) for a in launches]), err=None))
     if args.decode:
@@ -190,8 +210,8 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--rev", action="append", default=[], help="a git revision to measure (repeatable)")
     p.add_argument("--tree", action="append", default=[], help="a directory holding numba_flash (repeatable)")
-    p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal[,left];..." (q, k, v of shape (B, H, N, d); '
-                   'left: a sliding window)')
+    p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal[,w=L][,c=C];..." (q, k, v of shape '
+                   '(B, H, N, d); w: a sliding window of L keys before each query, c: a softcap)')
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
     p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16" or "100,3000"')
