@@ -211,11 +211,12 @@ def _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
         q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
         call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
     else:
-        causal = rules == "causal"
+        opts = {"causal": {"causal": True}, "window": {"window": (100, 0)}}.get(rules, {})
         q = rng.standard_normal((1, 300, d)).astype(ml_dtypes.bfloat16)
-        k, v = (rng.standard_normal((1, 90 if causal else 150, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
-        _assert_hopper_launch(q, k, v, causal=causal)
-        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
+        k, v = (rng.standard_normal((1, {"causal": 90, "window": 350}.get(rules, 150), d)).astype(ml_dtypes.bfloat16)
+                for _ in range(2))
+        _assert_hopper_launch(q, k, v, **opts)
+        call = lambda: numba_flash.attention_fwd(q, k, v, **opts)  # noqa: E731
     results = []
     for on in (True, False):
         monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
@@ -229,11 +230,11 @@ def _assert_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
                 check_forward_low(np.swapaxes(results[0][0][rows], 0, 1)[None], None,
                                   *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
-        check_forward_low(results[0][0], results[0][1], q, k, v, rules == "causal", None)
+        check_forward_low(results[0][0], results[0][1], q, k, v, {"causal": False, **opts}, None)
 
 
 @pytest.mark.parametrize("option, rules, d", [
-    ("overlap", "causal", 128), ("overlap", "full", 128), ("overlap", "packed", 128),
+    ("overlap", "causal", 128), ("overlap", "full", 128), ("overlap", "packed", 128), ("overlap", "window", 128),
     ("bulk_store", "causal", 128), ("bulk_store", "full", 64), ("bulk_store", "packed", 128),
     ("lookahead", "full", 64), ("lookahead", "packed", 128), ("q_warp", "causal", 128), ("q_warp", "full", 64),
     ("q_warp", "packed", 128)])
@@ -241,7 +242,7 @@ def test_hopper_option_changes_no_bit(option, rules, d, monkeypatch):
     """Options of ``make_forward_wgmma`` that change when things happen, not what is
     computed, forced on and off. ``overlap`` (an item's last P V issued with the next
     item's first Q Kᵀ; on by default for causal rows with two consumer warpgroups) at
-    d = 128 (two consumers). ``bulk_store`` (the epilogue through shared memory and bulk
+    d = 128 (two consumers), windows too (``OVERLAP_WINDOWS``). ``bulk_store`` (the epilogue through shared memory and bulk
     copies) writes the bits the 8-byte stores write: every row of every item, rows past a
     sequence's end left alone (the varlen batch's next sequence), items with no key
     (zeros), three consumer warpgroups (full rows at d = 64: 192 rows) and two; in the

@@ -119,6 +119,10 @@ Q_WARP = False
 # registry's (not yet measured on a GPU).
 LAZY_RESCALE = False
 RESCALE_SLACK = 8.0
+# A window's items are short (nine key tiles at left = 1024), so its per-item cost counts:
+# the overlap of an item's last P V with the next item's first Q Kᵀ (:func:`overlaps`) may
+# pay there as it did for short causal rows at d = 64; not yet measured, so off.
+OVERLAP_WINDOWS = False
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
@@ -263,8 +267,8 @@ def overlaps(scores, bm, d):
     per-item schedule: the overlap's code takes Numba's front end 5.7 s longer for that
     kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
     (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
-    tiles (up to 300 bytes)."""
-    return bm // ROWS == 2 and scores.causal and (d == 64 or scores.packed)
+    tiles (up to 300 bytes). Windows with :data:`OVERLAP_WINDOWS` (not measured: off)."""
+    return bm // ROWS == 2 and (scores.causal and (d == 64 or scores.packed) or OVERLAP_WINDOWS and scores.window)
 
 
 @functools.lru_cache(maxsize=None)
