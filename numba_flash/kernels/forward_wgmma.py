@@ -249,12 +249,19 @@ def _layout(D, qbuf, stages, bn=BN, bm=BM, bulk=False):
 
 
 def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, bulk=None):
-    """Q's buffers (``bm`` rows each), the K and V rings, with ``bulk`` (default
-    :data:`BULK_STORE`) the output's staging area, the mbarriers (full and empty per Q
-    buffer, per K stage and per V stage), and room to align the base to 1024 bytes."""
+    """Q's buffers (``bm`` rows each), the K and V rings, with ``bulk`` (default: the
+    :data:`BULK_STORE` of :func:`bulk_default`) the output's staging area, the mbarriers
+    (full and empty per Q buffer, per K stage and per V stage), and room to align the base
+    to 1024 bytes."""
     qbuf, stages = buffers(D) if qbuf is None else (qbuf, stages)
-    bulk = BULK_STORE if bulk is None else bulk
+    bulk = bulk_default(D, qbuf, stages, bn, bm) if bulk is None else bulk
     return _layout(D, qbuf, stages, bn, bm, bulk)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
+
+
+def bulk_default(D, qbuf, stages, bn=BN, bm=BM):
+    """:data:`BULK_STORE` where the staging area fits beside the tiling's buffers (every
+    tiling of the registry; not, say, 192-key tiles at d = 64), else False."""
+    return BULK_STORE and smem_bytes(D, qbuf, stages, bn, bm, True) <= SMEM_LIMIT
 
 
 def overlaps(scores, bm, d):
@@ -288,7 +295,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
     :func:`overlaps`); ``bulk_store``: the epilogue through shared memory and bulk copies
-    (default :data:`BULK_STORE`; the output's rows must then be 16-byte aligned);
+    (default :func:`bulk_default`; the output's rows must then be 16-byte aligned);
     ``lookahead``: the producer finds its next work item before its last V load rather
     than after it (default :data:`LOOKAHEAD_PLACE`); ``lazy_rescale``: rows keep their
     maximum within :data:`RESCALE_SLACK` and O is rescaled only when a row of the warp
@@ -329,7 +336,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     FLOAT_POS = scores.alibi and scores.mods is None
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
-    BULK = BULK_STORE if bulk_store is None else bulk_store
+    BULK = bulk_default(D, QBUF, STAGES, BN, BM) if bulk_store is None else bulk_store
     LOOKAHEAD = LOOKAHEAD_PLACE if lookahead is None else lookahead
     QWARP = Q_WARP if q_warp is None else q_warp
     LAZY = LAZY_RESCALE if lazy_rescale is None else lazy_rescale
