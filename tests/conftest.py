@@ -48,6 +48,18 @@ def project_env(**overrides):
     return env
 
 
+def run_compile_probe(code):
+    """The stdout of ``python -c code`` from the project's root, run as a user would
+    without the simulator (``NUMBA_ENABLE_CUDASIM=0``: it compiles, with no GPU needed);
+    the test fails with the tail of its stderr if the process fails."""
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=HANG_GUARD_S)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
 def start_ptx_compile(args, env):
     """``python -m numba_flash.ptx *args`` in the background at a lower priority, so the
     compiles use the CPU that the simulator tests leave idle (collected with

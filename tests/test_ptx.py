@@ -15,7 +15,7 @@ import pytest
 from numba_flash import registry
 from numba_flash.kernels import forward_wgmma
 from numba_flash.scores import PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, SOFTCAP_TANH
-from conftest import HANG_GUARD_S, collect_ptx_compile, project_env, start_ptx_compile
+from conftest import HANG_GUARD_S, collect_ptx_compile, project_env, run_compile_probe, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = {s.name: s for s in registry.specialisations()}
@@ -397,13 +397,8 @@ def test_hopper_forward_options_compile():
     second walk through the schedule spills a few words in the producer's code): it
     compiles, products asynchronous. (A process of its own: this one may run the
     simulator, which compiles nothing.)"""
-    import subprocess
-    import sys
     from numba_flash import ptx
-    done = subprocess.run([sys.executable, "-c", _BULK_PROBE], cwd=ROOT, env=project_env(NUMBA_ENABLE_CUDASIM="0"),
-                          capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert done.returncode == 0, done.stderr[-3000:]
-    r, r_qwarp = json.loads(done.stdout.splitlines()[-1])
+    r, r_qwarp = json.loads(run_compile_probe(_BULK_PROBE).splitlines()[-1])
     text = r["text"]
     assert r["smem"] <= forward_wgmma.SMEM_LIMIT < r["smem"] + 256
     assert text.count("st.shared.b32") == 32 and text.count("cp.async.bulk.global.shared::cta") == 2

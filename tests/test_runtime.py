@@ -13,7 +13,7 @@ import pytest
 
 import numba_flash  # noqa: F401  (before numba: decides the simulator)
 from numba_flash import _runtime
-from conftest import HANG_GUARD_S, project_env
+from conftest import HANG_GUARD_S, project_env, run_compile_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -186,16 +186,14 @@ def test_faster_compiles_compile_the_same_code():
         "without = norm(ptx.compile_spec(spec, [(8, 0)])[(8, 0)])\n"
         "print(with_patch == without, len(without), with_patch.count('fma.rn'), len(checked), max(checked),\n"
         "      sum(operators), len(operators) - sum(operators), len(sizes), len(calls), len(call_types))\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
-                          capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes, calls, call_types = proc.stdout.split()
-    assert same == "True" and int(size) > 10000 and int(fmas) > 0, proc.stdout
-    assert int(maps) > 20 and int(blocks) > 50, proc.stdout     # (those read), the kernel's own IR among them
-    assert int(scalar_ops) > 100, proc.stdout                   # the template's answers compared
-    assert int(sizes) > 100, proc.stdout                        # ABI sizes compared
-    assert int(calls) > 500, proc.stdout                        # call signatures compared
-    assert int(call_types) > 100, proc.stdout                   # function types' resolutions compared
+    out = run_compile_probe(code)
+    same, size, fmas, maps, blocks, scalar_ops, array_ops, sizes, calls, call_types = out.split()
+    assert same == "True" and int(size) > 10000 and int(fmas) > 0, out
+    assert int(maps) > 20 and int(blocks) > 50, out     # (those read), the kernel's own IR among them
+    assert int(scalar_ops) > 100, out                   # the template's answers compared
+    assert int(sizes) > 100, out                        # ABI sizes compared
+    assert int(calls) > 500, out                        # call signatures compared
+    assert int(call_types) > 100, out                   # function types' resolutions compared
 
 
 def test_compiles_run_without_collector_pauses_and_restore_it():
@@ -236,12 +234,10 @@ def test_compiles_run_without_collector_pauses_and_restore_it():
         "before = len(outside)\n"
         "ptx.compile_spec(registry.specialisation('forward_simt', 'float32', 64, registry.FULL, True, False), [(8, 0)])\n"
         "print(failed, len(outside) - before)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
-                          capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    failed, unpaused = proc.stdout.split()
-    assert failed == "TypingError", proc.stdout
-    assert int(unpaused) > 50, proc.stdout      # uninstalled, a compile collects as before
+    out = run_compile_probe(code)
+    failed, unpaused = out.split()
+    assert failed == "TypingError", out
+    assert int(unpaused) > 50, out      # uninstalled, a compile collects as before
 
 
 def test_first_compile_finds_the_blas_without_importing_scipy():
@@ -262,11 +258,9 @@ def test_first_compile_finds_the_blas_without_importing_scipy():
         "except ImportError:\n"
         "    real = False\n"
         "print(imported, arraymath._HAVE_BLAS == real, arraymath.ensure_blas is linalg.ensure_blas, real)\n")
-    proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
-                          capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    imported, same, restored, _ = proc.stdout.split()
-    assert (imported, same, restored) == ("False", "True", "True"), proc.stdout
+    out = run_compile_probe(code)
+    imported, same, restored, _ = out.split()
+    assert (imported, same, restored) == ("False", "True", "True"), out
 
 
 def test_live_map_matches_numba_on_random_graphs():
