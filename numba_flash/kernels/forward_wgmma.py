@@ -1058,7 +1058,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                          sched)
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM, BULK)
-    forward.bulk_store = BULK
+    # the options as resolved (out_align reads bulk_store; tests force each away from its value)
+    forward.options = dict(overlap=OVERLAP, bulk_store=BULK, lookahead=LOOKAHEAD, q_warp=QWARP, lazy_rescale=LAZY)
     forward.threads = THREADS
     return forward
 
@@ -1066,7 +1067,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 def out_align(kernel):
     """The byte alignment a kernel of :func:`make_forward_wgmma` needs of its output rows'
     start and strides: 16 for the bulk copies of ``bulk_store``, else 8 (8-byte stores)."""
-    return 16 if getattr(kernel, "bulk_store", False) else 8
+    return 16 if getattr(kernel, "options", {}).get("bulk_store") else 8
 
 
 def pair_place(i, G, units):
