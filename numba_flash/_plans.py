@@ -304,9 +304,11 @@ class _Staging:
 
     def copy(self, uploads, offsets, dst, stream):
         """Queue the copy of ``uploads`` (at byte ``offsets``) to ``dst``; False where no
-        pinned memory could be had."""
+        pinned memory could be had. The copy ends at the last upload's last byte, not at the
+        aligned end of the offsets: the destination may be an array of exactly the uploads'
+        size (a plan adopts the full path's device copy of a lone table, :func:`capture`)."""
         from cuda.bindings import driver as cu
-        total = int(offsets[-1])
+        total = int(offsets[len(uploads) - 1]) + uploads[-1].nbytes
         with self.lock:
             i, self.next = self.next, (self.next + 1) % self.SLOTS
             slot = self.slots[i]
@@ -331,7 +333,7 @@ class _Staging:
             ptr, _, event, view = slot
             for a, offset in zip(uploads, offsets):
                 view[int(offset):int(offset) + a.nbytes] = a.reshape(-1).view(np.uint8)
-            cu.cuMemcpyHtoDAsync(dst, ptr, total, stream)
+            _checked(cu.cuMemcpyHtoDAsync(dst, ptr, total, stream), "cuMemcpyHtoDAsync")
             cu.cuEventRecord(event, stream)
         return True
 
@@ -348,7 +350,16 @@ def _upload(uploads, offsets, dst, stream, ctx):
         staging = _STAGING[ctx] = _Staging()
     if not staging.copy(uploads, offsets, dst, stream):
         for a, offset in zip(uploads, offsets):
-            cu.cuMemcpyHtoDAsync(dst + int(offset), a.ctypes.data, a.nbytes, stream)
+            _checked(cu.cuMemcpyHtoDAsync(dst + int(offset), a.ctypes.data, a.nbytes, stream), "cuMemcpyHtoDAsync")
+
+
+def _checked(result, name):
+    """Raise where a driver call failed: a table copy that did not happen would leave the
+    launches reading the last call's tables (a wrong answer, not an error)."""
+    from cuda.bindings import driver as cu
+    err = result[0] if isinstance(result, tuple) else result
+    if err != cu.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"{name} failed: {err!r}")
 
 
 def _offsets(uploads):
@@ -466,6 +477,7 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
         plans.append(_Launch(entry[0], grid, block, smem, values, entry[1], slots))
     outs = [(tuple(a.shape), a.dtype, np.dtype(dt)) for a, dt in outputs]
     plan = Plan(plans, outs, total, finish, ctx, pool, len(uploads), constants)
-    if host_uploads is not None and len(uploads) == len(host_uploads) == 1:
+    if (host_uploads is not None and len(uploads) == len(host_uploads) == 1
+            and _arrays.nbytes(uploads[0]) >= host_uploads[0].nbytes):
         plan.uploaded = (uploads[0], _offsets(host_uploads), [a.tobytes() for a in host_uploads])
     return plan

@@ -419,6 +419,36 @@ def test_plan_uploads_are_copied_only_when_they_change(monkeypatch):
     assert len(copies) == 2
 
 
+def test_staged_uploads_copy_the_tables_bytes_and_check_the_copy(monkeypatch):
+    """The pinned staging copy writes the uploads' own bytes, ending at the last table's
+    last byte and not at the aligned end of the offsets (a plan may have adopted the full
+    path's device copy of a lone 84-byte table: copying 256 bytes into it failed in the
+    driver, so the plan's launches read the last call's table); a failed copy raises.
+    (Host-side: the driver's calls are recorded, not made.)"""
+    cu = pytest.importorskip("cuda.bindings.driver")
+    ok = cu.CUresult.CUDA_SUCCESS
+    pinned = np.zeros(4096, np.uint8)
+    copies, result = [], [ok]
+    monkeypatch.setattr(cu, "cuMemHostAlloc", lambda size, flags: (ok, pinned.ctypes.data))
+    monkeypatch.setattr(cu, "cuEventCreate", lambda flags: (ok, object()))
+    monkeypatch.setattr(cu, "cuEventRecord", lambda event, stream: (ok,))
+    monkeypatch.setattr(cu, "cuEventSynchronize", lambda event: (ok,))
+    monkeypatch.setattr(cu, "cuMemcpyHtoDAsync", lambda dst, src, n, stream: copies.append(
+        (dst, pinned[:n].copy())) or (result[0],))
+    table = np.arange(21, dtype=np.int32).reshape(3, 7)
+    lens = np.array([3, 5], np.int32)
+    staging = _plans._Staging()
+    assert staging.copy([table], _plans._offsets([table]), 1000, 0)
+    assert copies[-1][0] == 1000 and copies[-1][1].tobytes() == table.tobytes()        # 84 bytes, not 256
+    offsets = _plans._offsets([table, lens])
+    assert staging.copy([table, lens], offsets, 1000, 0)
+    assert copies[-1][1].size == 256 + lens.nbytes
+    assert copies[-1][1][:84].tobytes() == table.tobytes() and copies[-1][1][256:].tobytes() == lens.tobytes()
+    result[0] = cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync failed"):
+        staging.copy([table], _plans._offsets([table]), 1000, 0)
+
+
 def test_parameter_buffer_layout():
     """Each kernel parameter sits in its own 8-byte cell, as cuLaunchKernel reads it through
     the array of pointers: float32 in the low 4 bytes, float64 and int64 whole; the pointer
