@@ -189,14 +189,14 @@ class _Interface:
                                     "data": (owner.ctypes.data, False)}
 
 
-def packed_view(ary, align=8):
+def packed_view(ary):
     """The uint64 view of a uint16 device array whose last axis is contiguous, of a
-    multiple of 4 long, and whose other strides and start are multiples of ``align`` (8 or
-    16) bytes: element ``[..., i]`` holds elements ``4 i`` (lowest bits) to ``4 i + 3``.
-    None where those do not hold."""
+    multiple of 4 long, and whose other strides and start are multiples of 8 bytes: element
+    ``[..., i]`` holds elements ``4 i`` (lowest bits) to ``4 i + 3``. None where those do
+    not hold."""
     shape, strides = tuple(ary.shape), tuple(ary.strides)
-    if (shape[-1] % 4 or strides[-1] != 2 and shape[-1] > 1 or any(s % align for s in strides[:-1])
-            or device_pointer(ary) % align):
+    if (shape[-1] % 4 or strides[-1] != 2 and shape[-1] > 1 or any(s % 8 for s in strides[:-1])
+            or device_pointer(ary) % 8):
         return None
     shape, strides = shape[:-1] + (shape[-1] // 4,), strides[:-1] + (8,)
     if SIMULATOR:

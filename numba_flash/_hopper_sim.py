@@ -22,17 +22,11 @@ Hopper kernels run unchanged, one Python thread per GPU thread (``_simulator``).
   tuple. Results are complete at issue, so ``wgmma_wait`` and the fences are no-ops.
 * ``named_barrier`` / ``named_arrive``: ``bar.sync`` / ``bar.arrive`` among the threads
   that name the barrier, counted per thread (kernels call them from whole warps).
-* Bulk copies to global memory (``bulk_store``): the shared bytes are read at issue and
-  written to global memory only when a ``bulk_wait*`` retires their group, the latest a
-  GPU may; the shared bytes must then still be those read at issue (else the kernel
-  changed them before its wait: an error). So a missing wait leaves the rows unwritten
-  (the tests' NaN-poisoned outputs fail) and an early rewrite of the staging raises.
 
 Per-block state hangs off the block of ``_simulator`` (its ``extra`` dict and a condition
 variable on its lock, which an abort wakes). Waits give up after ``_TIMEOUT_S`` with an
 error that says what was missing: a guard against a deadlocked kernel, not a time budget.
 """
-import ctypes
 import itertools
 import threading
 import time
@@ -46,7 +40,7 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
-           "encode_tensor_map_4d", "st_shared_b32", "bulk_store", "bulk_commit", "bulk_wait_read", "bulk_wait"]
+           "encode_tensor_map_4d"]
 
 _TIMEOUT_S = 600.0
 # A slow warpgroup, for tests: ``(warpgroup, seconds)`` makes that warpgroup's threads pause
@@ -407,80 +401,6 @@ def tma_load_3d(dst, tmap, c0, c1, c2, mbar):
 
 def tma_load_4d(dst, tmap, c0, c1, c2, c3, mbar):
     _tma_load(dst, tmap, (c0, c1, c2, c3), mbar)
-
-
-# --------------------------------------------------------------------------- bulk copies to global memory
-def st_shared_b32(addr, value):
-    """``st.shared.b32``: the word at a shared address."""
-    _, st = _here()
-    view, off = _bytes_at(st, int(addr), 4)
-    view[off:off + 4] = np.array([int(value) & 0xFFFFFFFF], np.uint32).view(np.uint8)
-
-
-def _bulk_groups(t):
-    """This simulated thread's bulk copies: ``[committed groups (oldest first), open group]``."""
-    groups = t.__dict__.get("_bulk")
-    if groups is None:
-        groups = t._bulk = [[], []]
-    return groups
-
-
-def _check_global(gaddr, nbytes):
-    """Raise unless ``[gaddr, gaddr + nbytes)`` lies inside a device array the kernel took
-    the ``global_address`` of (what memcheck would call an out-of-bounds write)."""
-    with _arrays_lock:
-        arrays = list(_arrays.values())
-    for a in arrays:
-        base = a.__array_interface__["data"][0]
-        lo = base + sum(min(0, (n - 1) * s) for n, s in zip(a.shape, a.strides))
-        hi = base + sum(max(0, (n - 1) * s) for n, s in zip(a.shape, a.strides)) + a.itemsize
-        if a.size and lo <= gaddr and gaddr + nbytes <= hi:
-            return
-    raise RuntimeError(f"bulk copy: global bytes 0x{gaddr:x} (+{nbytes}) lie outside every array given to "
-                       "global_address")
-
-
-def bulk_store(gaddr, saddr, nbytes):
-    """``cp.async.bulk.global.shared::cta``: the shared bytes are read now and join this
-    thread's open group; their global write waits for a ``bulk_wait*`` of the group."""
-    t, st = _here()
-    gaddr, saddr, nbytes = int(gaddr), int(saddr), int(nbytes)
-    if nbytes <= 0 or nbytes % 16 or gaddr % 16 or saddr % 16:
-        raise RuntimeError(f"bulk copy of {nbytes} bytes from 0x{saddr:x} to 0x{gaddr:x}: sizes and both "
-                           "addresses must be multiples of 16")
-    view, off = _bytes_at(st, saddr, nbytes)
-    _check_global(gaddr, nbytes)
-    _bulk_groups(t)[1].append((gaddr, view, off, view[off:off + nbytes].copy()))
-
-
-def bulk_commit():
-    """``cp.async.bulk.commit_group``: the open group joins the committed ones."""
-    t, _ = _here()
-    groups = _bulk_groups(t)
-    groups[0].append(groups[1])
-    groups[1] = []
-
-
-def _bulk_retire(pending):
-    t, _ = _here()
-    committed = _bulk_groups(t)[0]
-    while len(committed) > pending:
-        for gaddr, view, off, data in committed.pop(0):
-            if not np.array_equal(view[off:off + data.size], data):
-                raise RuntimeError("bulk copy: its shared bytes changed before a bulk wait said the copy had read "
-                                   "them")
-            ctypes.memmove(gaddr, data.ctypes.data, data.size)
-
-
-def bulk_wait_read(pending):
-    """``cp.async.bulk.wait_group.read``: retires (writes) every committed group but the
-    ``pending`` newest."""
-    return lambda: _bulk_retire(pending)
-
-
-def bulk_wait(pending):
-    """``cp.async.bulk.wait_group``: as :func:`bulk_wait_read`."""
-    return lambda: _bulk_retire(pending)
 
 
 # --------------------------------------------------------------------------- warpgroup MMA

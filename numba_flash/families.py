@@ -59,8 +59,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
         hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
         stream = _arrays.stream_handle(inp.stream)
         maps = [_tma_maps(q4, k4, v4, spec.tiling, stream) for q4, _, _, _, k4, v4 in hviews]
-        align = forward_wgmma.out_align(spec.kernel())
-        packed = [_arrays.packed_view(o4, align) for _, o4, _, _, _, _ in hviews]
+        packed = [_arrays.packed_view(o4) for _, o4, _, _, _, _ in hviews]
         gaps = inp.packed is not None and inp.packed.gaps    # (its TMA boxes would read a KV cache's unused rows)
         if hviews and not gaps and all(x is not None for x in maps + packed):     # (arrays compare elementwise)
             return _hopper_launches(inp, spec, hviews, maps, packed, score_args, sm_count)

@@ -153,30 +153,6 @@ tma_load_4d = _void("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrie
                     "``(d, N, B2, B1)``, any strides.")
 
 
-# --------------------------------------------------------------------------- bulk copies to global memory
-st_shared_b32 = _void("st.shared.b32 [$0], $1;", (U32, U32), "r,r", "Store a 32-bit word at a shared address.")
-bulk_store = _void("{ .reg .b64 g; cvta.to.global.u64 g, $0; "
-                   "cp.async.bulk.global.shared::cta.bulk_group [g], [$1], $2; }", (U64, U32, U32), "l,r,r",
-                   "``cp.async.bulk`` (no tensor map): ``bytes`` (a multiple of 16) from a shared address to "
-                   "a global one (its generic address), both 16-byte aligned, asynchronously, in this "
-                   "thread's open bulk group. Writes to that shared memory must be made visible to the "
-                   "async proxy first (``fence_async_shared``), and it must not change before "
-                   "``bulk_wait_read`` says the copy has read it.")
-bulk_commit = _void("cp.async.bulk.commit_group;", doc="Close this thread's group of bulk copies issued so far.")
-
-
-def bulk_wait_read(pending):
-    """``cp.async.bulk.wait_group.read pending``: wait until at most ``pending`` of this
-    thread's bulk groups still read their shared memory (which may then change)."""
-    return _void(f"cp.async.bulk.wait_group.read {int(pending)};")
-
-
-def bulk_wait(pending):
-    """``cp.async.bulk.wait_group pending``: wait until at most ``pending`` of this thread's
-    bulk groups are incomplete (their writes done)."""
-    return _void(f"cp.async.bulk.wait_group {int(pending)};")
-
-
 def smem_descriptor(lbo, sbo, swizzle):
     """An intrinsic ``(shared address) -> u64``: the wgmma matrix descriptor of the tile at that
     address: start address >> 4, leading-dimension byte offset ``lbo``, stride byte offset

@@ -22,12 +22,6 @@ if not SIMULATOR:
     shfl_sync = cuda.shfl_sync
     shfl_xor_sync = cuda.shfl_xor_sync
     shfl_down_sync = cuda.shfl_down_sync
-    any_sync = cuda.any_sync
-
-    @cuda.jit(device=True, inline=True)
-    def syncwarp(mask):
-        """``__syncwarp(mask)`` (numba types it as an attribute of ``cuda`` only)."""
-        cuda.syncwarp(mask)
 
 else:
     # A guard against a hang (a lane named in the mask that exited or took another branch),
@@ -90,13 +84,3 @@ else:
         lane, values = _exchange(mask, value)
         src = lane + int(delta)
         return values[src] if src < 32 else value
-
-    def any_sync(mask, predicate):
-        """``__any_sync``: whether ``predicate`` holds on any lane in ``mask``."""
-        _, values = _exchange(mask, bool(predicate))
-        return any(values[lane] for lane in range(32) if int(mask) >> lane & 1)
-
-    def syncwarp(mask=FULL_MASK):
-        """``__syncwarp``: the lanes in ``mask`` meet (their memory accesses before it are
-        seen by each other after it)."""
-        _exchange(mask, None)

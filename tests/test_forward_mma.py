@@ -194,9 +194,9 @@ def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
     """Each of ``options`` of ``make_forward_wgmma`` forced away from the value the registry's
     kernel resolves it to gives that kernel's bits, within the tolerance of the float64
     oracle, for ``rules``: causal rows with Nq > Nk, so that query tiles with no key lie
-    between tiles with keys; full rows; a window; a varlen batch with an empty sequence.
-    (In the simulator one persistent block takes every item, so every transition between
-    items runs.)"""
+    between tiles with keys; full rows; a varlen batch with an empty sequence. (In the
+    simulator one persistent block takes every item, so every transition between items
+    runs.)"""
     if ON_GPU:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
@@ -212,12 +212,11 @@ def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
         q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
         call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
     else:
-        opts = {"causal": {"causal": True}, "window": {"window": (100, 0)}}.get(rules, {})
+        causal = rules == "causal"
         q = rng.standard_normal((1, 300, d)).astype(ml_dtypes.bfloat16)
-        k, v = (rng.standard_normal((1, {"causal": 90, "window": 350}.get(rules, 150), d)).astype(ml_dtypes.bfloat16)
-                for _ in range(2))
-        _assert_hopper_launch(q, k, v, **opts)
-        call = lambda: numba_flash.attention_fwd(q, k, v, **opts)  # noqa: E731
+        k, v = (rng.standard_normal((1, 90 if causal else 150, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
+        _assert_hopper_launch(q, k, v, causal=causal)
+        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
     built = []
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
@@ -230,7 +229,7 @@ def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
                 check_forward_low(np.swapaxes(default[0][rows], 0, 1)[None], None,
                                   *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
-        check_forward_low(default[0], default[1], q, k, v, {"causal": False, **opts}, None)
+        check_forward_low(default[0], default[1], q, k, v, causal, None)
     for option in options:
         forced = not resolved[option]
         monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
@@ -242,61 +241,15 @@ def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
 
 
 @pytest.mark.parametrize("options, rules, d", [
-    (("overlap", "bulk_store", "q_warp"), "causal", 128), (("overlap",), "full", 128),
-    (("overlap", "bulk_store", "lookahead", "q_warp"), "packed", 128), (("overlap",), "window", 128),
-    (("bulk_store", "lookahead", "q_warp"), "full", 64)], ids=lambda x: "+".join(x) if isinstance(x, tuple) else None)
+    (("overlap",), "causal", 128), (("overlap",), "full", 128), (("overlap",), "packed", 128)],
+    ids=lambda x: "+".join(x) if isinstance(x, tuple) else None)
 def test_hopper_options_change_no_bit(options, rules, d, monkeypatch):
     """Options of ``make_forward_wgmma`` that change when things happen, not what is
-    computed, each forced on where the kernel has it off and off where on. ``overlap`` (an
+    computed, each forced on where the kernel has it off and off where on: ``overlap`` (an
     item's last P V issued with the next item's first Q Kᵀ; by default for causal rows with
-    two consumer warpgroups at d = 64 and packed rows) at d = 128 (two consumers), windows
-    too (``OVERLAP_WINDOWS``). ``bulk_store`` (the epilogue through shared memory and bulk
-    copies) writes the bits the 8-byte stores write: every row of every item, rows past a
-    sequence's end left alone (the varlen batch's next sequence), items with no key
-    (zeros), three consumer warpgroups (full rows at d = 64: 192 rows) and two; in the
-    simulator a copy's shared bytes are read at issue and written at its wait, and must be
-    unchanged then, so a missing wait leaves rows unwritten and an early rewrite of the
-    staging raises. ``lookahead`` (the producer finds its next item before its last V
-    load): items of one key tile and of several, items with none, a packed batch.
-    ``q_warp`` (Q tiles loaded by a thread of their own): the same."""
+    two consumer warpgroups at d = 64 and packed rows) at d = 128 (two consumers), where
+    causal rows have it only when packed."""
     _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch)
-
-
-@pytest.mark.parametrize("d, causal", [(64, False), (128, True)])
-def test_hopper_lazy_rescale_matches_the_oracle(d, causal, monkeypatch):
-    """``make_forward_wgmma(lazy_rescale=True)``: rows keep their maximum while a tile's
-    stays within ``RESCALE_SLACK`` of it and O is rescaled only when a warp's vote says a
-    row took a new one. Keys whose scale grows along the row (so that some tiles raise a
-    row's maximum by more than the slack and others by less) and a second problem of
-    plain keys: both within the oracle's tolerance, out and lse; in the simulator the
-    vote is watched, and both of its answers occur."""
-    if ON_GPU:
-        from numba import cuda
-        if cuda.get_current_device().compute_capability != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
-    from numba_flash import warp
-    from numba_flash.kernels import forward_wgmma
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
-    plain = forward_wgmma.make_forward_wgmma
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda dt, dd, scores, **kw: plain(dt, dd, scores, lazy_rescale=True, **kw))
-    votes = []
-    if not ON_GPU:
-        vote = warp.any_sync
-        monkeypatch.setattr(warp, "any_sync", lambda mask, p: votes.append(vote(mask, p)) or votes[-1])
-    rng = np.random.default_rng(43 + d)
-    nq, nk = 140, 700
-    ramp = np.linspace(0.2, 4.0, nk)[:, None]
-    q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
-    k = (ramp * rng.standard_normal((1, nk, d))).astype(ml_dtypes.bfloat16)
-    v = rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16)
-    for keys in (k, (k.astype(np.float32) / ramp).astype(ml_dtypes.bfloat16)):
-        _assert_hopper_launch(q, keys, v, causal=causal)
-        out, lse = numba_flash.attention_fwd(q, keys, v, causal=causal)
-        check_forward_low(host(out), host(lse), q, keys, v, causal, None)
-    if not ON_GPU:
-        assert True in votes and False in votes, votes
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

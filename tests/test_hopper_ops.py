@@ -547,21 +547,18 @@ def test_forward_in_simulator(d, causal, nq, nk):
     check_forward(d, causal, nq, nk, (1, 1))
 
 
+def test_packed_output_views_check_the_alignment():
+    """The Hopper forward's output view (``_arrays.packed_view``): quads of 16-bit values
+    whose rows start on 8 bytes; a view whose start or row stride is not a multiple of 8
+    bytes is refused (None: the next family takes the call), never written out of line."""
+    import numpy as np
+    from numba_flash import _arrays
+    wide = cuda.to_device(np.zeros((2, 3, 5, 8), np.uint16))
+    assert _arrays.packed_view(cuda.to_device(np.zeros((2, 3, 5, 4), np.uint16))) is not None
+    assert _arrays.packed_view(wide[..., 4:]) is not None          # 8 bytes in, rows 16 apart
+    assert _arrays.packed_view(wide[..., 2:6]) is None             # 4 bytes in
+    assert _arrays.packed_view(cuda.to_device(np.zeros((2, 3, 5, 6), np.uint16))[..., :4]) is None  # rows 12 apart
+
+
 if __name__ == "__main__":
     main()
-
-
-def test_packed_output_views_check_the_alignment_asked():
-    """The Hopper forward's output view (``_arrays.packed_view``): quads of 16-bit values
-    whose rows start on 8 bytes, or on 16 for the bulk copies of ``bulk_store``
-    (``forward_wgmma.out_align``); a view that does not align is refused (None: the next
-    family takes the call), never written out of line."""
-    import numpy as np
-    from numba import cuda
-    from numba_flash import _arrays
-    from numba_flash.kernels import forward_wgmma as F
-    rows16, rows8 = (cuda.to_device(np.zeros((2, 3, 5, d), np.uint16)) for d in (8, 4))
-    assert _arrays.packed_view(rows16, 16) is not None and _arrays.packed_view(rows8, 8) is not None
-    assert _arrays.packed_view(rows8, 16) is None
-    assert F.out_align(F.make_forward_wgmma("bfloat16", 64, F.ScoreSpec(), bulk_store=True)) == 16
-    assert F.out_align(F.make_forward_wgmma("bfloat16", 64, F.ScoreSpec(), bulk_store=False)) == 8

@@ -15,7 +15,7 @@ import pytest
 from numba_flash import registry
 from numba_flash.kernels import forward_wgmma
 from numba_flash.scores import PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, SOFTCAP_TANH
-from conftest import HANG_GUARD_S, collect_ptx_compile, project_env, run_compile_probe, start_ptx_compile
+from conftest import HANG_GUARD_S, collect_ptx_compile, project_env, start_ptx_compile
 
 ROOT = Path(__file__).resolve().parents[1]
 SPECS = {s.name: s for s in registry.specialisations()}
@@ -365,47 +365,3 @@ def test_registry_is_the_source_of_dtypes():
     assert {v.direction for v in registry.VARIANTS.values()} == {"forward", "backward", None}
     with pytest.raises(ValueError, match="direction must be one of"):
         registry.dtypes("sideways")
-
-
-
-_BULK_PROBE = """
-import json
-from numba_flash import ptx, registry
-from numba_flash.kernels import forward_wgmma
-from numba_flash.scores import FULL
-spec = registry.specialisation("forward_wgmma", "bfloat16", 128, FULL)
-tool = ptx.find_ptxas()
-found = []
-for options in (dict(bulk_store=True, lookahead=True, lazy_rescale=True), dict(q_warp=True)):
-    kern = forward_wgmma.make_forward_wgmma("bfloat16", 128, FULL, bm=spec.tiling.BM, **options)
-    text = ptx.compile_ptx(kern.py_func, spec.signature(), [(9, 0, "a")], (spec.tiling.threads, 1))[(9, 0, "a")]
-    found.append({"smem": kern.smem_bytes, "text": text, "ptxas": ptx.assemble(text, (9, 0, "a"), tool) if tool else None})
-print(json.dumps(found))
-"""
-
-
-def test_hopper_forward_options_compile():
-    """The Hopper forward's options not yet the registry's (docs/performance.md item 85),
-    all on, bf16 d = 128 full rows: it compiles for sm_90a. ``bulk_store``, whose staging
-    area leaves 160 bytes of the 227 KiB there: the thread's 64 outputs go to shared memory
-    as 32 unrolled ``st.shared.b32`` (a rolled loop would pick the accumulator's registers
-    by branching), each row leaves by a ``cp.async.bulk`` from shared to global memory after
-    the proxy fence, and no global store writes the output (the two left are lse's).
-    ``lazy_rescale``: one warp vote a tile. With ptxas, no spills (``lookahead``'s producer
-    holds two items) and the products asynchronous (``lazy_rescale`` branches around O's
-    rescaling, outside the products' pipeline stage). ``q_warp`` apart (its producer's
-    second walk through the schedule spills a few words in the producer's code): it
-    compiles, products asynchronous. (A process of its own: this one may run the
-    simulator, which compiles nothing.)"""
-    from numba_flash import ptx
-    r, r_qwarp = json.loads(run_compile_probe(_BULK_PROBE).splitlines()[-1])
-    text = r["text"]
-    assert r["smem"] <= forward_wgmma.SMEM_LIMIT < r["smem"] + 256
-    assert text.count("st.shared.b32") == 32 and text.count("cp.async.bulk.global.shared::cta") == 2
-    assert "fence.proxy.async.shared::cta" in text and "cp.async.bulk.wait_group.read 0" in text
-    assert ptx.features(text)["st.global"] == 2 and ".local" not in text
-    assert text.count("vote.sync.any") == 1
-    assert r_qwarp["text"].count("wgmma.mma_async") == text.count("wgmma.mma_async")
-    if r["ptxas"] is not None:
-        assert r["ptxas"]["spill_stores"] == 0 and not r["ptxas"]["wgmma_serialized"], r["ptxas"]
-        assert not r_qwarp["ptxas"]["wgmma_serialized"], r_qwarp["ptxas"]

@@ -89,40 +89,6 @@ HEAD_DIMS = (64, 128)
 # was measured 10-15 % slower on an H200 (docs/performance.md item 32): none by default; the
 # factory's ``exp2_fma`` keeps the option, tested.
 EXP2_FMA_SOFTCAP = 0
-# The epilogue through shared memory: each thread writes its rows' packed outputs into a
-# staging area and one lane per row hands the row to the copy engine (``cp.async.bulk``,
-# no tensor map, so any output view whose rows are 16-byte aligned), instead of 8-byte
-# global stores after a shuffle (:func:`wgmma_parts.make_store_rows`). The factory's
-# ``bulk_store``; not yet the registry's (not yet measured on a GPU).
-BULK_STORE = False
-# The producer (one thread) finds its next work item (``place``: the schedule's arithmetic,
-# a packed batch's search of its sequence table) between an item's last K load and its
-# last V load, whose stage the consumers are still using, so that the next item's Q and
-# K_0 loads follow that V at once rather than after the search (an item with one key tile
-# loads its V first: the consumers need it soon). The same loads in the same order. The
-# factory's ``lookahead``; not yet the registry's (not yet measured on a GPU).
-LOOKAHEAD_PLACE = False
-# The Q tiles loaded by a thread of the producer's second warp, each as soon as its buffer
-# is free (the consumers release a Q buffer once an item's last Q Kᵀ is done; with two
-# buffers that is about an item before the Q is needed), rather than by the producer's
-# thread after the item before's last V load (which waits for the consumers to free a V
-# stage, near that item's end): the Q load's latency hidden behind a whole item. The
-# factory's ``q_warp``; not yet the registry's (not yet measured on a GPU).
-Q_WARP = False
-# A row keeps its running maximum while a tile's stays within RESCALE_SLACK (log2 units) of
-# it: its exponentials are then at most 2^RESCALE_SLACK (P = 256 at most, exact enough in
-# bfloat16 and float16 alike, the sums in float32), and O is rescaled only when some row of
-# the warp took a new maximum (a warp-wide vote), which on long rows is seldom after the
-# first tiles: 32 (d = 64) or 64 (d = 128) multiplications a tile per thread saved, of
-# about 480 and 800 instructions. The output is exact whatever maximum a row keeps (O and
-# l carry the same one; lse = m + log2 l). The factory's ``lazy_rescale``; not yet the
-# registry's (not yet measured on a GPU).
-LAZY_RESCALE = False
-RESCALE_SLACK = 8.0
-# A window's items are short (nine key tiles at left = 1024), so its per-item cost counts:
-# the overlap of an item's last P V with the next item's first Q Kᵀ (:func:`overlaps`) may
-# pay there as it did for short causal rows at d = 64; not yet measured, so off.
-OVERLAP_WINDOWS = False
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
@@ -225,43 +191,21 @@ def buffers(D):
     return (2, 2) if D > 64 else (2, 4)
 
 
-def staging(D):
-    """The output staging area of :data:`BULK_STORE`'s epilogue at head dim ``D``: ``(row
-    bytes, row stride, group stride)``. A row is the ``2 D`` bytes a bulk copy takes;
-    rows go in groups of eight, ``2 D + 16`` bytes apart within a group (an odd multiple of
-    16 bytes: the eight rows a warp's store reaches at once, each lane a word of the quad
-    that shares a row, fall in 32 different banks), and a group is ``7 (2 D + 16) + 2 D``
-    bytes long (the last row unpadded: at d = 128 a uniform stride would not fit beside
-    two Q buffers and two stages)."""
-    row = 2 * D
-    return row, row + 16, 7 * (row + 16) + row
-
-
-def _layout(D, qbuf, stages, bn=BN, bm=BM, bulk=False):
+def _layout(D, qbuf, stages, bn=BN, bm=BM):
     nsub = D // 64
     sub_q, sub_k = bm * SUB, bn * SUB          # bytes of one 64-column sub-tile
     q_off = 0
     k_off = q_off + qbuf * nsub * sub_q
     v_off = k_off + stages * nsub * sub_k
-    o_off = v_off + stages * nsub * sub_k      # (BULK_STORE) the output's staging area
-    bar_off = o_off + (bm // 8 * staging(D)[2] if bulk else 0)
-    return nsub, sub_q, sub_k, q_off, k_off, v_off, o_off, bar_off
+    bar_off = v_off + stages * nsub * sub_k
+    return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
 
 
-def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, bulk=None):
-    """Q's buffers (``bm`` rows each), the K and V rings, with ``bulk`` (default: the
-    :data:`BULK_STORE` of :func:`bulk_default`) the output's staging area, the mbarriers
-    (full and empty per Q buffer, per K stage and per V stage), and room to align the base
-    to 1024 bytes."""
+def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
+    """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
+    Q buffer, per K stage and per V stage), and room to align the base to 1024 bytes."""
     qbuf, stages = buffers(D) if qbuf is None else (qbuf, stages)
-    bulk = bulk_default(D, qbuf, stages, bn, bm) if bulk is None else bulk
-    return _layout(D, qbuf, stages, bn, bm, bulk)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
-
-
-def bulk_default(D, qbuf, stages, bn=BN, bm=BM):
-    """:data:`BULK_STORE` where the staging area fits beside the tiling's buffers (every
-    tiling of the registry; not, say, 192-key tiles at d = 64), else False."""
-    return BULK_STORE and smem_bytes(D, qbuf, stages, bn, bm, True) <= SMEM_LIMIT
+    return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
 def overlaps(scores, bm, d):
@@ -274,15 +218,14 @@ def overlaps(scores, bm, d):
     per-item schedule: the overlap's code takes Numba's front end 5.7 s longer for that
     kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
     (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
-    tiles (up to 300 bytes). Windows with :data:`OVERLAP_WINDOWS` (not measured: off)."""
-    return bm // ROWS == 2 and (scores.causal and (d == 64 or scores.packed) or OVERLAP_WINDOWS and scores.window)
+    tiles (up to 300 bytes)."""
+    return bm // ROWS == 2 and scores.causal and (d == 64 or scores.packed)
 
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, bulk_store: bool = None, lookahead: bool = None,
-                       lazy_rescale: bool = None, q_warp: bool = None):
+                       overlap: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -294,13 +237,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     H200, docs/performance.md item 57); ``bm``: query rows per block, 64 per consumer
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
-    :func:`overlaps`); ``bulk_store``: the epilogue through shared memory and bulk copies
-    (default :func:`bulk_default`; the output's rows must then be 16-byte aligned);
-    ``lookahead``: the producer finds its next work item before its last V load rather
-    than after it (default :data:`LOOKAHEAD_PLACE`); ``lazy_rescale``: rows keep their
-    maximum within :data:`RESCALE_SLACK` and O is rescaled only when a row of the warp
-    took a new one (default :data:`LAZY_RESCALE`); ``q_warp``: a thread of the producer's
-    second warp loads the Q tiles (default :data:`Q_WARP`)."""
+    :func:`overlaps`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -336,15 +273,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     FLOAT_POS = scores.alibi and scores.mods is None
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
-    BULK = bulk_default(D, QBUF, STAGES, BN, BM) if bulk_store is None else bulk_store
-    LOOKAHEAD = LOOKAHEAD_PLACE if lookahead is None else lookahead
-    QWARP = Q_WARP if q_warp is None else q_warp
-    LAZY = LAZY_RESCALE if lazy_rescale is None else lazy_rescale
-    SLACK = numba.float32(RESCALE_SLACK)
-    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, O_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM, BULK)
-    assert smem_bytes(D, QBUF, STAGES, BN, BM, BULK) <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
-    ROW_BYTES, ROW_STRIDE, GROUP_BYTES = staging(D)
-    wait_read, wait_written = H.bulk_wait_read(0), H.bulk_wait(0)
+    NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
+    assert smem_bytes(D, QBUF, STAGES, BN, BM) <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
@@ -353,7 +283,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     zeros_o = H.accumulator(64)
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the
     # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
-    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED or LOOKAHEAD or QWARP else 24
+    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED else 24
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
@@ -483,15 +413,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         if FLOAT_POS:
             mx0, mx1 = mx0 + add0, mx1 + add1
         mn0, mn1 = max(m0, mx0), max(m1, mx1)
-        if LAZY:                                  # (a row with no key yet keeps -inf until it has one)
-            mn0 = mx0 if mx0 > m0 + SLACK else m0
-            mn1 = mx1 if mx1 > m1 + SLACK else m1
         mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
         mu1 = ZERO if mn1 == NEG_INF else mn1
         alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
-        if LAZY:                                  # exactly 1 where the maximum stayed
-            alpha0 = F32(1) if mn0 == m0 else alpha0
-            alpha1 = F32(1) if mn1 == m1 else alpha1
         if FLOAT_POS:
             mu0, mu1 = mu0 - add0, mu1 - add1      # against s, which lacks the rows' parts
         rs0, rs1 = ZERO, ZERO
@@ -596,42 +520,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return count + 1
 
     @cuda.jit(device=True, inline=True)
-    def load_q(base, tq, b1, b2, q0, qs, n_q):
-        """The load of the ``n_q``-th Q tile (of the block's items with key tiles) once its
-        buffer is free; returns ``n_q + 1``."""
-        q_full, q_empty, _, _, _, _ = barriers(base)
-        buf = n_q % QBUF
-        if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
-            wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
-        H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
-        for sub in range(NSUB):
-            H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
-                          64 * sub, qs + q0, b2, b1, q_full + 8 * buf)
-        return n_q + 1
-
-    @cuda.jit(device=True, inline=True)
-    def load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks, g, n_q, ck, cv, last_v):
-        """The producer's loads of a work item with key tiles: Q (unless a thread of its own
-        loads the Q tiles: ``q_warp``), K_0, then K_j with V_{j-1} (the order the consumers
-        use them in), and with ``last_v`` the last V. Returns the counts of Q, K and V tiles
-        loaded."""
-        _, _, full_k, empty_k, full_v, empty_v = barriers(base)
-        if not QWARP:
-            n_q = load_q(base, tq, b1, b2, q0, qs, n_q)
-        b2k = b2 // group
-        ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                  ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
-        for j in range(1, tiles):
-            ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
-                      ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
-            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                      cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
-        if last_v:
-            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
-                      cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
-        return n_q, ck, cv
-
-    @cuda.jit(device=True, inline=True)
     def advance(st, phase):
         st += 1
         if st == STAGES:
@@ -707,60 +595,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
         inv0 = ZERO if l0 == ZERO else F32(1) / l0
         inv1 = ZERO if l1 == ZERO else F32(1) / l1
-        if BULK:
-            stage_rows(out, b1, b2, qs, row0, nq, o0, o1, inv0, inv1, tq4)
-        else:
-            store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
+        store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
         if tq4 == 0:
             if row0 < nq:
                 lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
             if row0 + 8 < nq:
                 lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
-
-    @cuda.jit(device=True, inline=True)
-    def block_base():
-        """The shared address of the block's layout (:func:`_layout`): the dynamic shared
-        memory's first 1024-aligned byte."""
-        sm = cuda.shared.array(0, numba.uint8, alignment=1024)
-        return (H.shared_address(sm) + 1023) & ~1023
-
-    @cuda.jit(device=True, inline=True)
-    def stage_rows(out, b1, b2, qs, row0, nq, o0, o1, inv0, inv1, tq4):
-        """:data:`BULK_STORE`'s epilogue of the thread's two rows: once this lane's copies of
-        the item before have read the staging area, the quad sharing a row writes its packed
-        words there (:func:`staging`: the thread's rows ``r`` and ``r + 8`` of the block lie
-        in consecutive groups of eight, at the same place), fences them for the copy engine,
-        and its first lane copies each row that exists (``row < nq``) to ``out[b1, b2, qs +
-        row]`` (a uint64 view: its strides in bytes) with one ``cp.async.bulk``. A quad's
-        rows are its own in the staging area, so a warp's rendezvous orders it."""
-        wait_read()
-        warp.syncwarp(warp.FULL_MASK)
-        ct = cuda.threadIdx.x - 128
-        r = ((ct >> 5) << 4) + ((ct & 31) >> 2)      # the thread's first row in the block
-        at0 = block_base() + O_OFF + (r >> 3) * GROUP_BYTES + (r & 7) * ROW_STRIDE + 4 * tq4
-        at1 = at0 + GROUP_BYTES
-        # element 4 c + e: row r + 8 (e // 2), column 8 c + 2 tq4 + e % 2, so bytes 16 c on;
-        # two loops of four, each unrolled (a longer one stayed rolled and picked the
-        # accumulator's registers by branching)
-        for h in range(2):
-            for u in range(4):
-                c = 4 * h + u
-                H.st_shared_b32(at0 + 16 * c, pack(o0[4 * c] * inv0, o0[4 * c + 1] * inv0))
-                H.st_shared_b32(at1 + 16 * c, pack(o0[4 * c + 2] * inv1, o0[4 * c + 3] * inv1))
-                if D == 128:
-                    H.st_shared_b32(at0 + 128 + 16 * c, pack(o1[4 * c] * inv0, o1[4 * c + 1] * inv0))
-                    H.st_shared_b32(at1 + 128 + 16 * c, pack(o1[4 * c + 2] * inv1, o1[4 * c + 3] * inv1))
-        H.fence_async_shared()
-        warp.syncwarp(warp.FULL_MASK)
-        if tq4 == 0:
-            I64 = numba.int64
-            at = (H.global_address(out) + I64(b1) * out.strides[0] + I64(b2) * out.strides[1]
-                  + I64(qs + row0) * out.strides[2])
-            if row0 < nq:
-                H.bulk_store(at, at0, ROW_BYTES)
-            if row0 + 8 < nq:
-                H.bulk_store(at + 8 * out.strides[2], at1, ROW_BYTES)
-        H.bulk_commit()
 
     @cuda.jit(device=True, inline=True)
     def next_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, out, lse, wg, w, g, tq4):
@@ -868,13 +708,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         item has completed). Returns the rows' statistics, O and the rings' places, the last
         tile's P V still owed."""
         for j in range(1, tiles):
-            was0, was1 = m0, m1
             m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
                 s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
                 m0, m1, l0, l1)
-            if not LAZY or warp.any_sync(warp.FULL_MASK, m0 != was0 or m1 != was1):
-                o0 = H.scale_rows(o0, alpha0, alpha1)
-                o1 = H.scale_rows(o1, alpha0, alpha1)
+            o0 = H.scale_rows(o0, alpha0, alpha1)
+            o1 = H.scale_rows(o1, alpha0, alpha1)
             pack_p(s, p)
         _, q_empty, _, _, _, _ = barriers(base)
         release(ct, q_empty + 8 * buf)
@@ -912,8 +750,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         geo = (nk, nk - Nq, left, right)
         geo0 = geo
 
+        sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         tid = cuda.threadIdx.x
-        base = block_base()
+        base = (H.shared_address(sm) + 1023) & ~1023
         q_full, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
         if tid == 0:
             for buf in range(QBUF):
@@ -930,45 +769,33 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         if tid < 128:                    # ---- producer warpgroup ---------------------------------
             give()
             if tid == 0:
-                if not QWARP:
-                    H.tensormap_acquire(H.global_address(tq))
+                H.tensormap_acquire(H.global_address(tq))
                 H.tensormap_acquire(H.global_address(tk))
                 H.tensormap_acquire(H.global_address(tv))
                 ck, cv = 0, 0            # K and V tiles loaded (all items)
                 n_q = 0                  # Q tiles loaded so far
-                if not LOOKAHEAD:
-                    for i in range(cuda.blockIdx.x, n_items, G):
-                        b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
-                        if tiles > 0:
-                            n_q, ck, cv = load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks,
-                                                    g, n_q, ck, cv, True)
-                elif cuda.blockIdx.x < n_items:
-                    i = cuda.blockIdx.x
-                    b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
-                    while True:
-                        # an item's loads but its last V (with one key tile: all of them), then the
-                        # next item's place while that V's stage is still in use, then that V
-                        late = tiles > 1
-                        if tiles > 0:
-                            n_q, ck, cv = load_item(base, tq, tk, tv, group, slopes, b1, b2, q0, kt0, tiles, qs, ks,
-                                                    g, n_q, ck, cv, not late)
-                        last_v = ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2) if late else ks
-                        vb1, vb2k = b1, b2 // group
-                        i += G
-                        if i < n_items:
-                            b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes,
-                                                                         seqs)
-                        if late:
-                            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v, cv, last_v, vb2k, vb1)
-                        if i >= n_items:
-                            break
-            elif QWARP and tid == 32:    # the Q tiles, each as soon as its buffer is free
-                H.tensormap_acquire(H.global_address(tq))
-                n_q = 0
                 for i in range(cuda.blockIdx.x, n_items, G):
-                    b1, b2, q0, _, tiles, qs, _, _, _ = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                    b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                     if tiles > 0:
-                        n_q = load_q(base, tq, b1, b2, q0, qs, n_q)
+                        buf = n_q % QBUF
+                        if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
+                            wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
+                        H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
+                        for sub in range(NSUB):
+                            H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
+                                          64 * sub, qs + q0, b2, b1, q_full + 8 * buf)
+                        n_q += 1
+                        b2k = b2 // group
+                        # K_0, then K_j with V_{j-1}: the order the consumers use them in
+                        ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                                  ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
+                        for j in range(1, tiles):
+                            ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
+                                      ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
+                            cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                                      cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
+                        cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
+                                  cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
@@ -1044,8 +871,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
-        if BULK:
-            wait_written()       # the block's shared memory outlives its last copies
 
     if PACKED:
         @cuda.jit(launch_bounds=(THREADS, 1))
@@ -1057,17 +882,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
                          sched)
 
-    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM, BULK)
-    # the options as resolved (out_align reads bulk_store; tests force each away from its value)
-    forward.options = dict(overlap=OVERLAP, bulk_store=BULK, lookahead=LOOKAHEAD, q_warp=QWARP, lazy_rescale=LAZY)
+    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
+    # the options as resolved (tests force each away from its value)
+    forward.options = dict(overlap=OVERLAP)
     forward.threads = THREADS
     return forward
-
-
-def out_align(kernel):
-    """The byte alignment a kernel of :func:`make_forward_wgmma` needs of its output rows'
-    start and strides: 16 for the bulk copies of ``bulk_store``, else 8 (8-byte stores)."""
-    return 16 if getattr(kernel, "options", {}).get("bulk_store") else 8
 
 
 def pair_place(i, G, units):
