@@ -329,12 +329,13 @@ class _Staging:
                 view = np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(int(ptr)))
                 slot = self.slots[i] = (ptr, size, event, view)
             else:
-                cu.cuEventSynchronize(slot[2])       # (long done, but for a ring's worth of calls in flight)
+                # (long done, but for a ring's worth of calls in flight)
+                _checked(cu.cuEventSynchronize(slot[2]), "cuEventSynchronize")
             ptr, _, event, view = slot
             for a, offset in zip(uploads, offsets):
                 view[int(offset):int(offset) + a.nbytes] = a.reshape(-1).view(np.uint8)
             _checked(cu.cuMemcpyHtoDAsync(dst, ptr, total, stream), "cuMemcpyHtoDAsync")
-            cu.cuEventRecord(event, stream)
+            _checked(cu.cuEventRecord(event, stream), "cuEventRecord")     # (the slot's next use waits on it)
         return True
 
 
@@ -355,7 +356,8 @@ def _upload(uploads, offsets, dst, stream, ctx):
 
 def _checked(result, name):
     """Raise where a driver call failed: a table copy that did not happen would leave the
-    launches reading the last call's tables (a wrong answer, not an error)."""
+    launches reading the last call's tables, and a staging buffer reused before its copy
+    has read it would give them the next call's (wrong answers, not errors)."""
     from cuda.bindings import driver as cu
     err = result[0] if isinstance(result, tuple) else result
     if err != cu.CUresult.CUDA_SUCCESS:

@@ -428,13 +428,13 @@ def test_staged_uploads_copy_the_tables_bytes_and_check_the_copy(monkeypatch):
     cu = pytest.importorskip("cuda.bindings.driver")
     ok = cu.CUresult.CUDA_SUCCESS
     pinned = np.zeros(4096, np.uint8)
-    copies, result = [], [ok]
+    copies, result = [], {"copy": ok, "record": ok}
     monkeypatch.setattr(cu, "cuMemHostAlloc", lambda size, flags: (ok, pinned.ctypes.data))
     monkeypatch.setattr(cu, "cuEventCreate", lambda flags: (ok, object()))
-    monkeypatch.setattr(cu, "cuEventRecord", lambda event, stream: (ok,))
+    monkeypatch.setattr(cu, "cuEventRecord", lambda event, stream: (result["record"],))
     monkeypatch.setattr(cu, "cuEventSynchronize", lambda event: (ok,))
     monkeypatch.setattr(cu, "cuMemcpyHtoDAsync", lambda dst, src, n, stream: copies.append(
-        (dst, pinned[:n].copy())) or (result[0],))
+        (dst, pinned[:n].copy())) or (result["copy"],))
     table = np.arange(21, dtype=np.int32).reshape(3, 7)
     lens = np.array([3, 5], np.int32)
     staging = _plans._Staging()
@@ -444,7 +444,10 @@ def test_staged_uploads_copy_the_tables_bytes_and_check_the_copy(monkeypatch):
     assert staging.copy([table, lens], offsets, 1000, 0)
     assert copies[-1][1].size == 256 + lens.nbytes
     assert copies[-1][1][:84].tobytes() == table.tobytes() and copies[-1][1][256:].tobytes() == lens.tobytes()
-    result[0] = cu.CUresult.CUDA_ERROR_INVALID_VALUE
+    result["record"] = cu.CUresult.CUDA_ERROR_INVALID_VALUE     # (the slot's next use could not wait)
+    with pytest.raises(RuntimeError, match="cuEventRecord failed"):
+        staging.copy([table], _plans._offsets([table]), 1000, 0)
+    result["copy"] = cu.CUresult.CUDA_ERROR_INVALID_VALUE
     with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync failed"):
         staging.copy([table], _plans._offsets([table]), 1000, 0)
 
