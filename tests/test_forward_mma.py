@@ -190,13 +190,16 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
     check_forward_low(out, lse, q, k, v, True, None)
 
 
-def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
-    """Each of ``options`` of ``make_forward_wgmma`` forced away from the value the registry's
-    kernel resolves it to gives that kernel's bits, within the tolerance of the float64
-    oracle, for ``rules``: causal rows with Nq > Nk, so that query tiles with no key lie
-    between tiles with keys; full rows; a varlen batch with an empty sequence. (In the
-    simulator one persistent block takes every item, so every transition between items
-    runs.)"""
+@pytest.mark.parametrize("rules", ["causal", "full", "packed"])
+def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
+    """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
+    ``overlap``; by default for causal rows with two consumer warpgroups at d = 64 and for
+    packed rows) changes when the products are issued, not what is computed: forced away
+    from what the registry's kernel resolves (d = 128, two consumers: on for the packed
+    batch, off otherwise), the kernel's bits, within the tolerance of the float64 oracle.
+    Causal rows with Nq > Nk, so that query tiles with no key lie between tiles with keys;
+    full rows; a varlen batch with an empty sequence. (In the simulator one persistent block
+    takes every item, so every transition between items runs.)"""
     if ON_GPU:
         from numba import cuda
         if cuda.get_current_device().compute_capability != (9, 0):
@@ -205,6 +208,7 @@ def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
     monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
     rng = np.random.default_rng(41)
+    d = 128
     plain = forward_wgmma.make_forward_wgmma
     if rules == "packed":
         lens = np.array([150, 0, 70])
@@ -221,7 +225,6 @@ def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
     default = [host(x) for x in call()]
-    resolved = built[-1].options
     if rules == "packed":
         for z in range(len(lens)):
             rows = slice(cu[z], cu[z + 1])
@@ -230,26 +233,13 @@ def _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch):
                                   *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
         check_forward_low(default[0], default[1], q, k, v, causal, None)
-    for option in options:
-        forced = not resolved[option]
-        monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                            lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, **{option: forced}, **kw))
-                            or built[-1])
-        result = [host(x) for x in call()]
-        assert built[-1].options[option] is forced
-        assert [bits(x) for x in result] == [bits(x) for x in default], (option, forced)
-
-
-@pytest.mark.parametrize("options, rules, d", [
-    (("overlap",), "causal", 128), (("overlap",), "full", 128), (("overlap",), "packed", 128)],
-    ids=lambda x: "+".join(x) if isinstance(x, tuple) else None)
-def test_hopper_options_change_no_bit(options, rules, d, monkeypatch):
-    """Options of ``make_forward_wgmma`` that change when things happen, not what is
-    computed, each forced on where the kernel has it off and off where on: ``overlap`` (an
-    item's last P V issued with the next item's first Q Kᵀ; by default for causal rows with
-    two consumer warpgroups at d = 64 and packed rows) at d = 128 (two consumers), where
-    causal rows have it only when packed."""
-    _assert_hopper_options_change_no_bit(options, rules, d, monkeypatch)
+    forced = not built[-1].overlap
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, overlap=forced, **kw))
+                        or built[-1])
+    result = [host(x) for x in call()]
+    assert built[-1].overlap is forced
+    assert [bits(x) for x in result] == [bits(x) for x in default], forced
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
