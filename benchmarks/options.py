@@ -35,7 +35,7 @@ def _common_options(p=None):
                    help=f"minimum total timed seconds per row (default {DEFAULT_MIN_TIME_S:g}; 0 with --tiny)")
     p.add_argument("--warmup", type=int, default=None, help=f"untimed calls first (default {DEFAULT_WARMUP}; with --tiny 1, or 0 in the simulator)")
     p.add_argument("--no-peers", action="store_true", help="skip the PyTorch SDPA peers")
-    p.add_argument("--no-flush-l2", action="store_true", help="do not overwrite L2 between repeats")
+    p.add_argument("--no-flush-l2", action="store_true", help="do not evict L2 between repeats")
     p.add_argument("--json", default=None, help="JSON output (default: results/bench-<mode>.json)")
     p.add_argument("--markdown", default=None, help="also write the table as a Markdown fragment here")
     p.add_argument("--csv", default=None, metavar="PATH",

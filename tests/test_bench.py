@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from numba_flash import reference
-from conftest import HANG_GUARD_S
+from conftest import HANG_GUARD_S, run_compile_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench.py"
@@ -159,6 +159,33 @@ def test_validation_blocks_subslice_big_shapes():
     assert sum(b[2] - b[1] for b in blocks if b[0] == (0, 0)) <= bench.VALIDATE_ROWS
     half = bench.VALIDATE_ROWS // 2
     assert ((0, 0), 0, half) in blocks and ((15, 15), 1024 - half, 1024) in blocks
+
+
+def test_l2_flush_reads_every_word():
+    """The flush's kernel (simulator): with a zero buffer it stores nothing; a buffer whose
+    words XOR to one, wherever the one sits, makes it store, so every word is read."""
+    from numba import cuda
+    from benchmarks import harness
+    kernel = cuda.jit(harness.read_all)
+    rng = np.random.default_rng()
+    n = int(rng.integers(40, 90))
+    for where in (None, 0, int(rng.integers(1, n - 1)), n - 1):
+        buf = np.zeros(n, dtype=np.uint64)
+        if where is not None:
+            buf[where] = 1
+        sink = np.full(1, 7, dtype=np.uint64)
+        kernel[2, 8](buf, sink)
+        assert sink[0] == (7 if where is None else 1), where
+
+
+def test_l2_flush_compiles_to_loads():
+    """The flush's kernel compiles (no GPU: NVVM) and keeps its loads and its store."""
+    out = run_compile_probe(
+        "from numba import cuda; from benchmarks import harness\n"
+        "ptx, _ = cuda.compile_ptx(harness.read_all, harness.FLUSH_SIGNATURE, cc=(9, 0))\n"
+        "print(ptx.count('ld.global'), ptx.count('st.global'))")
+    loads, stores = map(int, out.split()[-2:])
+    assert loads >= 1 and stores == 1, out
 
 
 def test_max_abs_err_nan_and_inf():
