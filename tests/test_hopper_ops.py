@@ -573,9 +573,9 @@ def test_packed_output_views_check_the_alignment():
     from numba_flash import _arrays
     wide = cuda.to_device(np.zeros((2, 3, 5, 8), np.uint16))
     assert _arrays.packed_view(cuda.to_device(np.zeros((2, 3, 5, 4), np.uint16))) is not None
-    assert _arrays.packed_view(wide[..., 4:]) is not None          # 8 bytes in, rows 16 apart
-    assert _arrays.packed_view(wide[..., 2:6]) is None             # 4 bytes in
-    assert _arrays.packed_view(cuda.to_device(np.zeros((2, 3, 5, 6), np.uint16))[..., :4]) is None  # rows 12 apart
+    assert _arrays.packed_view(wide[:, :, :, 4:]) is not None          # 8 bytes in, rows 16 apart
+    assert _arrays.packed_view(wide[:, :, :, 2:6]) is None             # 4 bytes in
+    assert _arrays.packed_view(cuda.to_device(np.zeros((2, 3, 5, 6), np.uint16))[:, :, :, :4]) is None  # rows 12 apart
 
 
 if __name__ == "__main__":
