@@ -39,8 +39,8 @@ from . import _simulator
 __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_init", "wgmma_wait", "setmaxnreg",
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
-           "tma_load_4d", "smem_descriptor", "desc_step", "accumulator", "scale_rows", "to_array", "wgmma",
-           "tensor_map_4d", "encode_tensor_map_4d"]
+           "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
+           "encode_tensor_map_4d"]
 
 _TIMEOUT_S = 600.0
 # A slow warpgroup, for tests: ``(warpgroup, seconds)`` makes that warpgroup's threads pause
@@ -411,18 +411,6 @@ def smem_descriptor(lbo, sbo, swizzle):
     def descriptor(addr):
         return ((int(addr) & 0x3FFFF) >> 4) | high
     return descriptor
-
-
-def desc_step(desc, offset):
-    """The descriptor ``offset`` bytes on (``ops_hopper.desc_step``): the start-address
-    field advanced by ``offset >> 4``; an offset that is not a multiple of 16 or that
-    carries out of the field raises (the GPU would read another tile)."""
-    d, offset = int(desc), int(offset)
-    field = (d & 0x3FFF) + (offset >> 4)
-    if offset % 16 or offset < 0 or field >> 14:
-        raise ValueError(f"desc_step: offset {offset} from start field {d & 0x3FFF:#x} leaves the descriptor's "
-                         "start-address field (14 bits of 16-byte units) or is not a multiple of 16 bytes")
-    return (d & ~0x3FFF) | field
 
 
 def accumulator(n):

@@ -171,28 +171,6 @@ def smem_descriptor(lbo, sbo, swizzle):
     return descriptor
 
 
-@intrinsic
-def desc_step(typingctx, desc, offset):
-    """The descriptor of the tile ``offset`` bytes after the one ``desc`` (a
-    :func:`smem_descriptor`'s value) describes: ``offset >> 4`` added to the start-address
-    field by one 32-bit add on the low word (the others kept), where the address, its mask,
-    shift and or would take four uniform instructions per product. Exact for the tiles'
-    16-byte multiples while the address stays below the field's 2¹⁸ bytes, as shared memory
-    does (227 KiB)."""
-    if not (isinstance(desc, types.Integer) and isinstance(offset, types.Integer)):
-        return None
-
-    def codegen(ctx, builder, sig, args):
-        d = ctx.cast(builder, args[0], sig.args[0], U64)
-        step = builder.lshr(ctx.cast(builder, args[1], sig.args[1], U32), I32(4))
-        # (inline PTX: as IR, LLVM folds the halves back into a 64-bit add with a carry)
-        asm = ir.InlineAsm(ir.FunctionType(I64, [I64, I32]),
-                           "{ .reg .b32 lo, hi; mov.b64 {lo, hi}, $1; add.u32 lo, lo, $2; mov.b64 $0, {lo, hi}; }",
-                           "=l,l,r")
-        return builder.call(asm, [d, step])
-    return U64(desc, offset), codegen
-
-
 # --------------------------------------------------------------------------- warpgroup MMA
 def _wgmma(n, dtype_name, a_in_registers, trans_b):
     kind = {"bfloat16": "bf16", "float16": "f16"}[dtype_name]

@@ -326,31 +326,6 @@ def test_hopper_backward_through_the_api(case, hkv, monkeypatch):
     check_backward_low(grads, dout, q, k, v, case.causal, case.scale)
 
 
-@pytest.mark.skipif(ON_GPU, reason="flips a module constant that compiled kernels have frozen; the simulator "
-                                     "reads it at each call")
-@pytest.mark.parametrize("d", [64, 128])
-def test_hopper_descriptor_steps_change_no_bit(d, monkeypatch):
-    """``wgmma_parts.DESC_STEPS`` (each k-step's wgmma descriptor stepped from its tile's
-    first by ``ops_hopper.desc_step``) on and off: the Hopper forward and backward give the
-    same bits (they read the same tiles), the row products over both sub-tiles at d = 128,
-    the column products narrow (d = 64) and wide (d = 128), causal rows."""
-    from numba_flash import ops_hopper
-    from numba_flash.kernels import wgmma_parts
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    case = BCase((1,), 130, 150, d, "bfloat16", causal=True, seed=47)
-    q, k, v, dout = case.inputs()
-    runs, step = [], ops_hopper.desc_step
-    for on in (False, True):
-        monkeypatch.setattr(wgmma_parts, "DESC_STEPS", on)
-        steps = []
-        monkeypatch.setattr(ops_hopper, "desc_step", lambda *a, _steps=steps: _steps.append(1) or step(*a))
-        fwd = numba_flash.attention_fwd(q, k, v, causal=True)
-        runs.append([host(x) for x in fwd] + list(_hopper_run(monkeypatch, case, q, k, v, dout)))
-        assert bool(steps) == on
-    assert [bits(x) for x in runs[0]] == [bits(x) for x in runs[1]]
-    check_backward_low(tuple(runs[1][2:]), dout, q, k, v, True, None)
-
-
 @pytest.mark.parametrize("rules", ["window+softcap+alibi", "alibi"])
 def test_hopper_backward_score_rules(rules, monkeypatch):
     """The Hopper backward with a window, softcap and ALiBi on grouped heads; and ALiBi

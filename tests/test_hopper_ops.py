@@ -55,7 +55,7 @@ def sample_kernel():
                 pass
             H.wgmma_fence()
             acc = mma_ss(zeros(), desc(base), desc(base + 8192), 0)
-            acc = mma_ss(acc, H.desc_step(desc(base), 32), H.desc_step(desc(base + 8192), 32), 1)  # (k-step 2)
+            acc = mma_ss(acc, desc(base + 32), desc(base + 8192 + 32), 1)
             acc = mma_rs(acc, numba.uint32(1), numba.uint32(2), numba.uint32(3), numba.uint32(4), desc(base), 1)
             H.wgmma_commit()
             wait0()
@@ -545,24 +545,6 @@ def test_forward_in_simulator(d, causal, nq, nk):
     if not _simulator():
         pytest.skip("the GPU runs test_forward_draft_on_gpu")
     check_forward(d, causal, nq, nk, (1, 1))
-
-
-def test_descriptor_steps():
-    """``ops_hopper.desc_step`` (the simulator's twin): a descriptor stepped by a
-    16-byte multiple is the descriptor of the address that far on, its other fields kept;
-    a step that is not a multiple of 16 or that leaves the 14-bit start-address field
-    raises."""
-    from numba_flash import _hopper_sim as S
-    for lbo in (16, 16384):
-        desc = S.smem_descriptor(lbo, 1024, 1)
-        for at in (0, 1024, 0x2c000, (1 << 18) - 4096):
-            for offset in (0, 32, 96, 2048, 4064):
-                assert S.desc_step(desc(at), offset) == desc(at + offset), (lbo, at, offset)
-    desc = S.smem_descriptor(16, 1024, 1)
-    with pytest.raises(ValueError, match="multiple of 16"):
-        S.desc_step(desc(1024), 8)
-    with pytest.raises(ValueError, match="start-address field"):
-        S.desc_step(desc((1 << 18) - 1024), 1024)
 
 
 def test_packed_output_views_check_the_alignment():

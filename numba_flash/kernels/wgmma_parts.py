@@ -19,23 +19,6 @@ DESC = H.smem_descriptor(16, 1024, 1)   # 128-byte swizzle, 8-row groups 1024 by
 # D = 128: a column product's B (MN-major) spans both 64-column sub-tiles in one m64n128k16
 # per 16 keys, rather than one m64n64k16 per sub-tile (False: the two narrow products)
 WIDE_COLUMNS = True
-# a product's k-steps' descriptors from its tile's first by ``ops_hopper.desc_step`` (one
-# uniform add each) rather than each from its address (ptxas: mask, shift, or and the
-# address's add, four to five uniform instructions per product). Not yet measured on an
-# H200: off (docs/performance.md item 88).
-DESC_STEPS = False
-
-
-def make_desc_at(desc):
-    """``desc_at(first, at, offset)``: the descriptor ``desc`` gives the tile at shared
-    address ``at + offset``, where ``first = desc(at)``: by :data:`DESC_STEPS`'s one add
-    from ``first``, else from the address (``first`` is then unused and compiled away)."""
-    @cuda.jit(device=True, inline=True)
-    def desc_at(first, at, offset):
-        if DESC_STEPS:
-            return H.desc_step(first, offset)
-        return desc(at + offset)
-    return desc_at
 
 
 def consumer_registers(producer, threads, producer_threads=128):
@@ -66,17 +49,15 @@ def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int):
     mma = H.wgmma(n, dtype_name)
     zeros = H.accumulator(n)
     desc = DESC
-    desc_at = make_desc_at(desc)
 
     @cuda.jit(device=True, inline=True)
     def sub_tile(acc, a_at, b_at, accumulate):
         """The four k-steps of one sub-tile, written out: a loop of these large
         instructions is not unrolled."""
-        da, db = desc(a_at), desc(b_at)
-        acc = mma(acc, da, db, accumulate)
-        acc = mma(acc, desc_at(da, a_at, 32), desc_at(db, b_at, 32), 1)
-        acc = mma(acc, desc_at(da, a_at, 64), desc_at(db, b_at, 64), 1)
-        return mma(acc, desc_at(da, a_at, 96), desc_at(db, b_at, 96), 1)
+        acc = mma(acc, desc(a_at), desc(b_at), accumulate)
+        acc = mma(acc, desc(a_at + 32), desc(b_at + 32), 1)
+        acc = mma(acc, desc(a_at + 64), desc(b_at + 64), 1)
+        return mma(acc, desc(a_at + 96), desc(b_at + 96), 1)
 
     @cuda.jit(device=True, inline=True)
     def product(a_at, b_at):
@@ -106,22 +87,18 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
     desc = DESC
     wide_desc = H.smem_descriptor(sub_b, 1024, 1)
     WIDE = D == 128 and WIDE_COLUMNS
-    desc_at, wide_at = make_desc_at(desc), make_desc_at(wide_desc)
 
     @cuda.jit(device=True, inline=True)
     def product(o0, o1, p, b_at):
         if WIDE:
             o = o0 + o1
-            db = wide_desc(b_at)
             for t in range(n_k // 16):
-                o = wide(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], wide_at(db, b_at, 2048 * t), 1)
+                o = wide(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], wide_desc(b_at + 2048 * t), 1)
             return o[:32], o[32:]
-        db = desc(b_at)
         for t in range(n_k // 16):
-            o0 = mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc_at(db, b_at, 2048 * t), 1)
+            o0 = mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + 2048 * t), 1)
             if D == 128:
-                o1 = mma(o1, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc_at(db, b_at, sub_b + 2048 * t),
-                         1)
+                o1 = mma(o1, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + sub_b + 2048 * t), 1)
         return o0, o1
     return product
 
