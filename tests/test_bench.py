@@ -372,3 +372,25 @@ def test_tiny_serving_run(tmp_path):
     assert varlen["flops"] < padded["flops"] and "vs_padded" in varlen
     paged = next(rec for rec in rows if rec["row"]["kind"] == "paged")
     assert "vs_contiguous" in paged
+    for rec in rows:            # decoding rows: back to back over two copies of their inputs
+        decoding = rec["row"]["kind"] in ("kvcache", "paged", "decode")
+        assert (rec.get("layers"), rec["ours"].get("back_to_back_ms", 0) > 0) == ((2, True) if decoding else
+                                                                                  (None, False)), rec
+
+
+def test_serving_layers_hold_more_than_l2():
+    """The decoding rows' back-to-back calls take turns over copies of their inputs that
+    hold together at least LAYER_BYTES of K/V (or MAX_LAYERS copies), in order."""
+    from benchmarks.modes import serving
+    decoding = [r for r in bench.SERVING_ROWS if r.kind in ("kvcache", "paged", "decode")]
+    assert decoding
+    for r in decoding:
+        n = serving.layer_count(r)
+        assert 2 <= n <= serving.MAX_LAYERS
+        assert n * serving.serving_bytes(r) >= serving.LAYER_BYTES or n == serving.MAX_LAYERS, (r, n)
+        assert (n - 1) * serving.serving_bytes(r) < serving.LAYER_BYTES or n == 2, (r, n)
+    seen = []
+    call = serving.in_turn([lambda i=i: seen.append(i) for i in range(3)])
+    for _ in range(7):
+        call()
+    assert seen == [0, 1, 2, 0, 1, 2, 0]

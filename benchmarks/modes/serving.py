@@ -1,6 +1,7 @@
 """``bench.py serving``: decoding against KV caches (contiguous and paged) and a packed
 variable-length prefill against its padded batch."""
 import dataclasses
+import itertools
 import sys
 import traceback
 
@@ -13,8 +14,8 @@ from numba import cuda  # noqa: E402  (after numba_flash)
 
 from ..environment import environment
 from ..gpu_pace import gpu_pace_ms
-from ..harness import (NP_DTYPES, SEED, TorchEvents, max_abs_err, measure_back_to_back, random_arrays, time_numba,
-                       time_torch, to_host)
+from ..harness import (L2_FLUSH_BYTES, NP_DTYPES, SEED, TorchEvents, max_abs_err, measure_back_to_back, random_arrays,
+                       time_numba, time_torch, to_host)
 from ..peers import PEER_DTYPES, PEERS, ratio, run_peer
 from ..report import Progress, _fmt, _header, labelled_series, simulator_notes, write_markdown, wrote
 from ..options import _csv_choice
@@ -81,6 +82,28 @@ def serving_flops(r: ServingRow) -> float:
 def serving_bytes(r: ServingRow) -> float:
     """Bytes of K and V a decode row must read (once per K/V head)."""
     return 2.0 * r.B * r.Nk * r.Hkv * r.d * NP_DTYPES[r.dtype].itemsize
+
+
+# A decoding step's layers each read their own cache: the decoding rows' back-to-back and
+# GPU-pace calls take turns over copies of the inputs holding together at least this many
+# bytes of K/V (twice an H200's 60 MB L2), so that no call finds the last one's K/V in L2.
+LAYER_BYTES = L2_FLUSH_BYTES // 2
+MAX_LAYERS = 8
+
+
+def layer_count(r: ServingRow, tiny=False) -> int:
+    """Copies of a decoding row's inputs its back-to-back calls take turns over: at least two
+    (two in the simulator, where the count only exercises the turns), enough for
+    :data:`LAYER_BYTES`, at most :data:`MAX_LAYERS`."""
+    if tiny:
+        return 2
+    return int(min(MAX_LAYERS, max(2, -(-LAYER_BYTES // serving_bytes(r)))))
+
+
+def in_turn(calls):
+    """One callable that calls ``calls`` in turn, one per call."""
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def _oracle_err(got, q, k, v, causal):
@@ -186,20 +209,27 @@ def run_serving(args):
                 rec["ours"] = time_numba(call, bench, rec["flops"])
                 decoding = r.kind in ("kvcache", "paged", "decode")
                 calls, runs = (1, 1) if args.tiny else (20, 5)      # (the simulator: one call, a smoke test)
+                layers = []         # the other layers' (call, peers): back to back, the calls take turns
                 if decoding and rec["ours"].get("ms_median"):
                     rec["ours"]["tb_per_s"] = serving_bytes(r) / (rec["ours"]["ms_median"] * 1e-3) / 1e12
-                    rec["ours"]["back_to_back_ms"] = measure_back_to_back(call, bench.events, bench, calls, runs)
+                    layers = [serving_inputs(r, bench)[:2] for _ in range(layer_count(r, args.tiny) - 1)]
+                    rec["layers"] = 1 + len(layers)
+                    ours_in_turn = in_turn([call] + [c for c, _ in layers])
+                    rec["ours"]["back_to_back_ms"] = measure_back_to_back(ours_in_turn, bench.events, bench, calls,
+                                                                          runs)
                     if bench.torch is not None:
-                        rec["ours"]["gpu_pace_ms"] = gpu_pace_ms(call, bench.torch)
+                        rec["ours"]["gpu_pace_ms"] = gpu_pace_ms(ours_in_turn, bench.torch)
                 for name, peer_call in peers.items():
                     if r.dtype in PEER_DTYPES[name] and bench.peers:
                         peer = run_peer(name, bench, lambda: time_torch(peer_call, bench, rec["flops"]))
                         peer["ratio"] = ratio(rec["ours"], peer)
-                        if decoding and "error" not in peer:
-                            peer["back_to_back_ms"] = measure_back_to_back(peer_call, TorchEvents(bench.torch),
+                        if layers and "error" not in peer:
+                            peer_in_turn = in_turn([peer_call] + [p[name] for _, p in layers])
+                            peer["back_to_back_ms"] = measure_back_to_back(peer_in_turn, TorchEvents(bench.torch),
                                                                            bench, calls, runs)
-                            peer["gpu_pace_ms"] = gpu_pace_ms(peer_call, bench.torch)
+                            peer["gpu_pace_ms"] = gpu_pace_ms(peer_in_turn, bench.torch)
                         rec["peers"][name] = peer
+                layers = ours_in_turn = peer_in_turn = None    # (their inputs freed before the next row's)
                 if r.kind == "varlen":
                     varlen[r.dtype] = rec
                 if r.kind == "kvcache" and r.Hkv == r.Hq:
@@ -285,8 +315,9 @@ def serving_notes(doc):
     return ["TFLOP/s: 4·d per visible (query, key) pair (padded: of its padded problem). TB/s: K and V bytes read "
             "once per K/V head ÷ time. varlen vs padded: time ratio and TFLOP/s ratio; paged vs contiguous: time "
             "ratio. peers: TFLOP/s (ours/peer). Back to back (decoding rows): ms per call of 20 calls queued "
-            "without synchronisation or L2 flush between them (a decoding step's layers), and each peer's time "
-            "over ours (above 1: ours faster). GPU pace (decoding rows, with PyTorch): the same calls queued behind "
+            "without synchronisation or L2 flush between them (a decoding step's layers), taking turns over "
+            "copies of the inputs (the JSON's \"layers\": together at least 128 MB of K/V, so that no call finds "
+            "the last one's K/V in L2), and each peer's time over ours (above 1: ours faster). GPU pace (decoding rows, with PyTorch): the same calls queued behind "
             "a GPU sleep, so that they run at the GPU's pace whatever the host's (benchmarks/gpu_pace.py)."] + simulator_notes(doc)
 
 
