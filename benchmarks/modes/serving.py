@@ -312,12 +312,15 @@ SERVING_COLUMNS = [
 
 
 def serving_notes(doc):
+    # (runs before the layers' turns re-read one cache back to back: their tables say so)
+    turns = ("taking turns over copies of the inputs (the JSON's \"layers\": together at least 128 MB of K/V, so "
+             "that no call finds the last one's K/V in L2)" if any("layers" in r for r in doc.get("rows", ()))
+             else "each on the same inputs")
     return ["TFLOP/s: 4·d per visible (query, key) pair (padded: of its padded problem). TB/s: K and V bytes read "
             "once per K/V head ÷ time. varlen vs padded: time ratio and TFLOP/s ratio; paged vs contiguous: time "
             "ratio. peers: TFLOP/s (ours/peer). Back to back (decoding rows): ms per call of 20 calls queued "
-            "without synchronisation or L2 flush between them (a decoding step's layers), taking turns over "
-            "copies of the inputs (the JSON's \"layers\": together at least 128 MB of K/V, so that no call finds "
-            "the last one's K/V in L2), and each peer's time over ours (above 1: ours faster). GPU pace (decoding rows, with PyTorch): the same calls queued behind "
+            f"without synchronisation or L2 flush between them (a decoding step's layers), {turns}, and each "
+            "peer's time over ours (above 1: ours faster). GPU pace (decoding rows, with PyTorch): the same calls queued behind "
             "a GPU sleep, so that they run at the GPU's pace whatever the host's (benchmarks/gpu_pace.py)."] + simulator_notes(doc)
 
 
