@@ -320,8 +320,9 @@ def serving_notes(doc):
             "once per K/V head ÷ time. varlen vs padded: time ratio and TFLOP/s ratio; paged vs contiguous: time "
             "ratio. peers: TFLOP/s (ours/peer). Back to back (decoding rows): ms per call of 20 calls queued "
             f"without synchronisation or L2 flush between them (a decoding step's layers), {turns}, and each "
-            "peer's time over ours (above 1: ours faster). GPU pace (decoding rows, with PyTorch): the same calls queued behind "
-            "a GPU sleep, so that they run at the GPU's pace whatever the host's (benchmarks/gpu_pace.py)."] + simulator_notes(doc)
+            "peer's time over ours (above 1: ours faster). GPU pace (decoding rows, with PyTorch): the same calls "
+            "queued behind a GPU sleep, so that they run at the GPU's pace whatever the host's "
+            "(benchmarks/gpu_pace.py)."] + simulator_notes(doc)
 
 
 def serving_point(rec):
