@@ -121,6 +121,16 @@ def test_gpu_pace_queues_each_repeat_behind_a_long_enough_sleep():
     assert ms == 5.0 / 3                                # the median repeat, per call
 
 
+def test_host_time_rows():
+    """tools/host_time.py: its row names are its rows' (bench.py's calls), checked."""
+    host_time = _load("host_time")
+    assert set(host_time._rows(lambda *shape: None)) == set(host_time.ROWS)
+    assert host_time.parse_rows(" varlen, decode_gqa,") == ["varlen", "decode_gqa"]
+    assert host_time.parse_rows("") == list(host_time.ROWS)
+    with pytest.raises(ValueError, match="unknown 'decoding'; the rows are forward"):
+        host_time.parse_rows("varlen,decoding")
+
+
 def test_first_call_parses_calls_and_rejects_bad_ones():
     first_call = _load("first_call")
     assert first_call.parse_calls("bfloat16,4,16,4096,128,0; float16,1,8,512,128,1;") == [
