@@ -10,7 +10,8 @@ event recorded before the call to one after it), its time at the GPU's pace
 host's part of the event time: what the GPU waits for before the kernels start. Then a
 cProfile of ``--calls`` synchronised calls, the functions with the most time of their own
 and the most time under them. docs/performance.md item 73 did this by hand for the
-serving rows; the rows here are bench.py's (forward, serving).
+serving rows; the rows here are bench.py's: the forward's (4,16,4096,128) and the serving
+mode's bfloat16 rows, their inputs made by ``benchmarks.modes.serving.serving_inputs``.
 """
 import argparse
 import cProfile
@@ -20,41 +21,33 @@ import pstats
 import statistics
 import sys
 import time
+import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))   # benchmarks/, numba_flash/ from this tree
 
-LENS = tuple(256 * i for i in range(1, 17))      # bench.py serving's varlen batch: 256 .. 4096 rows
+# row name -> bench.py serving's row label (its bfloat16 row)
+SERVING = {"varlen": "varlen", "padded": "padded", "decode": "decode", "decode_gqa": "decode gqa",
+           "kvcache": "kvcache", "kvcache_gqa": "kvcache gqa"}
 
 
 def _rows(rand):
-    """Row name -> a function that makes the inputs and returns the call (bench.py's shapes)."""
-    import numpy as np
-
+    """Row name -> a function that makes the inputs and returns the call (bench.py's)."""
     import numba_flash
+    from benchmarks.modes.serving import SERVING_ROWS, serving_inputs
+    serving = {r.label: r for r in SERVING_ROWS if r.dtype == "bfloat16"}
 
-    def attention(B, Hq, Hkv, Nq, Nk, causal):
-        q, k, v = rand(B, Hq, Nq, 128), rand(B, Hkv, Nk, 128), rand(B, Hkv, Nk, 128)
+    def attention(causal):
+        q, k, v = (rand(4, 16, 4096, 128) for _ in range(3))
         return lambda: numba_flash.attention(q, k, v, causal=causal)
 
-    def kvcache(Hkv):
-        q, kc, vc = rand(16, 1, 32, 128), rand(16, 8192, Hkv, 128), rand(16, 8192, Hkv, 128)
-        lens = np.full(16, 8192, np.int32)
-        return lambda: numba_flash.attention_with_kvcache(q, kc, vc, lens)
+    def served(label):
+        import torch
+        return serving_inputs(serving[label], types.SimpleNamespace(kind="torch", torch=torch))[0]
 
-    def varlen():
-        cu = np.concatenate([[0], np.cumsum(LENS)]).astype(np.int32)
-        q, k, v = (rand(int(cu[-1]), 16, 128) for _ in range(3))
-        return lambda: numba_flash.attention_varlen(q, k, v, cu, cu, causal=True)
-
-    return {"forward": lambda: attention(4, 16, 16, 4096, 4096, False),
-            "causal": lambda: attention(4, 16, 16, 4096, 4096, True),
-            "varlen": varlen,
-            "padded": lambda: attention(16, 16, 16, max(LENS), max(LENS), True),
-            "decode": lambda: attention(16, 32, 32, 1, 8192, False),
-            "decode_gqa": lambda: attention(16, 32, 8, 1, 8192, False),
-            "kvcache": lambda: kvcache(32),
-            "kvcache_gqa": lambda: kvcache(8)}
+    rows = {"forward": lambda: attention(False), "causal": lambda: attention(True)}
+    rows.update({name: (lambda label=label: served(label)) for name, label in SERVING.items()})
+    return rows
 
 
 ROWS = ("forward", "causal", "varlen", "padded", "decode", "decode_gqa", "kvcache", "kvcache_gqa")
