@@ -171,11 +171,11 @@ def _hopper_launches(inp, spec, views, maps, packed, score_args, sm_count):
     for (q4, _, l3, s3, k4, v4), tmaps, o2 in zip(views, maps, packed):
         b = q4.shape[0] * q4.shape[1]
         g = forward_wgmma.grid_size(rows, b, sm_count, t.BM)
-        # the sequence table, or the causal schedule's pairs (forward_wgmma.paired_places)
-        last = inp.packed.table if inp.packed is not None else (
-            forward_wgmma.paired_places(-(-rows // t.BM), b, g, 2 * math.prod(k4.shape[:2]) * inp.nk * inp.d
-                                        * inp.dtype.itemsize)      # (the bytes of K and V)
-            if forward_wgmma.paired(inp.scores, t.BM) else 0)
+        # the sequence table, or the schedule's argument (forward_wgmma.schedule: causal rows' pairs,
+        # the longest-first deal's rounds)
+        last = inp.packed.table if inp.packed is not None else forward_wgmma.schedule(
+            inp.rules, t.BM, rows, inp.nk, b, g, 2 * math.prod(k4.shape[:2]) * inp.nk * inp.d
+            * inp.dtype.itemsize)      # (the bytes of K and V)
         launches.append((kern, g, t.threads, kern.smem_bytes,
                          (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), last),
                          inp.stream))

@@ -298,8 +298,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     scale = 1 / math.sqrt(d)
     grid = grid or -(-nq // bm) * heads[0] * heads[1]
     if sched is None:       # the schedule a launch would take (the pairs of causal rows, where they pay)
-        n_qt, b = -(-nq // bm), heads[0] * heads[1]
-        sched = F.paired_places(n_qt, b, grid, F.L2_KV_BYTES + 1) if F.paired(rules.spec, bm) else 0
+        sched = F.schedule(rules, bm, nq, nk, heads[0] * heads[1], grid, F.L2_KV_BYTES + 1)
     args = (*maps, packed, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes,
             sched)
     launch(kern, grid, kern.threads, kern.smem_bytes, args)
@@ -338,6 +337,52 @@ def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn, window):
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
     check_forward(d, causal, nq, nk, heads, grid, bn, window=window)
+
+
+@pytest.mark.parametrize("sched", [0, -1])
+@pytest.mark.parametrize("causal, window", [(True, None), (False, (150, 0))])
+def test_forward_longest_first_rounds(sched, causal, window):
+    """The longest-first deal with its odd rounds dealt back (``sched`` 0) or its even
+    ones (−1): 3 query tiles of 3 heads (9 items) on 2 blocks, four whole rounds and a
+    partial one, each direction in both parities; every item once (NaN-poisoned outputs),
+    against the oracle."""
+    if not _simulator() and not _hopper_gpu():
+        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
+    check_forward(128, causal, 300, 300, (1, 3), 2, sched=sched, window=window)
+
+
+def test_longest_first_rounds_where_the_model_says():
+    """``longest_first_flip``: the parity of the rounds dealt back whose modelled busiest
+    block (key tiles plus ``ITEM_COST`` an item) has less work; ``schedule`` passes it as
+    −1 (even rounds) or 0, the pairs' places where causal rows take them, 0 for other
+    rules. A window of 1024 keys at (1, 16, 16384, 128): the even rounds (busiest block
+    3.4% over the mean with the odd ones, 1.2% with the even ones). The model's key tiles
+    are counted here from the oracle's mask."""
+    import numpy as np
+    from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.scores import parse, visible_mask
+    for left, n, m, b in ((1024, 16384, 16384, 16), (None, 4096, 4096, 16), (None, 1024, 1024, 512),
+                          (300, 2000, 2100, 7), (None, 1000, 700, 40)):
+        seen = visible_mask(parse(True, window=None if left is None else (left, 0)), n, m)
+        n_qt, n_kt = -(-n // 128), -(-m // 128)
+        tiles = np.array([sum(seen[128 * qt:128 * qt + 128, 128 * kt:128 * kt + 128].any() for kt in range(n_kt))
+                          for qt in range(n_qt - 1, -1, -1)], float) + F.ITEM_COST
+        flip = F.longest_first_flip(left, 0, n, m, 128, b, 132)
+        busiest = [F._deal_loads(tiles, b, 132, f).max() for f in (0, 1)]
+        assert busiest[flip] <= busiest[1 - flip], (left, n, b, busiest)
+        assert F._deal_loads(tiles, b, 132, flip).sum() == tiles.sum() * b
+    for n, grid in ((9, 2), (2048, 132), (264, 132), (100, 132), (1000, 7)):     # each a bijection
+        for flip in (0, 1):
+            items = [F.longest_first_item(i, grid, n, flip) for i in range(n)]      # the kernel's rule
+            assert sorted(items) == list(range(n))
+            assert items == F._longest_first_items(np.arange(n), grid, n, flip).tolist()   # the model's
+    window = parse(window=(1024, 0))
+    assert F.schedule(window, 128, 16384, 16384, 16, 132, 1 << 30) == -1
+    loads = [F._deal_loads(np.minimum(np.arange(128, 0, -1), 9) + F.ITEM_COST, 16, 132, f) for f in (0, 1)]
+    assert [round(x.max() / x.mean(), 3) for x in loads] == [1.034, 1.012]
+    causal = parse(True)
+    assert F.schedule(causal, 128, 4096, 4096, 64, 132, 1 << 30) == F.paired_places(32, 64, 132, 1 << 30) > 0
+    assert F.schedule(parse(), 128, 4096, 4096, 64, 132, 1 << 30) == 0
 
 
 @pytest.mark.parametrize("nq,nk,heads,grid", [

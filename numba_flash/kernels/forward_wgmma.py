@@ -41,8 +41,8 @@ Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) f
 ``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 4)``
 uint64 (the output's 16-bit values in fours: ``wgmma_parts.make_store_rows``), ``lse (B1, B2,
 Nq)`` float32, ``nk``, ``group`` (query heads per K/V head), ``scale_log2``, the score
-arguments of ``forward.make_forward`` and ``sched`` (int64: :func:`paired_places` for
-causal rows, else 0). Launch with
+arguments of ``forward.make_forward`` and ``sched`` (int64, :func:`schedule`: the pairs'
+places for causal rows that take them, −1 or 0 for the longest-first deal's rounds). Launch with
 ``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``kernel.threads`` threads and
 ``kernel.smem_bytes`` of dynamic shared memory. Head dims 64 and 128.
 
@@ -169,10 +169,8 @@ def paired_places(n_qt, b, grid, kv_bytes):
     if U0 == 0 or kv_bytes <= L2_KV_BYTES:
         return 0
     n = n_qt * b
-    place = np.arange(n)
-    r = place // grid                             # longest first, rounds in alternating directions
-    w = np.where((r & 1 == 1) & ((r + 1) * grid <= n), r * grid + grid - 1 - (place - r * grid), place)
-    lpt = np.bincount(place % grid, n_qt - w // b + ITEM_COST, grid).max()
+    costs = n_qt - np.arange(n_qt) + ITEM_COST    # longest first, as the deal has it (either parity)
+    lpt = min(_deal_loads(costs, b, grid, flip).max() for flip in (0, 1))
     tail = np.arange(2 * U0, n)                   # after the whole rounds' pairs (equal for every block)
     j = tail - 2 * U0
     ut, mids = U - U0, (b if n_qt & 1 else 0)
@@ -180,6 +178,77 @@ def paired_places(n_qt, b, grid, kv_bytes):
     qt = np.where(j < ut, n_qt - 1 - p, np.where(j < ut + mids, P, p))
     pairs = U0 // grid * (n_qt + 1 + 2 * ITEM_COST) + np.bincount(tail % grid, qt + 1 + ITEM_COST, grid).max()
     return 2 * U0 if pairs <= lpt * (1 + PAIRS_SLACK) else 0
+
+
+def longest_first_item(i, G, n, flip):
+    """The longest-first deal of ``n`` items (longest first) to ``G`` persistent blocks: the
+    item at place ``i`` (block ``i % G``'s ``i // G``-th). Rounds of ``G`` places, every
+    whole round of parity ``1 − flip`` (the odd ones for ``flip`` 0, the even ones for 1)
+    dealt from the last block down, the others from the first block up. The kernel's
+    device function (``work_item``); the host's model takes its NumPy twin
+    (:func:`_longest_first_items`: the branch-free form put the producer's schedule in
+    vector registers and spilled 172 bytes in the d = 64 causal kernel, against 12)."""
+    r = i // G
+    if ((r + flip) & 1) == 1 and (r + 1) * G <= n:
+        return r * G + (G - 1 - (i - r * G))
+    return i
+
+
+def _longest_first_items(places, G, n, flip):
+    """:func:`longest_first_item` of every place in the NumPy array ``places``."""
+    import numpy as np
+    r = places // G
+    back = (((r + flip) & 1) == 1) & ((r + 1) * G <= n)
+    return np.where(back, r * G + (G - 1 - (places - r * G)), places)
+
+
+def _deal_loads(costs, b, grid, flip):
+    """Every block's work under the longest-first deal (:func:`longest_first_item`):
+    ``costs[k]`` the cost of an item of the ``k``-th longest query tile, ``b`` leading
+    indices fastest."""
+    import numpy as np
+    n = len(costs) * b
+    place = np.arange(n)
+    w = _longest_first_items(place, grid, n, flip)
+    return np.bincount(place % grid, np.asarray(costs, np.float64)[w // b], grid)
+
+
+@functools.lru_cache(maxsize=1024)
+def longest_first_flip(left, right, nq, nk, bm, b, grid, bn=BN):
+    """1 where the longest-first deal of rows a mask shortens (a causal mask, a window:
+    ``left``, ``right`` the band's sides as ``scores.Scores`` has them) ends sooner in the
+    model of every block's work (an item's key tiles plus :data:`ITEM_COST`) with the even
+    rounds dealt from the last block down, else 0 (the odd ones). The rounds alternate so
+    that every block gets as much work; which rounds go back decides where the last whole
+    round's light items fall, and the blocks that take the last, partial round are the
+    first ones: they should be the ones the round before left lightest. At (1, 16, 16384,
+    128) with a window of 1024 keys the busiest block has 3.4% more work than the mean
+    with the odd rounds back, 1.2% with the even ones (docs/performance.md item 90)."""
+    import numpy as np
+    from .. import scores as S
+    n_qt = -(-nq // bm)
+    tiles = []
+    for qt in range(n_qt - 1, -1, -1):           # longest first: the last query tile first
+        begin, end = S.key_range(S.Scores(left, right), qt * bm, bm, nq, nk)
+        tiles.append(max(-(-end // bn) - begin // bn, 0) if end > begin else 0)
+    costs = np.asarray(tiles, np.float64) + ITEM_COST
+    return int(_deal_loads(costs, b, grid, 1).max() < _deal_loads(costs, b, grid, 0).max())
+
+
+def schedule(rules, bm, nq, nk, b, grid, kv_bytes):
+    """The Hopper forward's ``sched`` argument for a call of score rules ``rules``
+    (``scores.Scores``) in blocks of ``bm`` query rows (not packed): the pairs' places
+    (:func:`paired_places`) where causal rows take them, else where rows differ in length
+    ``−1`` for the longest-first deal with its even rounds back (:func:`longest_first_flip`),
+    0 for the odd ones (and for every other kernel)."""
+    spec = rules.spec
+    if paired(spec, bm):
+        places = paired_places(-(-nq // bm), b, grid, kv_bytes)
+        if places:
+            return places
+    if (spec.causal or spec.window) and (spec.mods is None or not spec.mods.blocks):
+        return -longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid)
+    return 0
 
 
 def buffers(D):
@@ -250,6 +319,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     mods = scores.mods
     PACKED = scores.packed                # packed sequences: a table gives each item's rows
     pairs = cuda.jit(device=True, inline=True)(pair_place)
+    deal = cuda.jit(device=True, inline=True)(longest_first_item)
     assert not scores.paged, "the TMA reads a paged cache's rows only page by page: not this family"
     # rows see different numbers of keys (packed sequences: ``packed_item``'s order instead)
     LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks)
@@ -443,10 +513,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         ``i // G``-th): ``(query tile, leading index)``. Without a mask that shortens rows
         the items are alike and go head by head, query tiles fastest, so the blocks
         running at once share K and V in L2; with one (causal, window), longest tiles
-        first and leading indices fastest, each round of ``G`` items dealt in alternating
-        directions so that every block gets as much work. Where the launch asks for it
-        (causal rows: ``sched``, the places of the whole rounds of pairs ``2 (U − U mod G)``
-        from the host's :func:`paired_places`, else 0) a block takes query tiles
+        first and leading indices fastest, each whole round of ``G`` items dealt in
+        alternating directions so that every block gets as much work: the odd rounds from
+        the last block down, or the even ones where ``sched`` is −1 (the host's
+        :func:`schedule`). Where the launch asks for it (causal rows: ``sched``, the places
+        of the whole rounds of pairs ``2 (U − U mod G)`` from :func:`paired_places`) a block takes query tiles
         ``n_qt − 1 − p`` and ``p`` of one head in two consecutive rounds, ``n_qt + 1`` key
         tiles together whatever ``p``: the pairs go head by head as full attention's items
         do (at (16, 16, 4096, 128) the longest tiles of every head at once had 7% L2 hits),
@@ -476,10 +547,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             b = u // P
             return u - b * P, b
         if LONGEST_FIRST:
-            r = i // G
-            w = i
-            if (r & 1) == 1 and (r + 1) * G <= n_qt * B:
-                w = r * G + (G - 1 - (i - r * G))
+            w = deal(i, G, n_qt * B, -sched)       # (sched −1: the even rounds back)
             qt = n_qt - 1 - w // B
             return qt, w - (w // B) * B
         b = i // n_qt
