@@ -385,30 +385,74 @@ def test_longest_first_rounds_where_the_model_says():
     assert F.schedule(parse(), 128, 4096, 4096, 64, 132, 1 << 30) == 0
 
 
-@pytest.mark.parametrize("nq,nk,heads,grid", [
-    (300, 300, (1, 2), 1),      # three query tiles: the pairs (2, 0), then the middle tiles
-    (256, 200, (1, 3), 2),      # three pairs on two blocks: the last round's pair after the whole one;
-])                              # fewer keys than queries: the first rows see none
-def test_forward_causal_pairs(nq, nk, heads, grid):
-    """The pairs schedule of causal rows (``forward_wgmma.paired_places``, forced here
-    whatever the model says): query tiles ``n_qt - 1 - p`` and ``p`` of one head to one
-    block, then the last round's pairs and odd counts' middle tiles; every tile once."""
+@pytest.mark.parametrize("nq,nk,heads,grid,u0,flip", [
+    (300, 300, (1, 2), 1, 2, 0),    # three query tiles: the pairs (2, 0) in whole rounds, the middle tiles
+    (300, 300, (1, 2), 1, 1, 1),    # ... one pair left to the tail: its first tile, the middles, its second
+    (256, 200, (1, 3), 2, 2, 0),    # three pairs on two blocks, the third in the tail; fewer keys than
+    (256, 200, (1, 3), 2, 2, 1),    # queries: the first rows see none
+    (640, 640, (1, 3), 3, 3, 1),    # the tail's pairs start inside a head (p from 1 there, from 0 after)
+])
+def test_forward_causal_pairs(nq, nk, heads, grid, u0, flip):
+    """The pairs schedule of causal rows (``sched = 4 U0 + 2 flip + 1``, forced here whatever
+    the model says): query tiles ``n_qt - 1 - p`` and ``p`` of one head to one block in
+    whole rounds, then the tail (the other pairs' tiles and odd counts' middle tiles)
+    heaviest first in rounds of either parity; every tile once (NaN-poisoned outputs)."""
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
-    n_qt, b = -(-nq // 128), heads[0] * heads[1]
-    check_forward(128, True, nq, nk, heads, grid, sched=2 * (b * (n_qt // 2) // grid * grid))
+    check_forward(128, True, nq, nk, heads, grid, sched=4 * u0 + 2 * flip + 1)
+
+
+def _pairs_item(i, G, n_qt, B, sched):
+    """``work_item``'s pairs branch, on the host (the tail through the kernel's own functions)."""
+    from numba_flash.kernels import forward_wgmma as F
+    P, U0 = n_qt >> 1, sched >> 2
+    if i < 2 * U0:
+        r = i // G
+        u = (r >> 1) * G + (i - r * G)
+        p = u % P
+        return (p if (r & 1) == 1 else n_qt - 1 - p), u // P
+    return F.pairs_tail_tile(F.longest_first_item(i - 2 * U0, G, n_qt * B - 2 * U0, (sched >> 1) & 1), n_qt, B, U0)
+
+
+def test_pairs_tail_deals_every_tile_once():
+    """The pairs schedule with 0 to ``TAIL_ROUNDS`` whole rounds left to its tail, either
+    parity: every (query tile, leading index) at exactly one place; the tail's tiles
+    heaviest first (:func:`forward_wgmma.pairs_tail_tile`)."""
+    from numba_flash.kernels import forward_wgmma as F
+    for n_qt, B, G in ((8, 256, 132), (32, 64, 132), (33, 64, 132), (9, 100, 132), (3, 2, 1), (5, 3, 3), (2, 1000, 132)):
+        P = n_qt // 2
+        W = B * P // G
+        want = sorted((q, b) for q in range(n_qt) for b in range(B))
+        for u0 in {max(W - k, 1) * G for k in range(F.TAIL_ROUNDS + 1)}:
+            for flip in (0, 1):
+                sched = 4 * u0 + 2 * flip + 1
+                assert sorted(_pairs_item(i, G, n_qt, B, sched) for i in range(n_qt * B)) == want, (n_qt, B, u0, flip)
+            n_tail = n_qt * B - 2 * u0
+            costs = [F.pairs_tail_tile(s, n_qt, B, u0)[0] for s in range(n_tail)]
+            firsts = B * P - u0
+            seconds = costs[n_tail - firsts:]
+            assert costs[:firsts] == sorted(costs[:firsts], reverse=True) and seconds == sorted(seconds, reverse=True)
+            assert min(costs[:firsts], default=n_qt) >= max(costs[firsts:], default=0)
 
 
 def test_pairs_where_the_model_says():
-    """``paired_places``: the whole rounds' places of the pairs, or 0 (longest first)
-    where every head's K and V fit in L2 or the pairs' modelled makespan is not within
-    ``PAIRS_SLACK`` of the other's; only causal rows without other rules at 128 rows take it."""
+    """``paired_places``: the pairs' ``4 U0 + 2 flip + 1`` (``U0`` whole rounds' pairs, at
+    most ``TAIL_ROUNDS`` rounds fewer than there are; the tail's parity), or 0 (longest
+    first) where every head's K and V fit in L2 or the pairs' modelled makespan is not
+    within ``PAIRS_SLACK`` of the other's; only causal rows without other rules at 128 rows
+    take it. (4, 16, 4096, 128): the busiest block 3.1% over the mean with the tail of the
+    whole rounds' leftovers in pairs, 0.5% with the model's choice."""
+    import numpy as np
     from numba_flash.kernels import forward_wgmma as F
     from numba_flash.scores import ScoreSpec
     kv = lambda b, n: b * n * 128 * 4      # noqa: E731 (bytes of K and V at d = 128, 16-bit)
     for n_qt, b, grid in ((32, 64, 132), (32, 256, 132), (128, 16, 132), (33, 64, 132), (2, 144, 132), (1, 16, 132)):
         got = F.paired_places(n_qt, b, grid, kv(b, 128 * n_qt))
-        assert got in (0, 2 * (b * (n_qt // 2) // grid * grid)), (n_qt, b, got)
+        W = b * (n_qt // 2) // grid
+        assert got == 0 or got & 1 and (got >> 2) in {max(W - k, 1) * grid for k in range(F.TAIL_ROUNDS + 1)}
+    got = F.paired_places(32, 64, 132, kv(64, 4096))
+    mean = (np.arange(1, 33) + F.ITEM_COST).sum() * 64 / 132
+    assert round(F._pairs_loads(32, 64, 132, got >> 2, (got >> 1) & 1).max() / mean, 3) == 1.005
     assert F.paired_places(32, 256, 132, kv(256, 4096)) > 0     # (16, 16, 4096, 128): 31 rounds of equal pairs
     assert F.paired_places(32, 64, 132, kv(64, 4096)) > 0       # (4, 16, 4096, 128)
     assert F.paired_places(32, 16, 132, kv(16, 4096)) == 0      # (1, 16, 4096, 128): its K and V fit in L2

@@ -5,7 +5,8 @@ The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A wo
 :func:`tiling`); the grid is persistent (at most one block per
 multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
 order of ``work_item`` (for causal rows, where it pays, pairs of query tiles that see
-``n_qt + 1`` key tiles together, head by head: :func:`paired_places`), so a block's start
+``n_qt + 1`` key tiles together, head by head, then the rest heaviest first:
+:func:`paired_places`), so a block's start
 (barriers, tensor maps, registers) is paid once and the next item's Q and first K/V tiles
 load while the consumers finish the last one.
 A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
@@ -81,8 +82,12 @@ THREADS = 384
 # beside a producer of 24: :func:`tiling`); else, and at d = 128, two.
 BLOCK_ROWS = {64: 192, 128: 128}
 # the producer's registers where its work item takes a table lookup (packed sequences) or the
-# pairs schedule's arithmetic (causal rows): 24 otherwise
-SCHEDULE_PRODUCER_REGS = 32
+# pairs schedule's arithmetic (causal rows): 24 otherwise. Those kernels have 128-row blocks
+# (384 threads), whose consumers get 232 registers with a producer of 32 or 40
+# (wgmma_parts.consumer_registers); at 32 the pairs' tail (pairs_tail_tile) spilled 96/204
+# bytes in the causal d = 128 kernel, at 40 56/172 (52/140 before the tail), none in the
+# loop over key tiles
+SCHEDULE_PRODUCER_REGS = 40
 HEAD_DIMS = (64, 128)
 # With a softcap every score takes two special-function instructions (tanh, then exp2).
 # Moving half the exponentials to the FMA units (about ten instructions each: ops.exp2_fma)
@@ -154,30 +159,76 @@ def paired(scores, bm):
     return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed and bm == BM)
 
 
+# Whole rounds of pairs the pairs schedule may leave to its tail (:func:`paired_places`)
+TAIL_ROUNDS = 2
+
+
 @functools.lru_cache(maxsize=1024)
 def paired_places(n_qt, b, grid, kv_bytes):
-    """The places of the pairs schedule's whole rounds, ``2 (U − U mod grid)`` with ``U = b ·
-    floor(n_qt / 2)`` pairs (``work_item`` in :func:`make_forward_wgmma`), or 0 for the
-    longest-first order: that one where the K and V of all ``b`` leading indices
-    (``kv_bytes``) fit in :data:`L2_KV_BYTES`, else whichever the model of every block's
-    work (key tiles of a causal item plus :data:`ITEM_COST`) ends sooner, the pairs within
-    :data:`PAIRS_SLACK`."""
+    """The ``sched`` argument of the pairs schedule (``work_item`` in
+    :func:`make_forward_wgmma`), or 0 for the longest-first order: that one where the K and
+    V of all ``b`` leading indices (``kv_bytes``) fit in :data:`L2_KV_BYTES` or there is no
+    whole round of the ``U = b · floor(n_qt / 2)`` pairs, else whichever the model of every
+    block's work (key tiles of a causal item plus :data:`ITEM_COST`) ends sooner, the pairs
+    within :data:`PAIRS_SLACK`. The pairs' ``sched`` is ``4 U0 + 2 flip + 1``: ``U0`` pairs
+    in whole rounds, ``U − U0`` in the tail dealt as :func:`pairs_tail_tile` says (its
+    rounds' parity ``flip``); of ``U0`` (0 to :data:`TAIL_ROUNDS` whole rounds fewer than
+    there are) and ``flip`` the pair whose busiest block has least work."""
     import numpy as np
     P = n_qt // 2
     U = b * P
-    U0 = U // grid * grid
-    if U0 == 0 or kv_bytes <= L2_KV_BYTES:
+    W = U // grid                                 # whole rounds of pairs
+    if W == 0 or kv_bytes <= L2_KV_BYTES:
         return 0
-    n = n_qt * b
     costs = n_qt - np.arange(n_qt) + ITEM_COST    # longest first, as the deal has it (either parity)
     lpt = min(_deal_loads(costs, b, grid, flip).max() for flip in (0, 1))
-    tail = np.arange(2 * U0, n)                   # after the whole rounds' pairs (equal for every block)
-    j = tail - 2 * U0
-    ut, mids = U - U0, (b if n_qt & 1 else 0)
-    p = (U0 + np.where(j < ut, j, j - ut - mids)) % P     # each first or second tile's pair
-    qt = np.where(j < ut, n_qt - 1 - p, np.where(j < ut + mids, P, p))
-    pairs = U0 // grid * (n_qt + 1 + 2 * ITEM_COST) + np.bincount(tail % grid, qt + 1 + ITEM_COST, grid).max()
-    return 2 * U0 if pairs <= lpt * (1 + PAIRS_SLACK) else 0
+    best = None
+    for u0 in sorted({max(W - k, 1) * grid for k in range(TAIL_ROUNDS + 1)}, reverse=True):
+        for flip in (0, 1):
+            busiest = _pairs_loads(n_qt, b, grid, u0, flip).max()
+            if best is None or busiest < best[0]:
+                best = (busiest, 4 * u0 + 2 * flip + 1)
+    return best[1] if best[0] <= lpt * (1 + PAIRS_SLACK) else 0
+
+
+def pairs_tail_tile(s, n_qt, B, U0):
+    """The pairs schedule's tail (the pairs ``U0 .. U − 1`` that do not make whole rounds, and
+    the middle tiles of odd ``n_qt``) heaviest first: its ``s``-th tile ``(query tile,
+    leading index)``. The first tiles of the pairs (``n_qt − 1 − p``, the heavier) by ``p``
+    upwards, the middle tiles, then the second tiles (``p``) by ``p`` downwards; pair ``u``
+    is leading index ``u // P``'s ``p = u mod P`` (``P = floor(n_qt / 2)``), and the tail's
+    pairs with one ``p`` go leading indices upwards. A device function of the kernel
+    (``work_item``, which deals the tail's tiles in rounds as :func:`longest_first_item`
+    does) and the host's model (:func:`_pairs_loads`)."""
+    P = n_qt >> 1
+    firsts = B * P - U0
+    mids = B if (n_qt & 1) == 1 else 0
+    if s >= firsts and s < firsts + mids:
+        return P, s - firsts
+    k = s if s < firsts else firsts - 1 - (s - firsts - mids)
+    h0 = U0 // P                                  # the first leading index with a pair in the tail
+    s0 = U0 - h0 * P                              # its first p there; p < s0 start at h0 + 1
+    m = B - 1 - h0
+    if k < s0 * m:
+        p = k // m
+        b = h0 + 1 + (k - p * m)
+    else:
+        k -= s0 * m
+        p = s0 + k // (m + 1)
+        b = h0 + (k - (p - s0) * (m + 1))
+    return (n_qt - 1 - p if s < firsts else p), b
+
+
+def _pairs_loads(n_qt, b, grid, U0, flip):
+    """Every block's work under the pairs schedule with ``U0`` pairs in whole rounds and its
+    tail's rounds of parity ``flip`` (each item: key tiles plus :data:`ITEM_COST`)."""
+    import numpy as np
+    loads = np.full(grid, U0 // grid * (n_qt + 1 + 2 * ITEM_COST), np.float64)
+    n_tail = n_qt * b - 2 * U0
+    for t in range(n_tail):
+        qt, _ = pairs_tail_tile(longest_first_item(t, grid, n_tail, flip), n_qt, b, U0)
+        loads[t % grid] += qt + 1 + ITEM_COST
+    return loads
 
 
 def longest_first_item(i, G, n, flip):
@@ -320,6 +371,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     PACKED = scores.packed                # packed sequences: a table gives each item's rows
     pairs = cuda.jit(device=True, inline=True)(pair_place)
     deal = cuda.jit(device=True, inline=True)(longest_first_item)
+    tail_tile = cuda.jit(device=True, inline=True)(pairs_tail_tile)
     assert not scores.paged, "the TMA reads a paged cache's rows only page by page: not this family"
     # rows see different numbers of keys (packed sequences: ``packed_item``'s order instead)
     LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks)
@@ -516,36 +568,26 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         first and leading indices fastest, each whole round of ``G`` items dealt in
         alternating directions so that every block gets as much work: the odd rounds from
         the last block down, or the even ones where ``sched`` is −1 (the host's
-        :func:`schedule`). Where the launch asks for it (causal rows: ``sched``, the places
-        of the whole rounds of pairs ``2 (U − U mod G)`` from :func:`paired_places`) a block takes query tiles
-        ``n_qt − 1 − p`` and ``p`` of one head in two consecutive rounds, ``n_qt + 1`` key
-        tiles together whatever ``p``: the pairs go head by head as full attention's items
-        do (at (16, 16, 4096, 128) the longest tiles of every head at once had 7% L2 hits),
-        the ``U mod G`` pairs of the last round (``U = B · floor(n_qt / 2)``) after them,
-        then the middle tiles of odd ``n_qt``. (Packed sequences: :func:`packed_item`.)"""
+        :func:`schedule`). Where the launch asks for it (causal rows: ``sched`` from
+        :func:`paired_places`, ``4 U0 + 2 flip + 1``) the first ``U0`` of the ``U = B ·
+        floor(n_qt / 2)`` pairs go in whole rounds, a block taking query tiles ``n_qt − 1 −
+        p`` and ``p`` of one head in two consecutive rounds, ``n_qt + 1`` key tiles together
+        whatever ``p``: the pairs go head by head as full attention's items do (at (16, 16,
+        4096, 128) the longest tiles of every head at once had 7% L2 hits); then the tail,
+        the other pairs' tiles and the middle tiles of odd ``n_qt``, heaviest first
+        (:func:`pairs_tail_tile`), in rounds as the longest-first deal has them (parity
+        ``flip``). (Packed sequences: :func:`packed_item`.)"""
         if PAIRED and sched > 0:
             P = n_qt >> 1
-            U = B * P
-            U0 = sched >> 1
-            if i < sched:
+            U0 = sched >> 2                   # pairs in whole rounds
+            if i < 2 * U0:
                 r = i // G
                 u = (r >> 1) * G + (i - r * G)
                 b = u // P
                 p = u - b * P
                 return (p if (r & 1) == 1 else n_qt - 1 - p), b
-            j = i - sched
-            if j < U - U0:                    # the last round's first tiles of its pairs
-                u = U0 + j
-                b = u // P
-                return n_qt - 1 - (u - b * P), b
-            j -= U - U0
-            if (n_qt & 1) == 1:
-                if j < B:
-                    return P, j
-                j -= B
-            u = U0 + j                        # and their second tiles
-            b = u // P
-            return u - b * P, b
+            t = i - 2 * U0                    # the tail: its tiles heaviest first, dealt in rounds
+            return tail_tile(deal(t, G, n_qt * B - 2 * U0, (sched >> 1) & 1), n_qt, B, U0)
         if LONGEST_FIRST:
             w = deal(i, G, n_qt * B, -sched)       # (sched −1: the even rounds back)
             qt = n_qt - 1 - w // B

@@ -28,7 +28,7 @@ def consumer_registers(producer, threads, producer_threads=128):
     gives each thread 65536 / threads registers rounded down to a multiple of 8 (384
     threads: 168, a pool of 64512, not the 65536 of the register file), and an increase
     beyond the pool does not fail: it waits for registers that never come free (the
-    kernel hangs). 384 threads: producer 24 -> 240, producer 32 -> 232."""
+    kernel hangs). 384 threads: producer 24 -> 240, producer 32 or 40 -> 232."""
     pool = 65536 // threads // 8 * 8 * threads
     return min(256, (pool - producer * producer_threads) // (threads - producer_threads) // 8 * 8)
 
