@@ -342,9 +342,10 @@ def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn, window):
 @pytest.mark.parametrize("causal, window, sched", [(True, None, -1), (False, (150, 0), 0)])
 def test_forward_longest_first_rounds(causal, window, sched):
     """The longest-first deal with its odd rounds dealt back (``sched`` 0) or its even
-    ones (−1): 3 query tiles of 3 heads (9 items) on 2 blocks, four whole rounds and a
-    partial one, each direction in both parities (the deal is the same function whatever
-    the rules); every item once (NaN-poisoned outputs), against the oracle."""
+    ones (−1): 3 query tiles of 3 heads (9 items) on 2 blocks, four whole rounds (two each
+    way) and a partial one; one parity per rule (the deal is the same function whatever
+    the rules, and the host test below takes both on every place); every item once
+    (NaN-poisoned outputs), against the oracle."""
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
     check_forward(128, causal, 300, 300, (1, 3), 2, sched=sched, window=window)

@@ -42,8 +42,9 @@ Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) f
 ``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 4)``
 uint64 (the output's 16-bit values in fours: ``wgmma_parts.make_store_rows``), ``lse (B1, B2,
 Nq)`` float32, ``nk``, ``group`` (query heads per K/V head), ``scale_log2``, the score
-arguments of ``forward.make_forward`` and ``sched`` (int64, :func:`schedule`: the pairs'
-places for causal rows that take them, −1 or 0 for the longest-first deal's rounds). Launch with
+arguments of ``forward.make_forward`` and ``sched`` (int64, :func:`schedule`: the pairs
+schedule's argument for causal rows that take it, −1 or 0 for the longest-first deal's
+rounds). Launch with
 ``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``kernel.threads`` threads and
 ``kernel.smem_bytes`` of dynamic shared memory. Head dims 64 and 128.
 
@@ -288,8 +289,8 @@ def longest_first_flip(left, right, nq, nk, bm, b, grid, bn=BN):
 
 def schedule(rules, bm, nq, nk, b, grid, kv_bytes):
     """The Hopper forward's ``sched`` argument for a call of score rules ``rules``
-    (``scores.Scores``) in blocks of ``bm`` query rows (not packed): the pairs' places
-    (:func:`paired_places`) where causal rows take them, else where rows differ in length
+    (``scores.Scores``) in blocks of ``bm`` query rows (not packed): the pairs schedule's
+    (:func:`paired_places`, positive) where causal rows take it, else where rows differ in length
     ``−1`` for the longest-first deal with its even rounds back (:func:`longest_first_flip`),
     0 for the odd ones (and for every other kernel)."""
     spec = rules.spec
