@@ -170,6 +170,33 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_wide_softcap_tiles(causal, monkeypatch):
+    """A softcap at d = 128 in 192-row blocks of 64-key tiles (``forward_wgmma.WIDE_SOFTCAP``,
+    forced on here; three consumer warpgroups): the launch takes that tiling, and the result
+    is within the oracle's tolerance, with query tiles that see no key (causal, Nq > Nk) and
+    a ragged last key tile."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    from numba_flash import api
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
+    monkeypatch.setattr(forward_wgmma, "WIDE_SOFTCAP", True)
+    rng = np.random.default_rng(31 + causal)
+    q = rng.standard_normal((1, 250 if causal else 200, 128)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 100 if causal else 150, 128)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    opts = {"causal": causal, "softcap": 3.0}
+    spec = registry.forward_specialisation("bfloat16", 128, numba_flash.scores.parse(**opts).spec, True, cc=(9, 0))
+    assert (spec.tiling.BM, spec.tiling.BN) == forward_wgmma.WIDE_SOFTCAP_TILE
+    _, launches = api.plan_forward(q, k, v, **opts)
+    assert launches[-1][2] == 512, launches[-1][2]           # a producer and three consumers
+    out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+    check_forward_low(out, lse, q, k, v, opts, None)
+
+
 @pytest.mark.parametrize("hkv", [2, 1])
 def test_hopper_family_grouped_heads(hkv, monkeypatch):
     """Grouped-query heads (and MQA) on the Hopper family: the kernel reads K/V head

@@ -117,6 +117,22 @@ class WgmmaTiling:
 NARROW_CAUSAL_ROWS = 4096
 
 
+# A softcap at d = 128 in 192-row blocks of 64-key tiles (three consumer warpgroups, whose
+# 160 registers hold S (32), P (16) and O (64) at 64 keys: no spill), where a tile's two
+# special-function results a score take the unit as long as its products take the tensor
+# cores: the third warpgroup's products may run under the other two's softmax, as at
+# d = 64 (item 60). Off until measured on a GPU (docs/performance.md item 92).
+WIDE_SOFTCAP = False
+WIDE_SOFTCAP_TILE = (192, 64)
+
+
+def wide_softcap(D, scores):
+    """Whether :func:`tiling` gives ``scores`` at ``D`` :data:`WIDE_SOFTCAP_TILE`: a
+    softcap without a window, ALiBi, packed rows or user functions, at d = 128."""
+    return bool(WIDE_SOFTCAP and D == 128 and scores.softcap
+                and not (scores.window or scores.alibi or scores.packed or scores.mods is not None))
+
+
 def tiling(D, scores, rows=None):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
     or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
@@ -124,7 +140,10 @@ def tiling(D, scores, rows=None):
     functions and packed sequences (their consumers would spill registers at 192 rows:
     16-144 bytes, ptxas 13), and causal rows where the call's query rows per sequence
     (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200:
-    docs/performance.md items 60 and 63."""
+    docs/performance.md items 60 and 63. (:func:`wide_softcap`: 192 rows of 64-key tiles.)"""
+    if wide_softcap(D, scores):
+        bm, bn = WIDE_SOFTCAP_TILE
+        return WgmmaTiling(BM=bm, BN=bn, threads=threads_for(bm))
     narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
               or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
     bm = BM if narrow else BLOCK_ROWS.get(D, BM)
@@ -287,7 +306,7 @@ def longest_first_flip(left, right, nq, nk, bm, b, grid, bn=BN):
     return int(_deal_loads(costs, b, grid, 1).max() < _deal_loads(costs, b, grid, 0).max())
 
 
-def schedule(rules, bm, nq, nk, b, grid, kv_bytes):
+def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
     """The Hopper forward's ``sched`` argument for a call of score rules ``rules``
     (``scores.Scores``) in blocks of ``bm`` query rows (not packed): the pairs schedule's
     (:func:`paired_places`, positive) where causal rows take it, else where rows differ in length
@@ -299,7 +318,7 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes):
         if places:
             return places
     if (spec.causal or spec.window) and (spec.mods is None or not spec.mods.blocks):
-        return -longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid)
+        return -longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn)
     return 0
 
 
