@@ -322,13 +322,16 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
     return 0
 
 
-def buffers(D):
+def buffers(D, bn=BN):
     """``(Q buffers, ring stages)`` for head dim ``D``, within 227 KiB per block. Two Q
     buffers at every head dim, so that the next item's Q has landed when the consumers
     reach it: at d = 128 that leaves room for two stages, against one Q buffer and three
     stages before, measured on an H200 6-13% faster on causal rows of 256-1024 keys, 1-3%
-    at 2048-4096 and on full rows, level at 8192 (docs/performance.md item 67)."""
-    return (2, 2) if D > 64 else (2, 4)
+    at 2048-4096 and on full rows, level at 8192 (docs/performance.md item 67). Tiles of
+    fewer keys than ``BN`` (``bn``) take as many more stages, the same keys in flight
+    (:data:`WIDE_SOFTCAP_TILE`: four stages of 64 keys at d = 128, 225 KiB)."""
+    qbuf, stages = (2, 2) if D > 64 else (2, 4)
+    return qbuf, stages * BN // bn if bn < BN else stages
 
 
 def _layout(D, qbuf, stages, bn=BN, bm=BM):
@@ -344,7 +347,7 @@ def _layout(D, qbuf, stages, bn=BN, bm=BM):
 def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
     """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
     Q buffer, per K stage and per V stage), and room to align the base to 1024 bytes."""
-    qbuf, stages = buffers(D) if qbuf is None else (qbuf, stages)
+    qbuf, stages = buffers(D, bn) if qbuf is None else (qbuf, stages)
     return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
@@ -385,7 +388,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     OVERLAP = overlaps(scores, BM, D) if overlap is None else overlap
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
-    QBUF, STAGES = buffers(D) if qbuf is None else (qbuf, stages)
+    QBUF, STAGES = buffers(D, bn) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
     mods = scores.mods
     PACKED = scores.packed                # packed sequences: a table gives each item's rows
