@@ -170,6 +170,33 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
+@pytest.mark.parametrize("opts", [{"causal": True}, {"window": (150, 0)}], ids=["causal", "window"])
+def test_hopper_schedules_through_the_api(opts, monkeypatch):
+    """The launch's schedule (``forward_wgmma.schedule``) on three persistent blocks, as a
+    GPU of three multiprocessors would have it: causal rows on the pairs (forced where the
+    model would weigh L2: ``L2_KV_BYTES`` 0, ``PAIRS_SLACK`` unbounded) with a tail, and a
+    window whose rounds go the other way; the launch's ``sched`` is the model's, the result
+    within the oracle's tolerance (every tile once: NaN-poisoned outputs)."""
+    if ON_GPU:
+        pytest.skip("the simulator's multiprocessor count is set here")
+    from numba_flash import api
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
+    monkeypatch.setattr(forward_wgmma, "L2_KV_BYTES", 0)
+    monkeypatch.setattr(forward_wgmma, "PAIRS_SLACK", float("inf"))
+    forward_wgmma.paired_places.cache_clear()
+    rng = np.random.default_rng(51)
+    # five query tiles of two heads: the pairs leave one pair and the middle tiles to the tail
+    # (sched 4 · 3 + 2 + 1), the window's rounds go the even way (-1)
+    q, k, v = (rng.standard_normal((1, 2, 640, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    _, launches = api.plan_forward(q, k, v, **opts)
+    assert launches[-1][1] == 3 and launches[-1][4][-1] == (15 if "causal" in opts else -1), launches[-1][4][-1]
+    out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+    check_forward_low(out, lse, q, k, v, opts, None)
+    forward_wgmma.paired_places.cache_clear()
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_wide_softcap_tiles(causal, monkeypatch):
     """A softcap at d = 128 in 192-row blocks of 64-key tiles (``forward_wgmma.WIDE_SOFTCAP``,
