@@ -197,6 +197,27 @@ def test_hopper_schedules_through_the_api(opts, monkeypatch):
     forward_wgmma.paired_places.cache_clear()
 
 
+def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
+    """``forward_wgmma.SKIP_IDLE_ROWS`` on, full rows at d = 64 (192-row blocks) of 200 rows
+    on three simulated multiprocessors: the launch deals every head's last tile (one row
+    block of 8 rows and two warpgroups without a row) after the others (``sched`` 1), those
+    warpgroups take barriers only; the result within the oracle's tolerance."""
+    if ON_GPU:
+        pytest.skip("the simulator's multiprocessor count is set here")
+    from numba_flash import api
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
+    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
+    monkeypatch.setattr(forward_wgmma, "SKIP_IDLE_ROWS", True)
+    rng = np.random.default_rng(53)
+    q, k, v = (rng.standard_normal((1, 4, 200, 64)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    _, launches = api.plan_forward(q, k, v)
+    assert launches[-1][1] == 3 and launches[-1][2] == 512 and launches[-1][4][-1] == 1
+    out, lse = numba_flash.attention_fwd(q, k, v)
+    check_forward_low(out, lse, q, k, v, False, None)
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_hopper_wide_softcap_tiles(causal, monkeypatch):
     """A softcap at d = 128 in 192-row blocks of 64-key tiles (``forward_wgmma.WIDE_SOFTCAP``,

@@ -126,6 +126,26 @@ WIDE_SOFTCAP = False
 WIDE_SOFTCAP_TILE = (192, 64)
 
 
+# A consumer warpgroup none of whose 64 rows lie in the sequence (the last query tile of a
+# call whose rows are not a multiple of the block's: at d = 64, in 192-row blocks, 1024 rows
+# leave two of the last tile's three warpgroups without a row) goes through the item's
+# barriers without its products (``idle_item`` in :func:`make_forward_wgmma`), and full rows
+# then deal those tiles last (:func:`idle_rows_last`), where they shorten the blocks that
+# take the last round. Off until measured on a GPU (docs/performance.md item 93).
+SKIP_IDLE_ROWS = False
+
+
+def idle_rows_last(scores, bm, nq):
+    """Whether a launch of full rows (no mask that shortens rows, not packed) deals every
+    leading index's last query tile after all the others (``sched`` 1): where
+    :data:`SKIP_IDLE_ROWS` is on and that tile of ``nq`` rows in blocks of ``bm`` leaves a
+    consumer warpgroup without a row."""
+    last = nq - (-(-nq // bm) - 1) * bm
+    return bool(SKIP_IDLE_ROWS and not (scores.causal or scores.window or scores.packed
+                                        or scores.mods is not None and scores.mods.blocks)
+                and 0 < last <= bm - ROWS)
+
+
 def wide_softcap(D, scores):
     """Whether :func:`tiling` gives ``scores`` at ``D`` :data:`WIDE_SOFTCAP_TILE`: a
     softcap without a window, ALiBi, packed rows or user functions, at d = 128."""
@@ -311,7 +331,8 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
     (``scores.Scores``) in blocks of ``bm`` query rows (not packed): the pairs schedule's
     (:func:`paired_places`, positive) where causal rows take it, else where rows differ in length
     ``−1`` for the longest-first deal with its even rounds back (:func:`longest_first_flip`),
-    0 for the odd ones (and for every other kernel)."""
+    0 for the odd ones; for full rows 1 where every leading index's last query tile goes
+    after the others (:func:`idle_rows_last`), else 0."""
     spec = rules.spec
     if paired(spec, bm):
         places = paired_places(-(-nq // bm), b, grid, kv_bytes)
@@ -319,7 +340,7 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
             return places
     if (spec.causal or spec.window) and (spec.mods is None or not spec.mods.blocks):
         return -longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn)
-    return 0
+    return int(idle_rows_last(spec, bm, nq))
 
 
 def buffers(D, bn=BN):
@@ -368,7 +389,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None):
+                       overlap: bool = None, skip_idle: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -380,12 +401,15 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     H200, docs/performance.md item 57); ``bm``: query rows per block, 64 per consumer
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
-    :func:`overlaps`)."""
+    :func:`overlaps`); ``skip_idle``: a consumer warpgroup with no row in the sequence goes
+    through the item's barriers without its products (default :data:`SKIP_IDLE_ROWS`; not
+    with ``overlap``)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
     OVERLAP = overlaps(scores, BM, D) if overlap is None else overlap
+    SKIP_IDLE = (SKIP_IDLE_ROWS if skip_idle is None else skip_idle) and not OVERLAP
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
     QBUF, STAGES = buffers(D, bn) if qbuf is None else (qbuf, stages)
@@ -615,6 +639,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             w = deal(i, G, n_qt * B, -sched)       # (sched −1: the even rounds back)
             qt = n_qt - 1 - w // B
             return qt, w - (w // B) * B
+        if sched == 1:                        # full rows: every leading index's last tile after the others
+            first = (n_qt - 1) * B
+            if i >= first:
+                return n_qt - 1, i - first
+            b = i // (n_qt - 1)
+            return i - b * (n_qt - 1), b
         b = i // n_qt
         return i - b * n_qt, b
 
@@ -852,6 +882,36 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return m0, m1, l0, l1, o0, o1, ring
 
     @cuda.jit(device=True, inline=True)
+    def idle_item(ring, base, buf, ct, wg, tiles):
+        """A consumer warpgroup none of whose rows lie in the sequence: the item's barriers
+        without its products, in the order :func:`first_tile`, :func:`later_tiles` and
+        :func:`last_tile` take them (each stage waited for before it is released, so the
+        warpgroup keeps pace with the producer and the others; its turns taken), so that
+        the producer and the other warpgroups run as they would, with the tensor cores to
+        themselves. Returns the rings' places."""
+        ak, bk, av, bv = ring
+        _, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
+        wait_phase(full_k + 8 * ak, bk)
+        my_turn(wg)
+        their_turn(wg)
+        release(ct, empty_k + 8 * ak)
+        ak, bk = advance(ak, bk)
+        for _ in range(1, tiles):
+            wait_phase(full_k + 8 * ak, bk)
+            my_turn(wg)
+            wait_phase(full_v + 8 * av, bv)
+            their_turn(wg)
+            release(ct, empty_k + 8 * ak)
+            ak, bk = advance(ak, bk)
+            release(ct, empty_v + 8 * av)
+            av, bv = advance(av, bv)
+        release(ct, q_empty + 8 * buf)
+        wait_phase(full_v + 8 * av, bv)
+        release(ct, empty_v + 8 * av)
+        av, bv = advance(av, bv)
+        return ak, bk, av, bv
+
+    @cuda.jit(device=True, inline=True)
     def last_tile(o0, o1, p, ring, base, ct):
         """An item's last O += P V alone, waited for; returns O and the rings' places."""
         ak, bk, av, bv = ring
@@ -995,12 +1055,22 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 if tiles > 0:
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                     n_q += 1
-                    m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0,
-                                                              tq4, r0, sc, slopes, b1, b2)
-                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0,
-                                                               kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
-                                                               l0, l1)
-                    o0, o1, ring = last_tile(o0, o1, p, ring, base, ct)
+                    idle = False
+                    if SKIP_IDLE:
+                        # no row of this warpgroup in the sequence; the test taken from lane 0
+                        # by a shuffle, which ptxas knows gives every lane of the warp the same
+                        # value: on the warpgroup index itself it could not tell the branch
+                        # uniform and serialized every product of the kernel (C7520)
+                        idle = warp.shfl_sync(warp.FULL_MASK, numba.int32(r0 >= nq), 0) != 0
+                    if idle:
+                        ring = idle_item(ring, base, buf, ct, wg, tiles)
+                    else:
+                        m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0,
+                                                                  tq4, r0, sc, slopes, b1, b2)
+                        m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
+                                                                   q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0,
+                                                                   m1, l0, l1)
+                        o0, o1, ring = last_tile(o0, o1, p, ring, base, ct)
                 finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
