@@ -199,9 +199,10 @@ def test_hopper_schedules_through_the_api(opts, monkeypatch):
 
 def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
     """``forward_wgmma.SKIP_IDLE_ROWS`` on, full rows at d = 64 (192-row blocks) of 200 rows
-    on three simulated multiprocessors: the launch deals every head's last tile (one row
-    block of 8 rows and two warpgroups without a row) after the others (``sched`` 1), those
-    warpgroups take barriers only; the result within the oracle's tolerance."""
+    on three simulated multiprocessors: the launch deals every head's last tile (8 rows,
+    two warpgroups without a row) after the others (``sched`` 1), those warpgroups take
+    barriers only; and a packed batch whose short sequences leave warpgroups without a row;
+    the results within the oracle's tolerance."""
     if ON_GPU:
         pytest.skip("the simulator's multiprocessor count is set here")
     from numba_flash import api
@@ -216,6 +217,15 @@ def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
     assert launches[-1][1] == 3 and launches[-1][2] == 512 and launches[-1][4][-1] == 1
     out, lse = numba_flash.attention_fwd(q, k, v)
     check_forward_low(out, lse, q, k, v, False, None)
+    # a packed batch (128-row blocks): sequences of 30 and 50 rows leave their tile's second
+    # warpgroup without a row; an empty sequence between them
+    lens = np.array([150, 30, 0, 50])
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), 2, 64)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu, cu)
+    for z in np.flatnonzero(lens):
+        rows = slice(cu[z], cu[z + 1])
+        check_forward_low(*(np.swapaxes(x[rows], 0, 1)[None] for x in (out, lse, q, k, v)), False, None)
 
 
 @pytest.mark.parametrize("causal", [False, True])
