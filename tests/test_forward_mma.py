@@ -186,15 +186,17 @@ def test_hopper_schedules_through_the_api(opts, monkeypatch):
     monkeypatch.setattr(forward_wgmma, "L2_KV_BYTES", 0)
     monkeypatch.setattr(forward_wgmma, "PAIRS_SLACK", float("inf"))
     forward_wgmma.paired_places.cache_clear()
-    rng = np.random.default_rng(51)
-    # five query tiles of two heads: the pairs leave one pair and the middle tiles to the tail
-    # (sched 4 · 3 + 2 + 1), the window's rounds go the even way (-1)
-    q, k, v = (rng.standard_normal((1, 2, 640, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
-    _, launches = api.plan_forward(q, k, v, **opts)
-    assert launches[-1][1] == 3 and launches[-1][4][-1] == (15 if "causal" in opts else -1), launches[-1][4][-1]
-    out, lse = numba_flash.attention_fwd(q, k, v, **opts)
-    check_forward_low(out, lse, q, k, v, opts, None)
-    forward_wgmma.paired_places.cache_clear()
+    try:
+        rng = np.random.default_rng(51)
+        # five query tiles of two heads: the pairs leave one pair and the middle tiles to the
+        # tail (sched 4 · 3 + 2 + 1), the window's rounds go the even way (-1)
+        q, k, v = (rng.standard_normal((1, 2, 640, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        _, launches = api.plan_forward(q, k, v, **opts)
+        assert launches[-1][1] == 3 and launches[-1][4][-1] == (15 if "causal" in opts else -1), launches[-1][4][-1]
+        out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+        check_forward_low(out, lse, q, k, v, opts, None)
+    finally:
+        forward_wgmma.paired_places.cache_clear()        # (its answers under the forced constants)
 
 
 def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
