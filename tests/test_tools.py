@@ -131,6 +131,17 @@ def test_host_time_rows():
         host_time.parse_rows("varlen,decoding")
 
 
+def test_mufu_rate_runs_its_chains():
+    """tools/mufu_rate.py: both kernels run (two steps of eight chains, one block) and give
+    one rate each (nan in the simulator, whose events time nothing); bad options exit."""
+    mufu_rate = _load("mufu_rate")
+    rates = mufu_rate.main(["--iters", "2", "--blocks", "1"])
+    assert set(rates) == {"tanh", "ex2"}
+    for bad in (["--ops", "tanh,log"], ["--iters", "0"]):
+        with pytest.raises(SystemExit):
+            mufu_rate.main(bad)
+
+
 def test_first_call_parses_calls_and_rejects_bad_ones():
     first_call = _load("first_call")
     assert first_call.parse_calls("bfloat16,4,16,4096,128,0; float16,1,8,512,128,1;") == [
