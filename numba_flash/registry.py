@@ -330,6 +330,7 @@ VARIANTS = {v.name: v for v in (
             ptx_dims=(128,), ptx_rules=False),    # forward_mma's code: its shapes and rules are checked there
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
             lambda dt, d, sim: forward_wgmma.tiling(d, FULL),
+            # (the flag passed, so that the factory's cache keys on it)
             lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores, bn=s.tiling.BN, bm=s.tiling.BM,
                                                        skip_idle=forward_wgmma.SKIP_IDLE_ROWS),
             lambda d, t: forward_wgmma.smem_bytes(d, bn=t.BN, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,

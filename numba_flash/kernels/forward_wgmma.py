@@ -135,15 +135,20 @@ WIDE_SOFTCAP_TILE = (192, 64)
 SKIP_IDLE_ROWS = False
 
 
+def longest_first(scores):
+    """Whether the kernel for ``scores`` deals its items longest first (``work_item``):
+    where a mask makes rows see different numbers of keys (causal rows, a window, a block
+    mask); full rows go head by head."""
+    return bool(scores.causal or scores.window or (scores.mods is not None and scores.mods.blocks))
+
+
 def idle_rows_last(scores, bm, nq):
     """Whether a launch of full rows (no mask that shortens rows, not packed) deals every
     leading index's last query tile after all the others (``sched`` 1): where
     :data:`SKIP_IDLE_ROWS` is on and that tile of ``nq`` rows in blocks of ``bm`` leaves a
     consumer warpgroup without a row."""
     last = nq - (-(-nq // bm) - 1) * bm
-    return bool(SKIP_IDLE_ROWS and not (scores.causal or scores.window or scores.packed
-                                        or scores.mods is not None and scores.mods.blocks)
-                and 0 < last <= bm - ROWS)
+    return bool(SKIP_IDLE_ROWS and not (longest_first(scores) or scores.packed) and 0 < last <= bm - ROWS)
 
 
 def wide_softcap(D, scores):
@@ -338,7 +343,9 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
         places = paired_places(-(-nq // bm), b, grid, kv_bytes)
         if places:
             return places
-    if (spec.causal or spec.window) and (spec.mods is None or not spec.mods.blocks):
+    if longest_first(spec):
+        if spec.mods is not None and spec.mods.blocks:
+            return 0                          # (a block mask's items: costs the model does not know)
         return -longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn)
     return int(idle_rows_last(spec, bm, nq))
 
@@ -421,7 +428,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     tail_tile = cuda.jit(device=True, inline=True)(pairs_tail_tile)
     assert not scores.paged, "the TMA reads a paged cache's rows only page by page: not this family"
     # rows see different numbers of keys (packed sequences: ``packed_item``'s order instead)
-    LONGEST_FIRST = scores.causal or scores.window or (mods is not None and mods.blocks)
+    LONGEST_FIRST = longest_first(scores)
     # causal rows: the pairs schedule where the launch asks for it (:func:`paired`)
     PAIRED = paired(scores, BM)
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
