@@ -330,9 +330,10 @@ VARIANTS = {v.name: v for v in (
             ptx_dims=(128,), ptx_rules=False),    # forward_mma's code: its shapes and rules are checked there
     Variant("forward_wgmma", "FlashAttention-3 forward on Hopper (TMA, mbarriers, wgmma, warp specialisation)",
             lambda dt, d, sim: forward_wgmma.tiling(d, FULL),
-            # (the flag passed, so that the factory's cache keys on it)
+            # (the flags passed, so that the factory's cache keys on them)
             lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores, bn=s.tiling.BN, bm=s.tiling.BM,
-                                                       skip_idle=forward_wgmma.SKIP_IDLE_ROWS),
+                                                       skip_idle=forward_wgmma.SKIP_IDLE_ROWS,
+                                                       fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP),
             lambda d, t: forward_wgmma.smem_bytes(d, bn=t.BN, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
             lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True,
             rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows)),

@@ -257,6 +257,41 @@ def test_hopper_wide_softcap_tiles(causal, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
+@pytest.mark.parametrize("dtype,caps", [("bfloat16", (30.0, 50.0)), ("float16", (3.0, 30.0))])
+def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
+    """``forward_wgmma.FIXED_MAX_SOFTCAP`` forced on: under a softcap within the dtype's
+    ``FIXED_MAX_LIMIT`` (the first cap) each row's maximum is the cap, and the bits differ
+    from the running maxima's; beyond it (the second) the kernel takes the running maxima,
+    the same bits as with the option off. Every result within the oracle's tolerance, with
+    causal rows that see no key (Nq > Nk), a ragged key tile, and one row whose every score
+    lies near -c (its largest exponential near 2^(-2 cap_out), the limit's case)."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
+    rng = np.random.default_rng(61)
+    dt = NP_DTYPES[dtype]
+    q = rng.standard_normal((1, 1, 150, 64))
+    k, v = (rng.standard_normal((1, 1, 100, 64)) for _ in range(2))
+    q[0, 0, -1] = -4 * k[0, 0].mean(axis=0) / np.linalg.norm(k[0, 0].mean(axis=0)) * 60
+    k[0, 0] += k[0, 0].mean(axis=0) * 3            # row -1's scores all far below zero
+    q, k, v = (x.astype(dt) for x in (q, k, v))
+    for cap, frozen in zip(caps, (True, False)):
+        assert (cap * math.log2(math.e) <= forward_wgmma.FIXED_MAX_LIMIT[dtype]) == frozen
+        opts = {"causal": True, "softcap": cap}
+        got = {}
+        for on in (False, True):
+            monkeypatch.setattr(forward_wgmma, "FIXED_MAX_SOFTCAP", on)
+            out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+            check_forward_low(out, lse, q, k, v, opts, None)
+            got[on] = (out, lse)
+        same = all(bits(a) == bits(b) for a, b in zip(got[False], got[True]))
+        assert same != frozen, (cap, frozen)
+
+
 @pytest.mark.parametrize("hkv", [2, 1])
 def test_hopper_family_grouped_heads(hkv, monkeypatch):
     """Grouped-query heads (and MQA) on the Hopper family: the kernel reads K/V head

@@ -135,6 +135,19 @@ WIDE_SOFTCAP_TILE = (192, 64)
 SKIP_IDLE_ROWS = False
 
 
+# A softcap bounds every score: with the cap c, ``cap_out · tanh(·) <= cap_out`` (c log2 e,
+# the scores' log2 units), so each row's maximum may be taken as ``cap_out`` from the start
+# (the exponentials' arguments in [-2 cap_out, 0]): no maxima taken (a FMNMX a score and
+# the quad's shuffles between the tanh and the exponentials, the softmax's serial part),
+# O never rescaled (a FMUL a score at d = 128), the rows' sums as before. Where the
+# smallest exponential a row can have as its largest, 2^(-2 cap_out), keeps P's precision:
+# a normal number in float32 and bfloat16 down to 2^-120 (cap_out <= 60: c <= 41.5), in
+# float16 down to 2^-12 (cap_out <= 6: c <= 4.1); otherwise the running maxima, a branch
+# on the launch's cap_out (docs/performance.md item 94). Off until measured on a GPU.
+FIXED_MAX_SOFTCAP = False
+FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
+
+
 def longest_first(scores):
     """Whether the kernel for ``scores`` deals its items longest first (``work_item``):
     where a mask makes rows see different numbers of keys (causal rows, a window, a block
@@ -396,7 +409,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, skip_idle: bool = None):
+                       overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -410,7 +423,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
     :func:`overlaps`); ``skip_idle``: a consumer warpgroup with no row in the sequence goes
     through the item's barriers without its products (default :data:`SKIP_IDLE_ROWS`; not
-    with ``overlap``)."""
+    with ``overlap``); ``fixed_max``: under a softcap alone, each row's maximum taken as the
+    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -442,6 +456,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # and cap_out (positive, the scale's log2 units included) joins exp2's FMA as the scale does
     TANH_RAW = scores.softcap and not scores.alibi and mods is None
     SCALED = RAW or TANH_RAW          # s holds the scores over a positive factor, sl
+    # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
+    FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
     # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
     # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
     # slow instruction on the multi-function unit the exponentials need (user functions
@@ -472,7 +488,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     key_tile_count, key_tile_at, key_tile_consts = block_lists(scores)
     block_rows, block_tile = block_row_rules(scores)
     F32 = numba.float32
-    ZERO, NEG_INF, LN2_T = F32(0), F32(-math.inf), F32(LN2)
+    ZERO, ONE, NEG_INF, LN2_T = F32(0), F32(1), F32(-math.inf), F32(LN2)
+    FIXED_LIMIT = F32(FIXED_MAX_LIMIT.get(dtype_name, 0.0))
     TILE_BYTES = NSUB * SUB_K             # K or V of one stage
 
     @cuda.jit(device=True, inline=True)
@@ -499,6 +516,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     def relative(bound, c0):
         """A row's key bound relative to the key ``c0``, clamped to ``[-1, BN]`` (int32)."""
         return numba.int32(min(max(bound - c0, -1), BN))
+
+    @cuda.jit(device=True, inline=True)
+    def frozen(sc):
+        """Whether the rows' maxima are the cap (:data:`FIXED_MAX_SOFTCAP`): the launch's
+        ``cap_out`` within :data:`FIXED_MAX_LIMIT` (one value for the whole launch)."""
+        if FIXED_MAX:
+            return sc[2] <= FIXED_LIMIT
+        return False
 
     @cuda.jit(device=True, inline=True)
     def softmax(s, k0, row0, tq4, r0, m0, m1, l0, l1, geo, diag, sc, slopes, b1, b2):
@@ -575,23 +600,28 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 for i in range(NS):
                     if (bits >> numba.uint64(i)) & numba.uint64(1) == 0:
                         s[i] = NEG_INF
-        mx0, mx1 = NEG_INF, NEG_INF
-        for i in range(NS):
-            if (i >> 1) & 1:
-                mx1 = max(mx1, s[i])
-            else:
-                mx0 = max(mx0, s[i])
-        for off in (1, 2):
-            mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
-            mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
-        if SCALED:
-            mx0, mx1 = mx0 * sl, mx1 * sl
-        if FLOAT_POS:
-            mx0, mx1 = mx0 + add0, mx1 + add1
-        mn0, mn1 = max(m0, mx0), max(m1, mx1)
-        mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
-        mu1 = ZERO if mn1 == NEG_INF else mn1
-        alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
+        if frozen(sc):
+            # every score at most the cap, cap_out (sl) in log2 units: the rows' maxima (a row
+            # with no visible key keeps a zero sum: 0 and -inf as ever)
+            mn0, mn1, mu0, mu1, alpha0, alpha1 = sl, sl, sl, sl, ONE, ONE
+        else:
+            mx0, mx1 = NEG_INF, NEG_INF
+            for i in range(NS):
+                if (i >> 1) & 1:
+                    mx1 = max(mx1, s[i])
+                else:
+                    mx0 = max(mx0, s[i])
+            for off in (1, 2):
+                mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
+                mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
+            if SCALED:
+                mx0, mx1 = mx0 * sl, mx1 * sl
+            if FLOAT_POS:
+                mx0, mx1 = mx0 + add0, mx1 + add1
+            mn0, mn1 = max(m0, mx0), max(m1, mx1)
+            mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
+            mu1 = ZERO if mn1 == NEG_INF else mn1
+            alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
         if FLOAT_POS:
             mu0, mu1 = mu0 - add0, mu1 - add1      # against s, which lacks the rows' parts
         rs0, rs1 = ZERO, ZERO
@@ -881,8 +911,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
                 s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
                 m0, m1, l0, l1)
-            o0 = H.scale_rows(o0, alpha0, alpha1)
-            o1 = H.scale_rows(o1, alpha0, alpha1)
+            if not frozen(sc):               # (a fixed maximum: O is never rescaled)
+                o0 = H.scale_rows(o0, alpha0, alpha1)
+                o1 = H.scale_rows(o1, alpha0, alpha1)
             pack_p(s, p)
         _, q_empty, _, _, _, _ = barriers(base)
         release(ct, q_empty + 8 * buf)
