@@ -268,9 +268,8 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
                 mt = h >> 1
                 e0 = 2 * (h & 1)
                 mx = NEG_INF
-                for n in range(NB):
-                    for e in range(e0, e0 + 2):
-                        mx = max(mx, s[mt, n, e])
+                for n in range(NB):      # (a pair at a time: a chain half as deep, the same value)
+                    mx = max(mx, max(s[mt, n, e0], s[mt, n, e0 + 1]))
                 for off in (1, 2):
                     mx = max(mx, warp.shfl_xor_sync(warp.FULL_MASK, mx, off))
                 m_new = max(m[h], mx)
