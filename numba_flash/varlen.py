@@ -22,7 +22,7 @@ import functools
 import numpy as np
 
 from . import _arrays, _plans, api, families, registry, scores
-from .kernels import forward_wgmma
+from .kernels import forward_wgmma, wgmma_schedule
 
 MAX_SEQUENCES = families.MAX_GRID_Y      # one grid row (axis z) per sequence
 
@@ -103,7 +103,7 @@ def _sequences(cu_q, cu_k, total_q, total_k, max_q, max_k):
 def _table(starts_q, lens_q, starts_k, lens_k, block_q=0):
     """The sequence table ``(S, 7)`` int32 on the host: q_start, q_len, k_start, k_len per
     sequence, then the Hopper forward's work order for its ``block_q``-row query tiles
-    (``forward_wgmma.work_order``; zeros for ``block_q = 0``: KV-cache calls, which that
+    (``wgmma_schedule.work_order``; zeros for ``block_q = 0``: KV-cache calls, which that
     family never takes)."""
     count = len(lens_q)
     if count > MAX_SEQUENCES:
@@ -111,7 +111,7 @@ def _table(starts_q, lens_q, starts_k, lens_k, block_q=0):
                          "of the batch.")
     table = np.empty((count, 7), np.int32)
     table[:, 0], table[:, 1], table[:, 2], table[:, 3] = starts_q, lens_q, starts_k, lens_k
-    table[:, 4:] = forward_wgmma.work_order(lens_q, lens_k, block_q) if block_q else 0
+    table[:, 4:] = wgmma_schedule.work_order(lens_q, lens_k, block_q) if block_q else 0
     return table
 
 

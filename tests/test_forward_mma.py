@@ -180,12 +180,12 @@ def test_hopper_schedules_through_the_api(opts, monkeypatch):
     if ON_GPU:
         pytest.skip("the simulator's multiprocessor count is set here")
     from numba_flash import api
-    from numba_flash.kernels import forward_wgmma
+    from numba_flash.kernels import wgmma_schedule
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
     monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
-    monkeypatch.setattr(forward_wgmma, "L2_KV_BYTES", 0)
-    monkeypatch.setattr(forward_wgmma, "PAIRS_SLACK", float("inf"))
-    forward_wgmma.paired_places.cache_clear()
+    monkeypatch.setattr(wgmma_schedule, "L2_KV_BYTES", 0)
+    monkeypatch.setattr(wgmma_schedule, "PAIRS_SLACK", float("inf"))
+    wgmma_schedule.paired_places.cache_clear()
     try:
         rng = np.random.default_rng(51)
         # five query tiles of two heads: the pairs leave one pair and the middle tiles to the
@@ -196,7 +196,7 @@ def test_hopper_schedules_through_the_api(opts, monkeypatch):
         out, lse = numba_flash.attention_fwd(q, k, v, **opts)
         check_forward_low(out, lse, q, k, v, opts, None)
     finally:
-        forward_wgmma.paired_places.cache_clear()        # (its answers under the forced constants)
+        wgmma_schedule.paired_places.cache_clear()       # (its answers under the forced constants)
 
 
 def test_hopper_idle_warpgroups_through_the_api(monkeypatch):

@@ -277,6 +277,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     from numba_flash import ops_hopper as H
     from numba_flash import _arrays, reference
     from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.kernels import wgmma_schedule as S
     from numba_flash.launch import launch
     from numba_flash.scores import LOG2E, parse
 
@@ -299,7 +300,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     scale = 1 / math.sqrt(d)
     grid = grid or -(-nq // bm) * heads[0] * heads[1]
     if sched is None:       # the schedule a launch would take (the pairs of causal rows, where they pay)
-        sched = F.schedule(rules, bm, nq, nk, heads[0] * heads[1], grid, F.L2_KV_BYTES + 1)
+        sched = F.schedule(rules, bm, nq, nk, heads[0] * heads[1], grid, S.L2_KV_BYTES + 1)
     args = (*maps, packed, lse, nk, 1, np.float32(scale * LOG2E), *rules.band(), np.float32(0), np.float32(0), slopes,
             sched)
     launch(kern, grid, kern.threads, kern.smem_bytes, args)
@@ -399,28 +400,29 @@ def test_longest_first_rounds_where_the_model_says():
     are counted here from the oracle's mask."""
     import numpy as np
     from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.kernels import wgmma_schedule as S
     from numba_flash.scores import parse, visible_mask
     for left, n, m, b in ((1024, 16384, 16384, 16), (None, 4096, 4096, 16), (None, 1024, 1024, 512),
                           (300, 2000, 2100, 7), (None, 1000, 700, 40)):
         seen = visible_mask(parse(True, window=None if left is None else (left, 0)), n, m)
         n_qt, n_kt = -(-n // 128), -(-m // 128)
         tiles = np.array([sum(seen[128 * qt:128 * qt + 128, 128 * kt:128 * kt + 128].any() for kt in range(n_kt))
-                          for qt in range(n_qt - 1, -1, -1)], float) + F.ITEM_COST
-        flip = F.longest_first_flip(left, 0, n, m, 128, b, 132)
-        busiest = [F._deal_loads(tiles, b, 132, f).max() for f in (0, 1)]
+                          for qt in range(n_qt - 1, -1, -1)], float) + S.ITEM_COST
+        flip = S.longest_first_flip(left, 0, n, m, 128, b, 132, 128)
+        busiest = [S._deal_loads(tiles, b, 132, f).max() for f in (0, 1)]
         assert busiest[flip] <= busiest[1 - flip], (left, n, b, busiest)
-        assert F._deal_loads(tiles, b, 132, flip).sum() == tiles.sum() * b
+        assert S._deal_loads(tiles, b, 132, flip).sum() == tiles.sum() * b
     for n, grid in ((9, 2), (2048, 132), (264, 132), (100, 132), (1000, 7)):     # each a bijection
         for flip in (0, 1):
-            items = [F.longest_first_item(i, grid, n, flip) for i in range(n)]      # the kernel's rule
+            items = [S.longest_first_item(i, grid, n, flip) for i in range(n)]      # the kernel's rule
             assert sorted(items) == list(range(n))
-            assert items == F._longest_first_items(np.arange(n), grid, n, flip).tolist()   # the model's
+            assert items == S._longest_first_items(np.arange(n), grid, n, flip).tolist()   # the model's
     window = parse(window=(1024, 0))
     assert F.schedule(window, 128, 16384, 16384, 16, 132, 1 << 30) == -1
-    loads = [F._deal_loads(np.minimum(np.arange(128, 0, -1), 9) + F.ITEM_COST, 16, 132, f) for f in (0, 1)]
+    loads = [S._deal_loads(np.minimum(np.arange(128, 0, -1), 9) + S.ITEM_COST, 16, 132, f) for f in (0, 1)]
     assert [round(x.max() / x.mean(), 3) for x in loads] == [1.034, 1.012]
     causal = parse(True)
-    assert F.schedule(causal, 128, 4096, 4096, 64, 132, 1 << 30) == F.paired_places(32, 64, 132, 1 << 30) > 0
+    assert F.schedule(causal, 128, 4096, 4096, 64, 132, 1 << 30) == S.paired_places(32, 64, 132, 1 << 30) > 0
     assert F.schedule(parse(), 128, 4096, 4096, 64, 132, 1 << 30) == 0
 
 
@@ -443,31 +445,31 @@ def test_forward_causal_pairs(nq, nk, heads, grid, u0, flip):
 
 def _pairs_item(i, G, n_qt, B, sched):
     """``work_item``'s pairs branch, on the host (the tail through the kernel's own functions)."""
-    from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.kernels import wgmma_schedule as S
     P, U0 = n_qt >> 1, sched >> 2
     if i < 2 * U0:
         r = i // G
         u = (r >> 1) * G + (i - r * G)
         p = u % P
         return (p if (r & 1) == 1 else n_qt - 1 - p), u // P
-    return F.pairs_tail_tile(F.longest_first_item(i - 2 * U0, G, n_qt * B - 2 * U0, (sched >> 1) & 1), n_qt, B, U0)
+    return S.pairs_tail_tile(S.longest_first_item(i - 2 * U0, G, n_qt * B - 2 * U0, (sched >> 1) & 1), n_qt, B, U0)
 
 
 def test_pairs_tail_deals_every_tile_once():
     """The pairs schedule with 0 to ``TAIL_ROUNDS`` whole rounds left to its tail, either
     parity: every (query tile, leading index) at exactly one place; the tail's tiles
-    heaviest first (:func:`forward_wgmma.pairs_tail_tile`)."""
-    from numba_flash.kernels import forward_wgmma as F
+    heaviest first (:func:`wgmma_schedule.pairs_tail_tile`)."""
+    from numba_flash.kernels import wgmma_schedule as S
     for n_qt, B, G in ((8, 256, 132), (32, 64, 132), (33, 64, 132), (9, 100, 132), (3, 2, 1), (5, 3, 3), (2, 1000, 132)):
         P = n_qt // 2
         W = B * P // G
         want = sorted((q, b) for q in range(n_qt) for b in range(B))
-        for u0 in {max(W - k, 1) * G for k in range(F.TAIL_ROUNDS + 1)}:
+        for u0 in {max(W - k, 1) * G for k in range(S.TAIL_ROUNDS + 1)}:
             for flip in (0, 1):
                 sched = 4 * u0 + 2 * flip + 1
                 assert sorted(_pairs_item(i, G, n_qt, B, sched) for i in range(n_qt * B)) == want, (n_qt, B, u0, flip)
             n_tail = n_qt * B - 2 * u0
-            costs = [F.pairs_tail_tile(s, n_qt, B, u0)[0] for s in range(n_tail)]
+            costs = [S.pairs_tail_tile(s, n_qt, B, u0)[0] for s in range(n_tail)]
             firsts = B * P - u0
             seconds = costs[n_tail - firsts:]
             assert costs[:firsts] == sorted(costs[:firsts], reverse=True) and seconds == sorted(seconds, reverse=True)
@@ -483,19 +485,20 @@ def test_pairs_where_the_model_says():
     whole rounds' leftovers in pairs, 0.5% with the model's choice."""
     import numpy as np
     from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.kernels import wgmma_schedule as S
     from numba_flash.scores import ScoreSpec
     kv = lambda b, n: b * n * 128 * 4      # noqa: E731 (bytes of K and V at d = 128, 16-bit)
     for n_qt, b, grid in ((32, 64, 132), (32, 256, 132), (128, 16, 132), (33, 64, 132), (2, 144, 132), (1, 16, 132)):
-        got = F.paired_places(n_qt, b, grid, kv(b, 128 * n_qt))
+        got = S.paired_places(n_qt, b, grid, kv(b, 128 * n_qt))
         W = b * (n_qt // 2) // grid
-        assert got == 0 or got & 1 and (got >> 2) in {max(W - k, 1) * grid for k in range(F.TAIL_ROUNDS + 1)}
-    got = F.paired_places(32, 64, 132, kv(64, 4096))
-    mean = (np.arange(1, 33) + F.ITEM_COST).sum() * 64 / 132
-    assert round(F._pairs_loads(32, 64, 132, got >> 2, (got >> 1) & 1).max() / mean, 3) == 1.005
-    assert F.paired_places(32, 256, 132, kv(256, 4096)) > 0     # (16, 16, 4096, 128): 31 rounds of equal pairs
-    assert F.paired_places(32, 64, 132, kv(64, 4096)) > 0       # (4, 16, 4096, 128)
-    assert F.paired_places(32, 16, 132, kv(16, 4096)) == 0      # (1, 16, 4096, 128): its K and V fit in L2
-    assert F.paired_places(2, 144, 132, kv(144, 256)) == 0      # 144 pairs on 132 blocks: 12 twice as long
+        assert got == 0 or got & 1 and (got >> 2) in {max(W - k, 1) * grid for k in range(S.TAIL_ROUNDS + 1)}
+    got = S.paired_places(32, 64, 132, kv(64, 4096))
+    mean = (np.arange(1, 33) + S.ITEM_COST).sum() * 64 / 132
+    assert round(S._pairs_loads(32, 64, 132, got >> 2, (got >> 1) & 1).max() / mean, 3) == 1.005
+    assert S.paired_places(32, 256, 132, kv(256, 4096)) > 0     # (16, 16, 4096, 128): 31 rounds of equal pairs
+    assert S.paired_places(32, 64, 132, kv(64, 4096)) > 0       # (4, 16, 4096, 128)
+    assert S.paired_places(32, 16, 132, kv(16, 4096)) == 0      # (1, 16, 4096, 128): its K and V fit in L2
+    assert S.paired_places(2, 144, 132, kv(144, 256)) == 0      # 144 pairs on 132 blocks: 12 twice as long
     assert F.paired(ScoreSpec(causal=True), 128) and not F.paired(ScoreSpec(causal=True), 192)
     assert not F.paired(ScoreSpec(causal=True, window=True), 128) and not F.paired(ScoreSpec(), 128)
 

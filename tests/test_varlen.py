@@ -252,12 +252,12 @@ def test_hopper_work_order():
     counts of tiles and of pairs of tiles end at their totals. The persistent schedule's
     places for the pairs (``pair_place``) cover every unit's two halves once, a whole
     round's on one block, one after the other."""
-    from numba_flash.kernels.forward_wgmma import pair_place, work_order
-    order = work_order([5, 0, 300, 129, 300], [1, 1, 10, 7, 50])
+    from numba_flash.kernels.wgmma_schedule import pair_place, work_order
+    order = work_order([5, 0, 300, 129, 300], [1, 1, 10, 7, 50], 128)
     assert order[:, 1].tolist() == [4, 2, 3, 0, 1]
     assert order[:, 0].tolist() == [3, 6, 8, 9, 9]
     assert order[:, 2].tolist() == [1, 2, 3, 3, 3]
-    assert work_order([], []).shape == (0, 3)
+    assert work_order([], [], 128).shape == (0, 3)
     for G, units in ((1, 5), (4, 4), (4, 11), (7, 3), (132, 4352 // 2 + 8)):
         places = [pair_place(i, G, units) for i in range(2 * units)]
         assert sorted(places) == [(v, h) for v in range(units) for h in (0, 1)]

@@ -24,7 +24,7 @@ racecheck. ``--backward``: the backward kernels alone (out and lse from the floa
 oracle; no block masks), with the other flags' shapes and dtypes. ``--d D``: only the
 shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs`` (with
 ``--hopper``): the Hopper forward's pairs schedule of causal rows forced wherever a grid
-of three blocks has a whole round of pairs (``forward_wgmma.paired_places``), at shapes
+of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), at shapes
 with an odd count of query tiles and rows that see no key, d = 128 and d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``); forward only.
 """
@@ -222,9 +222,9 @@ def main():
         _few_blocks()
     pairs = "--pairs" in sys.argv
     if pairs:
-        from numba_flash.kernels import forward_wgmma
-        forward_wgmma.L2_KV_BYTES, forward_wgmma.PAIRS_SLACK = 0, float("inf")
-        forward_wgmma.paired_places.cache_clear()
+        from numba_flash.kernels import wgmma_schedule
+        wgmma_schedule.L2_KV_BYTES, wgmma_schedule.PAIRS_SLACK = 0, float("inf")
+        wgmma_schedule.paired_places.cache_clear()
         shapes, options = PAIRS_SHAPES, [o for o in options if o.get("causal") and "window" not in o]
     if "--d" in sys.argv:
         head_dim = int(sys.argv[sys.argv.index("--d") + 1])
