@@ -43,6 +43,20 @@ def _run(case, q, k, v, on_device):
     return out, lse
 
 
+def _force_hopper(monkeypatch, cache=True):
+    """The Hopper family forced for the test (``registry.HOPPER_ENV``), which stops here on a
+    GPU of another compute capability than 9.0 (the variable cannot give a GPU instructions
+    it lacks); ``cache=False``: no kernel cache (kernels forced by a test share the
+    registry's names)."""
+    if ON_GPU:
+        from numba import cuda
+        if cuda.get_current_device().compute_capability != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    if not cache:
+        monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")
+
+
 _T = registry.mma_tiling("bfloat16", 16)
 BM, BN = _T.BM, _T.BN
 if ON_GPU:
@@ -115,11 +129,7 @@ def test_hopper_family_through_the_api(case, monkeypatch):
     """The Hopper family forced on (``NUMBA_FLASH_HOPPER=1``): in the simulator through
     ``ops_hopper``'s twins, on a GPU where it is one of cc 9.0 (elsewhere the variable
     cannot give a GPU the instructions it lacks, so the test stops there)."""
-    if ON_GPU:
-        from numba import cuda
-        if cuda.get_current_device().compute_capability != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    _force_hopper(monkeypatch)
     assert registry.forward_specialisation(case.dtype, case.d, registry.FULL, True, cc=(9, 0)).variant == "forward_wgmma"
     q, k, v = case.inputs()
     _assert_hopper_launch(q, k, v, causal=case.causal, scale=case.scale)
@@ -143,12 +153,8 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     taken before the maxima, the cap in exp2's FMA); and ALiBi with and without a softcap
     over more keys than queries (200 x 300), where some key tiles lie wholly before or
     after a warpgroup's diagonal (ALiBi's linear split) and some cross it."""
-    if ON_GPU:
-        from numba import cuda
-        if cuda.get_current_device().compute_capability != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
     from numba_flash.kernels import forward_wgmma
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    _force_hopper(monkeypatch)
     if not pingpong:
         plain = forward_wgmma.make_forward_wgmma
         monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
@@ -236,14 +242,9 @@ def test_hopper_wide_softcap_tiles(causal, monkeypatch):
     forced on here; three consumer warpgroups): the launch takes that tiling, and the result
     is within the oracle's tolerance, with query tiles that see no key (causal, Nq > Nk) and
     a ragged last key tile."""
-    if ON_GPU:
-        from numba import cuda
-        if cuda.get_current_device().compute_capability != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
     from numba_flash import api
     from numba_flash.kernels import forward_wgmma
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
+    _force_hopper(monkeypatch, cache=False)
     monkeypatch.setattr(forward_wgmma, "WIDE_SOFTCAP", True)
     rng = np.random.default_rng(31 + causal)
     q = rng.standard_normal((1, 250 if causal else 200, 128)).astype(ml_dtypes.bfloat16)
@@ -265,13 +266,8 @@ def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
     the same bits as with the option off. Every result within the oracle's tolerance, with
     causal rows that see no key (Nq > Nk), a ragged key tile, and one row whose every score
     lies near -c (its largest exponential near 2^(-2 cap_out), the limit's case)."""
-    if ON_GPU:
-        from numba import cuda
-        if cuda.get_current_device().compute_capability != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
     from numba_flash.kernels import forward_wgmma
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
+    _force_hopper(monkeypatch, cache=False)
     rng = np.random.default_rng(61)
     dt = NP_DTYPES[dtype]
     q = rng.standard_normal((1, 1, 150, 64))
@@ -297,12 +293,8 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
     """Grouped-query heads (and MQA) on the Hopper family: the kernel reads K/V head
     ``h // group`` through K/V's own tensor maps (no repeated view); the launch is checked
     to be the family's, and the result against the oracle."""
-    if ON_GPU:
-        from numba import cuda
-        if cuda.get_current_device().compute_capability != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
     from numba_flash import api
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    _force_hopper(monkeypatch)
     rng = np.random.default_rng(20 + hkv)
     q = rng.standard_normal((2, 4, 70, 64)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((2, hkv, 90, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
@@ -322,13 +314,8 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     Causal rows with Nq > Nk, so that query tiles with no key lie between tiles with keys;
     full rows; a varlen batch with an empty sequence. (In the simulator one persistent block
     takes every item, so every transition between items runs.)"""
-    if ON_GPU:
-        from numba import cuda
-        if cuda.get_current_device().compute_capability != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
     from numba_flash.kernels import forward_wgmma
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
+    _force_hopper(monkeypatch, cache=False)
     rng = np.random.default_rng(41)
     d = 128
     plain = forward_wgmma.make_forward_wgmma
