@@ -659,20 +659,26 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
     @cuda.jit(device=True, inline=True)
-    def finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4):
-        """A work item's epilogue for the thread's two rows: O /= l, lse = (m + log2 l) ln 2
-        (a row with no visible key: 0 and −inf)."""
+    def row_sums(lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4):
+        """The first half of a work item's epilogue for the thread's two rows, which O is not
+        needed for: the rows' sums over their quads, lse = (m + log2 l) ln 2 stored (a row
+        with no visible key: −inf); returns ``1 / l`` of each row (0 for such a row)."""
         for off in (1, 2):
             l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
             l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
-        inv0 = ZERO if l0 == ZERO else F32(1) / l0
-        inv1 = ZERO if l1 == ZERO else F32(1) / l1
-        store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
         if tq4 == 0:
             if row0 < nq:
                 lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
             if row0 + 8 < nq:
                 lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+        return ZERO if l0 == ZERO else F32(1) / l0, ZERO if l1 == ZERO else F32(1) / l1
+
+    @cuda.jit(device=True, inline=True)
+    def finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4):
+        """A work item's epilogue for the thread's two rows: :func:`row_sums`, then O / l
+        stored (a row with no visible key: 0)."""
+        inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4)
+        store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
 
     @cuda.jit(device=True, inline=True)
     def next_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, out, lse, wg, w, g, tq4):
@@ -822,18 +828,32 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return ak, bk, av, bv
 
     @cuda.jit(device=True, inline=True)
-    def last_tile(o0, o1, p, ring, base, ct):
-        """An item's last O += P V alone, waited for; returns O and the rings' places."""
-        ak, bk, av, bv = ring
-        _, _, _, _, full_v, empty_v = barriers(base)
+    def last_product(o0, o1, p, ring, base):
+        """An item's last O += P V alone, issued (:func:`last_done` waits for it)."""
+        _, _, av, bv = ring
+        _, _, _, _, full_v, _ = barriers(base)
         wait_phase(full_v + 8 * av, bv)
         H.wgmma_fence()
         o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
         H.wgmma_commit()
+        return o0, o1
+
+    @cuda.jit(device=True, inline=True)
+    def last_done(ring, base, ct):
+        """The last P V (:func:`last_product`) waited for, its V stage released; returns the
+        rings' places."""
+        ak, bk, av, bv = ring
+        _, _, _, _, _, empty_v = barriers(base)
         wait0()
         release(ct, empty_v + 8 * av)
         av, bv = advance(av, bv)
-        return o0, o1, (ak, bk, av, bv)
+        return ak, bk, av, bv
+
+    @cuda.jit(device=True, inline=True)
+    def last_tile(o0, o1, p, ring, base, ct):
+        """An item's last O += P V alone, waited for; returns O and the rings' places."""
+        o0, o1 = last_product(o0, o1, p, ring, base)
+        return o0, o1, last_done(ring, base, ct)
 
     @cuda.jit(device=True, inline=True)
     def pack_p(s, p):
@@ -959,9 +979,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                 r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes,
                                                     b1, b2)
-                m0, m1, l0, l1 = NEG_INF, NEG_INF, ZERO, ZERO      # per row: running max, partial sum
                 o0 = zeros_o()
                 o1 = zeros_o()
+                idle = True                            # no key tile, or (SKIP_IDLE) no row
                 if tiles > 0:
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                     n_q += 1
@@ -972,16 +992,22 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                         # value: on the warpgroup index itself it could not tell the branch
                         # uniform and serialized every product of the kernel (C7520)
                         idle = warp.shfl_sync(warp.FULL_MASK, numba.int32(r0 >= nq), 0) != 0
-                    if idle:
-                        ring = idle_item(ring, base, buf, ct, wg, tiles)
-                    else:
-                        m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0,
-                                                                  tq4, r0, sc, slopes, b1, b2)
-                        m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
-                                                                   q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0,
-                                                                   m1, l0, l1)
-                        o0, o1, ring = last_tile(o0, o1, p, ring, base, ct)
-                finish(out, lse, b1, b2, qs, row0, nq, o0, o1, m0, m1, l0, l1, tq4)
+                        if idle:
+                            ring = idle_item(ring, base, buf, ct, wg, tiles)
+                if idle:
+                    inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, NEG_INF, NEG_INF, ZERO, ZERO, tq4)
+                else:
+                    m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4,
+                                                              r0, sc, slopes, b1, b2)
+                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0,
+                                                               kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1, l0,
+                                                               l1)
+                    # the last P V issued; while it runs, the rows' sums and lse, which it does
+                    # not hold (before, they waited for it)
+                    o0, o1 = last_product(o0, o1, p, ring, base)
+                    inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4)
+                    ring = last_done(ring, base, ct)
+                store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
 
