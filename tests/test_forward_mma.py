@@ -288,6 +288,26 @@ def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
         assert same != frozen, (cap, frozen)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_hopper_paired_maxima_change_no_bit(causal, monkeypatch):
+    """``forward_wgmma.PAIRED_MAXIMA`` (each row's maximum in two chains of pairs) forced
+    on and off: a maximum does not round, so the same bits, with causal rows that see no
+    key (masked scores, -inf) and a ragged key tile; a pair taken from the wrong row would
+    move some row's maximum and its exponentials' rounding."""
+    _force_hopper(monkeypatch, cache=False)
+    from numba_flash.kernels import forward_wgmma
+    rng = np.random.default_rng(71 + causal)
+    q = rng.standard_normal((1, 2, 140, 64)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 2, 100, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    got = []
+    for on in (False, True):
+        monkeypatch.setattr(forward_wgmma, "PAIRED_MAXIMA", on)
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=causal)
+        check_forward_low(out, lse, q, k, v, causal, None)
+        got.append((bits(out), bits(lse)))
+    assert got[0] == got[1]
+
+
 @pytest.mark.parametrize("hkv", [2, 1])
 def test_hopper_family_grouped_heads(hkv, monkeypatch):
     """Grouped-query heads (and MQA) on the Hopper family: the kernel reads K/V head

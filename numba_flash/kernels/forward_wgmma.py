@@ -149,6 +149,13 @@ FIXED_MAX_SOFTCAP = False
 FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 
 
+# Each row's maximum of a tile taken in two chains of pairs, 10 dependent FMNMX deep rather
+# than one chain of 32, the same bits. Off until measured on a GPU: item 41 took the maxima
+# and the row sums over four partials together with descriptor offsets and measured d = 64
+# 8% slower, the parts not told apart (docs/performance.md items 41 and 95).
+PAIRED_MAXIMA = False
+
+
 def longest_first(scores):
     """Whether the kernel for ``scores`` deals its items longest first (``work_item``):
     where a mask makes rows see different numbers of keys (causal rows, a window, a block
@@ -274,7 +281,8 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None):
+                       overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None,
+                       paired_max: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -289,7 +297,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :func:`overlaps`); ``skip_idle``: a consumer warpgroup with no row in the sequence goes
     through the item's barriers without its products (default :data:`SKIP_IDLE_ROWS`; not
     with ``overlap``); ``fixed_max``: under a softcap alone, each row's maximum taken as the
-    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
+    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`);
+    ``paired_max``: the rows' maxima in chains of pairs (default :data:`PAIRED_MAXIMA`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -323,6 +332,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     SCALED = RAW or TANH_RAW          # s holds the scores over a positive factor, sl
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
+    PAIRED_MAX = PAIRED_MAXIMA if paired_max is None else paired_max
     # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
     # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
     # slow instruction on the multi-function unit the exponentials need (user functions
@@ -470,17 +480,25 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             # with no visible key keeps a zero sum: 0 and -inf as ever)
             mn0, mn1, mu0, mu1, alpha0, alpha1 = sl, sl, sl, sl, ONE, ONE
         else:
-            # each row's maximum over the thread's scores in two chains of pairs (s[8c + 0, 1,
-            # 4, 5] are row 0's, s[8c + 2, 3, 6, 7] row 1's): a quarter as deep as one chain
-            # of NS / 2, the same instructions and the same value (a maximum does not round)
-            mx0, mx1, my0, my1 = NEG_INF, NEG_INF, NEG_INF, NEG_INF
-            for c in range(NS // 8):
-                i = 8 * c
-                mx0 = max(mx0, max(s[i], s[i + 1]))
-                mx1 = max(mx1, max(s[i + 2], s[i + 3]))
-                my0 = max(my0, max(s[i + 4], s[i + 5]))
-                my1 = max(my1, max(s[i + 6], s[i + 7]))
-            mx0, mx1 = max(mx0, my0), max(mx1, my1)
+            mx0, mx1 = NEG_INF, NEG_INF
+            if PAIRED_MAX:
+                # each row's maximum in two chains of pairs (s[8c + 0, 1, 4, 5] are row 0's,
+                # s[8c + 2, 3, 6, 7] row 1's): a quarter as deep as one chain of NS / 2, the
+                # same value (a maximum does not round)
+                my0, my1 = NEG_INF, NEG_INF
+                for c in range(NS // 8):
+                    i = 8 * c
+                    mx0 = max(mx0, max(s[i], s[i + 1]))
+                    mx1 = max(mx1, max(s[i + 2], s[i + 3]))
+                    my0 = max(my0, max(s[i + 4], s[i + 5]))
+                    my1 = max(my1, max(s[i + 6], s[i + 7]))
+                mx0, mx1 = max(mx0, my0), max(mx1, my1)
+            else:
+                for i in range(NS):
+                    if (i >> 1) & 1:
+                        mx1 = max(mx1, s[i])
+                    else:
+                        mx0 = max(mx0, s[i])
             for off in (1, 2):
                 mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
                 mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
