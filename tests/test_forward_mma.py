@@ -264,8 +264,8 @@ def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
     ``FIXED_MAX_LIMIT`` (the first cap) each row's maximum is the cap, and the bits differ
     from the running maxima's; beyond it (the second) the kernel takes the running maxima,
     the same bits as with the option off. Every result within the oracle's tolerance, with
-    causal rows that see no key (Nq > Nk), a ragged key tile, and one row whose every score
-    lies near -c (its largest exponential near 2^(-2 cap_out), the limit's case)."""
+    causal rows that see no key (Nq > Nk) and a window's, a ragged key tile, and one row whose
+    every score lies near -c (its largest exponential near 2^(-2 cap_out), the limit's case)."""
     from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
     rng = np.random.default_rng(61)
@@ -275,9 +275,9 @@ def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
     q[0, 0, -1] = -4 * k[0, 0].mean(axis=0) / np.linalg.norm(k[0, 0].mean(axis=0)) * 60
     k[0, 0] += k[0, 0].mean(axis=0) * 3            # row -1's scores all far below zero
     q, k, v = (x.astype(dt) for x in (q, k, v))
-    for cap, frozen in zip(caps, (True, False)):
+    for cap, frozen, rule in zip(caps + caps, (True, False) * 2, ({"causal": True},) * 2 + ({"window": (40, 7)},) * 2):
         assert (cap * math.log2(math.e) <= forward_wgmma.FIXED_MAX_LIMIT[dtype]) == frozen
-        opts = {"causal": True, "softcap": cap}
+        opts = {**rule, "softcap": cap}
         got = {}
         for on in (False, True):
             monkeypatch.setattr(forward_wgmma, "FIXED_MAX_SOFTCAP", on)
