@@ -770,11 +770,21 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     def next_tile(s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
                   m0, m1, l0, l1):
         """Key tile ``j`` of an item after a tile whose P is in ``p``: S_j = Q Kᵀ and that
-        tile's O += P V issued in one turn; once S_j is done, its softmax (on the rows'
-        ``m0 .. l1``) while P V runs; then P V waited for. Returns the softmax's results, the
-        accumulators and the rings' places; ``p`` is free, O not yet rescaled."""
+        tile's O += P V issued in one turn (:func:`issue_tile`); once S_j is done, its softmax
+        (on the rows' ``m0 .. l1``) while P V runs; then P V waited for (:func:`tile_done`).
+        Returns the softmax's results, the accumulators and the rings' places; ``p`` is
+        free, O not yet rescaled."""
+        acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg)
+        m0, m1, l0, l1, alpha0, alpha1, ring = tile_done(acc, s, p, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc,
+                                                         slopes, b1, b2, m0, m1, l0, l1)
+        return m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring
+
+    @cuda.jit(device=True, inline=True)
+    def issue_tile(o0, o1, p, q_at, ring, base, wg):
+        """The first half of :func:`next_tile`: S_j = Q Kᵀ (its accumulator returned in
+        flight) and the tile before's O += P V issued in one turn."""
         ak, bk, av, bv = ring
-        _, _, full_k, empty_k, full_v, empty_v = barriers(base)
+        _, _, full_k, _, full_v, _ = barriers(base)
         wait_phase(full_k + 8 * ak, bk)
         my_turn(wg)
         H.wgmma_fence()
@@ -784,6 +794,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
         H.wgmma_commit()
         their_turn(wg)
+        return acc, o0, o1
+
+    @cuda.jit(device=True, inline=True)
+    def tile_done(acc, s, p, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1, l0, l1):
+        """The second half of :func:`next_tile`: S_j waited for, its softmax while P V runs,
+        then P V waited for. Returns the softmax's results and the rings' places."""
+        ak, bk, av, bv = ring
+        _, _, _, empty_k, _, empty_v = barriers(base)
         wait1()                                    # S_j done: K_j's stage is free
         release(ct, empty_k + 8 * ak)
         ak, bk = advance(ak, bk)
@@ -794,7 +812,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         wait0()                                    # P V done: its stage is free, p may change
         release(ct, empty_v + 8 * av)
         av, bv = advance(av, bv)
-        return m0, m1, l0, l1, alpha0, alpha1, o0, o1, (ak, bk, av, bv)
+        return m0, m1, l0, l1, alpha0, alpha1, (ak, bk, av, bv)
 
     @cuda.jit(device=True, inline=True)
     def later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
@@ -818,8 +836,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     @cuda.jit(device=True, inline=True)
     def idle_item(ring, base, buf, ct, wg, tiles):
         """A consumer warpgroup none of whose rows lie in the sequence: the item's barriers
-        without its products, in the order :func:`first_tile`, :func:`later_tiles` and
-        :func:`last_tile` take them (each stage waited for before it is released, so the
+        without its products, in the order :func:`first_tile`, :func:`later_tiles`,
+        :func:`last_product` and :func:`last_done` take them (each stage waited for before it is released, so the
         warpgroup keeps pace with the producer and the others; its turns taken), so that
         the producer and the other warpgroups run as they would, with the tensor cores to
         themselves. Returns the rings' places."""
@@ -866,12 +884,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         release(ct, empty_v + 8 * av)
         av, bv = advance(av, bv)
         return ak, bk, av, bv
-
-    @cuda.jit(device=True, inline=True)
-    def last_tile(o0, o1, p, ring, base, ct):
-        """An item's last O += P V alone, waited for; returns O and the rings' places."""
-        o0, o1 = last_product(o0, o1, p, ring, base)
-        return o0, o1, last_done(ring, base, ct)
 
     @cuda.jit(device=True, inline=True)
     def pack_p(s, p):
@@ -981,17 +993,21 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                         break
                     r0, row0, buf, q_at, sc, n_q = begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2,
                                                               cap_in, cap_out, slopes, b1, b2)
-                    # the next item's S_0 with this one's last P V
-                    n0, n1, k0l, k1l, _, _, o0, o1, ring = next_tile(
-                        s, o0, o1, p, q_at, ring, base, ct, wg, 0, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1,
-                        b2, NEG_INF, NEG_INF, ZERO, ZERO)
-                    finish(out, lse, fb1, fb2, fqs, frow0, fnq, o0, o1, m0, m1, l0, l1, tq4)
+                    # the next item's S_0 with this one's last P V; while they run, this item's
+                    # rows' sums and lse; its O stored once its last P V is done
+                    acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg)
+                    inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
+                    n0, n1, k0l, k1l, _, _, ring = tile_done(acc, s, p, ring, base, ct, 0, q0, kt0, geo, row0, tq4, r0,
+                                                             sc, slopes, b1, b2, NEG_INF, NEG_INF, ZERO, ZERO)
+                    store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
                     o0 = zeros_o()
                     o1 = zeros_o()
                     m0, m1, l0, l1 = n0, n1, k0l, k1l
                     pack_p(s, p)
-                o0, o1, ring = last_tile(o0, o1, p, ring, base, ct)
-                finish(out, lse, fb1, fb2, fqs, frow0, fnq, o0, o1, m0, m1, l0, l1, tq4)
+                o0, o1 = last_product(o0, o1, p, ring, base)
+                inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
+                ring = last_done(ring, base, ct)
+                store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
         else:
             for i in range(cuda.blockIdx.x, n_items, G):
                 b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
