@@ -371,6 +371,45 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     assert [bits(x) for x in result] == [bits(x) for x in default], forced
 
 
+@pytest.mark.parametrize("rules,d,nq,nk", [("full", 128, 130, 300), ("causal", 128, 300, 90), ("causal", 64, 200, 390),
+                                           ("packed", 128, 0, 0), ("full", 64, 100, 260)])
+def test_hopper_rotated_tiles_change_no_bit(rules, d, nq, nk, monkeypatch):
+    """The loop over key tiles rotated (``make_forward_wgmma``'s ``rotate``: each iteration
+    begins with the tile before's wait, O's rescale and P's move from its second buffer)
+    changes where the waits fall, not what is computed: forced on, the kernel's bits equal
+    the default kernel's, which is within the oracle's tolerance. One key tile per item
+    (causal, Nq > Nk: no iteration), two and three (the V stage released in the loop),
+    the item overlap's kernels (causal d = 64, a packed batch with an empty sequence) and
+    three consumer warpgroups (full rows at d = 64)."""
+    from numba_flash.kernels import forward_wgmma
+    _force_hopper(monkeypatch, cache=False)
+    rng = np.random.default_rng(43 + d)
+    plain = forward_wgmma.make_forward_wgmma
+    if rules == "packed":
+        lens = np.array([150, 0, 290])
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
+    else:
+        causal = rules == "causal"
+        q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
+        k, v = (rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
+        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
+    built = []
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
+    default = [host(x) for x in call()]
+    assert not built[-1].rotate
+    if rules != "packed":
+        check_forward_low(default[0], default[1], q, k, v, causal, None)
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, **{**kw, "rotate": True}))
+                        or built[-1])
+    result = [host(x) for x in call()]
+    assert built[-1].rotate
+    assert [bits(x) for x in result] == [bits(x) for x in default]
+
+
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):
