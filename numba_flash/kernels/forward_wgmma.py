@@ -24,8 +24,9 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   Per key tile ``j``: S_j = Q K_jᵀ (``wgmma`` m64n128k16 from 128-byte-swizzled shared
   memory, d / 16 products), then O += P_{j−1} V_{j−1} (P from registers, V as a transposed
   B, one m64n{d}k16 per 16 keys: ``wgmma_parts.make_column_product``) issued before the
-  softmax of S_j, so the tensor cores multiply while the warpgroup computes exponentials (intra-warpgroup
-  overlap); with ``pingpong`` the consumer warpgroups take turns to issue their products,
+  softmax of S_j, so that the tensor cores multiply while the warpgroup computes
+  exponentials (intra-warpgroup overlap: in the SASS only with the loop rotated,
+  :data:`ROTATE_TILES`; else ptxas waits for P V before the softmax); with ``pingpong`` the consumer warpgroups take turns to issue their products,
   in a ring, so that one's products run while the others compute their softmax. With
   ``overlap`` (causal rows, two consumers: :func:`overlaps`) an item's last P V is issued
   with the next item's S_0, whose softmax runs while it completes, and the item's rows are
