@@ -324,6 +324,47 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
     check_forward_low(out, lse, q, k, v, True, None)
 
 
+def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option, forced):
+    """A Hopper forward call (``rules`` "packed": a causal varlen batch of sequences
+    ``lens``; else ``nq`` query and ``nk`` key rows, causal for "causal") with the
+    registry's kernel, checked against the oracle, then with ``make_forward_wgmma``'s
+    ``option`` forced to ``forced(default kernel)``: asserts the kernel took it and the
+    same bits. (In the simulator one persistent block takes every item, so every
+    transition between items runs.)"""
+    from numba_flash.kernels import forward_wgmma
+    _force_hopper(monkeypatch, cache=False)
+    rng = np.random.default_rng(seed)
+    plain = forward_wgmma.make_forward_wgmma
+    if rules == "packed":
+        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+        q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
+    else:
+        causal = rules == "causal"
+        q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
+        k, v = (rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
+        _assert_hopper_launch(q, k, v, causal=causal)
+        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
+    built = []
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
+    default = [host(x) for x in call()]
+    if rules == "packed":
+        for z in np.flatnonzero(lens):
+            rows = slice(cu[z], cu[z + 1])
+            check_forward_low(np.swapaxes(default[0][rows], 0, 1)[None], None,
+                              *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
+    else:
+        check_forward_low(default[0], default[1], q, k, v, causal, None)
+    value = forced(built[-1])
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, **{**kw, option: value}))
+                        or built[-1])
+    result = [host(x) for x in call()]
+    assert getattr(built[-1], option) is value
+    assert [bits(x) for x in result] == [bits(x) for x in default], (option, value)
+
+
 @pytest.mark.parametrize("rules", ["causal", "full", "packed"])
 def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
@@ -332,82 +373,23 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     from what the registry's kernel resolves (d = 128, two consumers: on for the packed
     batch, off otherwise), the kernel's bits, within the tolerance of the float64 oracle.
     Causal rows with Nq > Nk, so that query tiles with no key lie between tiles with keys;
-    full rows; a varlen batch with an empty sequence. (In the simulator one persistent block
-    takes every item, so every transition between items runs.)"""
-    from numba_flash.kernels import forward_wgmma
-    _force_hopper(monkeypatch, cache=False)
-    rng = np.random.default_rng(41)
-    d = 128
-    plain = forward_wgmma.make_forward_wgmma
-    if rules == "packed":
-        lens = np.array([150, 0, 70])
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
-        call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
-    else:
-        causal = rules == "causal"
-        q = rng.standard_normal((1, 300, d)).astype(ml_dtypes.bfloat16)
-        k, v = (rng.standard_normal((1, 90 if causal else 150, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
-        _assert_hopper_launch(q, k, v, causal=causal)
-        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
-    built = []
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
-    default = [host(x) for x in call()]
-    if rules == "packed":
-        for z in range(len(lens)):
-            rows = slice(cu[z], cu[z + 1])
-            if lens[z]:
-                check_forward_low(np.swapaxes(default[0][rows], 0, 1)[None], None,
-                                  *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
-    else:
-        check_forward_low(default[0], default[1], q, k, v, causal, None)
-    forced = not built[-1].overlap
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, overlap=forced, **kw))
-                        or built[-1])
-    result = [host(x) for x in call()]
-    assert built[-1].overlap is forced
-    assert [bits(x) for x in result] == [bits(x) for x in default], forced
+    full rows; a varlen batch with an empty sequence."""
+    _forced_option_keeps_bits(monkeypatch, rules, 128, 300, 90 if rules == "causal" else 150, np.array([150, 0, 70]),
+                              41, "overlap", lambda kernel: not kernel.overlap)
 
 
 @pytest.mark.parametrize("rules,d,nq,nk", [("full", 128, 130, 300), ("causal", 128, 300, 90), ("causal", 64, 200, 390),
                                            ("packed", 128, 0, 0), ("full", 64, 100, 260)])
 def test_hopper_rotated_tiles_change_no_bit(rules, d, nq, nk, monkeypatch):
     """The loop over key tiles rotated (``make_forward_wgmma``'s ``rotate``: each iteration
-    begins with the tile before's wait, O's rescale and P's move from its second buffer)
+    begins with the tile before's wait, O's rescale and P's move from its second array)
     changes where the waits fall, not what is computed: forced on, the kernel's bits equal
     the default kernel's, which is within the oracle's tolerance. One key tile per item
     (causal, Nq > Nk: no iteration), two and three (the V stage released in the loop),
     the item overlap's kernels (causal d = 64, a packed batch with an empty sequence) and
     three consumer warpgroups (full rows at d = 64)."""
-    from numba_flash.kernels import forward_wgmma
-    _force_hopper(monkeypatch, cache=False)
-    rng = np.random.default_rng(43 + d)
-    plain = forward_wgmma.make_forward_wgmma
-    if rules == "packed":
-        lens = np.array([150, 0, 290])
-        cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
-        call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
-    else:
-        causal = rules == "causal"
-        q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
-        k, v = (rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
-        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
-    built = []
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
-    default = [host(x) for x in call()]
-    assert not built[-1].rotate
-    if rules != "packed":
-        check_forward_low(default[0], default[1], q, k, v, causal, None)
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, **{**kw, "rotate": True}))
-                        or built[-1])
-    result = [host(x) for x in call()]
-    assert built[-1].rotate
-    assert [bits(x) for x in result] == [bits(x) for x in default]
+    _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, np.array([150, 0, 290]), 43 + d, "rotate",
+                              lambda kernel: True)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
