@@ -26,8 +26,9 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   B, one m64n{d}k16 per 16 keys: ``wgmma_parts.make_column_product``) issued before the
   softmax of S_j, so that the tensor cores multiply while the warpgroup computes
   exponentials (intra-warpgroup overlap: in the SASS only with the loop rotated,
-  :data:`ROTATE_TILES`; else ptxas waits for P V before the softmax); with ``pingpong`` the consumer warpgroups take turns to issue their products,
-  in a ring, so that one's products run while the others compute their softmax. With
+  :data:`ROTATE_TILES`; else ptxas waits for P V before the softmax); with ``pingpong``
+  the consumer warpgroups take turns to issue their products, in a ring, so that one's
+  products run while the others compute their softmax. With
   ``overlap`` (causal rows, two consumers: :func:`overlaps`) an item's last P V is issued
   with the next item's S_0, whose softmax runs while it completes, and the item's rows are
   stored after that (else each item's first tile and last product wait alone).
@@ -794,7 +795,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         Returns the softmax's results, the accumulators and the rings' places; ``p`` is
         free, O not yet rescaled."""
         acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg)
-        m0, m1, l0, l1, alpha0, alpha1, ring = tile_done(acc, s, p, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc,
+        m0, m1, l0, l1, alpha0, alpha1, ring = tile_done(acc, s, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc,
                                                          slopes, b1, b2, m0, m1, l0, l1)
         return m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring
 
@@ -816,7 +817,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return acc, o0, o1
 
     @cuda.jit(device=True, inline=True)
-    def tile_done(acc, s, p, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1, l0, l1):
+    def tile_done(acc, s, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1, l0, l1):
         """The second half of :func:`next_tile`: :func:`tile_softmax`, then P V waited for.
         Returns the softmax's results and the rings' places."""
         m0, m1, l0, l1, alpha0, alpha1, ring = tile_softmax(acc, s, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0,
@@ -1066,7 +1067,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     # rows' sums and lse; its O stored once its last P V is done
                     acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg)
                     inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
-                    n0, n1, k0l, k1l, _, _, ring = tile_done(acc, s, p, ring, base, ct, 0, q0, kt0, geo, row0, tq4, r0,
+                    n0, n1, k0l, k1l, _, _, ring = tile_done(acc, s, ring, base, ct, 0, q0, kt0, geo, row0, tq4, r0,
                                                              sc, slopes, b1, b2, NEG_INF, NEG_INF, ZERO, ZERO)
                     store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
                     o0 = zeros_o()
