@@ -378,20 +378,6 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
                               41, "overlap", lambda kernel: not kernel.overlap)
 
 
-@pytest.mark.parametrize("rules,d,nq,nk", [("full", 128, 130, 300), ("causal", 128, 300, 90), ("causal", 64, 200, 390),
-                                           ("packed", 128, 0, 0), ("full", 64, 100, 260)])
-def test_hopper_rotated_tiles_change_no_bit(rules, d, nq, nk, monkeypatch):
-    """The loop over key tiles rotated (``make_forward_wgmma``'s ``rotate``: each iteration
-    begins with the tile before's wait, O's rescale and P's move from its second array)
-    changes where the waits fall, not what is computed: forced on, the kernel's bits equal
-    the default kernel's, which is within the oracle's tolerance. One key tile per item
-    (causal, Nq > Nk: no iteration), two and three (the V stage released in the loop),
-    the item overlap's kernels (causal d = 64, a packed batch with an empty sequence) and
-    three consumer warpgroups (full rows at d = 64)."""
-    _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, np.array([150, 0, 290]), 43 + d, "rotate",
-                              lambda kernel: True)
-
-
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):

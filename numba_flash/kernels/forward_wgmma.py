@@ -25,8 +25,8 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   memory, d / 16 products), then O += P_{j−1} V_{j−1} (P from registers, V as a transposed
   B, one m64n{d}k16 per 16 keys: ``wgmma_parts.make_column_product``) issued before the
   softmax of S_j, so that the tensor cores multiply while the warpgroup computes
-  exponentials (intra-warpgroup overlap: in the SASS only with the loop rotated,
-  :data:`ROTATE_TILES`; else ptxas waits for P V before the softmax); with ``pingpong``
+  exponentials (intra-warpgroup overlap; but in the SASS ptxas places the wait for P V
+  before the softmax: docs/performance.md item 97); with ``pingpong``
   the consumer warpgroups take turns to issue their products, in a ring, so that one's
   products run while the others compute their softmax. With
   ``overlap`` (causal rows, two consumers: :func:`overlaps`) an item's last P V is issued
@@ -158,21 +158,6 @@ FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 PAIRED_MAXIMA = False
 
 
-# ptxas schedules a tile's wait for the tile before's P V (``wgmma.wait_group 0``) as early
-# as it can within its basic block: written after the softmax, it lands before the row
-# maxima, so the warpgroup's exponentials wait for its own P V (nvdisasm: no MUFU.EX2
-# between the waits for S_j and for P V_{j-1}, in every registered kernel) and the
-# intra-warpgroup overlap the kernel is built for does not happen. With the loop over key
-# tiles rotated (``later_tiles``), each iteration begins with the wait, O's rescale and the
-# tile before's P, and ends with this tile's softmax and P packed into a second array: the
-# wait stays in the next iteration's first block, after the exponentials (all 64 of them
-# and the maxima now between the two waits), the same arithmetic and bits, about as many
-# instructions. Off until measured on a GPU, first for its bits: ptxas gives the second
-# array the registers of the first, whose packing then waits only for the products in
-# flight to have read them (docs/performance.md item 97).
-ROTATE_TILES = False
-
-
 def longest_first(scores):
     """Whether the kernel for ``scores`` deals its items longest first (``work_item``):
     where a mask makes rows see different numbers of keys (causal rows, a window, a block
@@ -299,7 +284,7 @@ def overlaps(scores, bm, d):
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None,
-                       paired_max: bool = None, rotate: bool = None):
+                       paired_max: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -315,8 +300,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     through the item's barriers without its products (default :data:`SKIP_IDLE_ROWS`; not
     with ``overlap``); ``fixed_max``: under a softcap alone, each row's maximum taken as the
     cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`);
-    ``paired_max``: the rows' maxima in chains of pairs (default :data:`PAIRED_MAXIMA`);
-    ``rotate``: the loop over key tiles rotated (default :data:`ROTATE_TILES`)."""
+    ``paired_max``: the rows' maxima in chains of pairs (default :data:`PAIRED_MAXIMA`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -351,7 +335,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
     PAIRED_MAX = PAIRED_MAXIMA if paired_max is None else paired_max
-    ROTATE = ROTATE_TILES if rotate is None else rotate
     # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
     # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
     # slow instruction on the multi-function unit the exponentials need (user functions
@@ -782,8 +765,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         m0, m1, l0, l1, _, _ = softmax(s, key_at(q0, kt0, 0, geo, slopes, b1, b2), row0, tq4, r0, NEG_INF, NEG_INF,
                                        ZERO, ZERO, geo, geo[1], consts_at(q0, 0, geo, slopes, b1, b2, sc), slopes,
                                        b1, b2)
-        if not ROTATE:                   # (rotated: :func:`later_tiles` packs it)
-            pack_p(s, p)
+        pack_p(s, p)
         return m0, m1, l0, l1, zeros_o(), zeros_o(), (ak, bk, av, bv)
 
     @cuda.jit(device=True, inline=True)
@@ -845,59 +827,20 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return m0, m1, l0, l1, alpha0, alpha1, (ak, bk, av, bv)
 
     @cuda.jit(device=True, inline=True)
-    def later_tiles(s, o0, o1, p, pn, q_at, ring, base, buf, ct, wg, tiles, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1,
-                    b2, m0, m1, l0, l1):
+    def later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
+                    m0, m1, l0, l1):
         """An item's key tiles 1 .. tiles − 1 after :func:`first_tile` (:func:`next_tile`
         each, O rescaled and P packed after it), then Q's buffer released (every Q Kᵀ of the
         item has completed). Returns the rows' statistics, O and the rings' places, the last
         tile's P V still owed."""
-        if ROTATE:
-            # each iteration begins with the tile before's P V waited for (none before tile
-            # 1), its V stage released, O rescaled and that tile's P moved from ``pn`` (packed
-            # at the end of the iteration before, while ``p`` was in flight) into ``p``; then
-            # this tile's products and its softmax, packed into ``pn``: the wait stays in the
-            # next iteration's first block, after the exponentials. (ptxas gives ``pn`` the
-            # registers of ``p``, no move left, its writes held only until the products in
-            # flight have read them.)
-            _, _, _, _, _, empty_v = barriers(base)
-            alpha0, alpha1 = ONE, ONE                # (O is zero before tile 1)
-            pack_p(s, pn)
-            for j in range(1, tiles):
-                wait0()
-                ak, bk, av, bv = ring
-                if j > 1:
-                    release(ct, empty_v + 8 * av)
-                    av, bv = advance(av, bv)
-                if not frozen(sc):
-                    o0 = H.scale_rows(o0, alpha0, alpha1)
-                    o1 = H.scale_rows(o1, alpha0, alpha1)
-                for k in range(NP):
-                    p[k] = pn[k]
-                acc, o0, o1 = issue_tile(o0, o1, p, q_at, (ak, bk, av, bv), base, wg)
-                m0, m1, l0, l1, alpha0, alpha1, ring = tile_softmax(acc, s, (ak, bk, av, bv), base, ct, j, q0, kt0,
-                                                                    geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
-                                                                    l0, l1)
-                pack_p(s, pn)
-            wait0()
-            ak, bk, av, bv = ring
-            if tiles > 1:
-                release(ct, empty_v + 8 * av)
-                av, bv = advance(av, bv)
-            ring = (ak, bk, av, bv)
-            if not frozen(sc):
+        for j in range(1, tiles):
+            m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
+                s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
+                m0, m1, l0, l1)
+            if not frozen(sc):               # (a fixed maximum: O is never rescaled)
                 o0 = H.scale_rows(o0, alpha0, alpha1)
                 o1 = H.scale_rows(o1, alpha0, alpha1)
-            for k in range(NP):
-                p[k] = pn[k]
-        else:
-            for j in range(1, tiles):
-                m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
-                    s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
-                    m0, m1, l0, l1)
-                if not frozen(sc):               # (a fixed maximum: O is never rescaled)
-                    o0 = H.scale_rows(o0, alpha0, alpha1)
-                    o1 = H.scale_rows(o1, alpha0, alpha1)
-                pack_p(s, p)
+            pack_p(s, p)
         _, q_empty, _, _, _, _ = barriers(base)
         release(ct, q_empty + 8 * buf)
         return m0, m1, l0, l1, o0, o1, ring
@@ -1029,7 +972,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         tq4 = ct & 3
         s = cuda.local.array(NS, numba.float32)
         p = cuda.local.array(NP, numba.uint32)
-        pn = cuda.local.array(NP, numba.uint32)     # (ROTATE: the next tile's P, packed beside p)
         ring = (0, 0, 0, 0)                      # the K ring's stage and phase, the V ring's, across items
         n_q = 0
         # Ping-pong turns run on across items (warpgroup 0 first): both warpgroups take one
@@ -1053,7 +995,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4, r0,
                                                           sc, slopes, b1, b2)
                 while True:
-                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, pn, q_at, ring, base, buf, ct, wg, tiles,
+                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0,
                                                                m1, l0, l1)
                     fb1, fb2, fqs, frow0, fnq = b1, b2, qs, row0, nq     # the item the last P V is of
@@ -1073,8 +1015,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     o0 = zeros_o()
                     o1 = zeros_o()
                     m0, m1, l0, l1 = n0, n1, k0l, k1l
-                    if not ROTATE:                   # (rotated: later_tiles packs it)
-                        pack_p(s, p)
+                    pack_p(s, p)
                 o0, o1 = last_product(o0, o1, p, ring, base)
                 inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
                 ring = last_done(ring, base, ct)
@@ -1104,7 +1045,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 else:
                     m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4,
                                                               r0, sc, slopes, b1, b2)
-                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, pn, q_at, ring, base, buf, ct, wg, tiles,
+                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
                                                                l0, l1)
                     # the last P V issued; while it runs, the rows' sums and lse, which it does
@@ -1128,6 +1069,5 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
-    forward.rotate = ROTATE
     forward.threads = THREADS
     return forward
