@@ -134,12 +134,49 @@ def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None, keep_sass: bool = F
             info.update(stack=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
     if sass is not None:
         info["hot_blocks"] = hot_blocks(sass)
+        if "wgmma.mma_async" in ptx:
+            info["wgmma_operand_writes"] = len(wgmma_operand_writes(sass))
         if keep_sass:
             info["sass"] = sass
     return info
 
 
 _FMA_OPS = ("FFMA", "DFMA", "HMMA")
+_INSTRUCTION = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(.*?);")
+# opcodes whose first register operand is not written (stores, barriers, compares into predicates)
+_NO_DESTINATION = ("ST", "RED", "ATOM", "BRA", "BAR", "SYNCS", "CALL", "RET", "EXIT", "ISETP", "FSETP", "DSETP",
+                   "HSETP", "PLOP3", "WARPGROUP", "UTMA", "ELECT", "NOP", "MEMBAR", "FENCE", "DEPBAR", "WARPSYNC")
+
+
+def wgmma_operand_writes(sass: str) -> list:
+    """Instructions of an ``nvdisasm`` listing that write a register an ``HGMMA`` reads as
+    its A operand (four registers from the second operand: P from registers) before a
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x0`` has waited for it, in listing order (branches not
+    followed): ``[(address, instruction, address of the HGMMA)]``. Such a write races the
+    product, which may read its registers until it completes; ptxas does not stop it when
+    the PTX writes another register that it then maps onto the operand's (an H100 gave NaN:
+    docs/performance.md item 97). Every registered Hopper kernel has none."""
+    in_flight, found = {}, []
+    for line in sass.splitlines():
+        m = _INSTRUCTION.search(line)
+        if not m:
+            continue
+        address, text = int(m.group(1), 16), m.group(2).strip()
+        body = re.sub(r"^@!?U?P\w+\s+", "", text)
+        op = body.split()[0] if body else ""
+        if op.startswith("HGMMA"):
+            a = re.match(r"HGMMA\S*\s+R\d+,\s+R(\d+),", body)
+            if a:
+                in_flight.update((r, address) for r in range(int(a.group(1)), int(a.group(1)) + 4))
+            continue
+        if op.startswith("WARPGROUP.DEPBAR"):
+            if body.split()[-1] in ("0x0", "0"):
+                in_flight.clear()
+            continue
+        regs = re.findall(r"\bR(\d+)\b", body)
+        if regs and not op.startswith(_NO_DESTINATION) and int(regs[0]) in in_flight:
+            found.append((address, text, in_flight[int(regs[0])]))
+    return found
 
 
 def hot_blocks(sass: str, min_fma: int = 16) -> list:
@@ -289,7 +326,9 @@ def main(argv=None):
     p.add_argument("--ptxas", action="store_true",
                    help="also assemble each kernel with ptxas (if found): registers, stack, spills")
     p.add_argument("--sass", action="store_true",
-                   help="with ptxas: also disassemble (nvdisasm, if found) and report the hot blocks")
+                   help="with ptxas: also disassemble (nvdisasm, if found) and report the hot blocks and, "
+                        "for Hopper kernels, writes to a product's register operand before its wait "
+                        "(wgmma_operand_writes: a race; every registered kernel has none)")
     a = p.parse_args(argv)
     if a.list:
         from . import registry

@@ -359,6 +359,29 @@ def test_hot_blocks_reads_an_nvdisasm_listing():
     assert hot_blocks(SASS_SAMPLE, min_fma=100) == []
 
 
+WGMMA_SAMPLE = """
+        /*0100*/                   WARPGROUP.ARRIVE ;
+        /*0110*/                   HGMMA.64x128x16.F32.BF16 R88, R152, gdesc[UR16].tnspB, R88 ;
+        /*0120*/                   HGMMA.64x128x16.F32.BF16 R88, R156, gdesc[UR16].tnspB, R88, gsb0 ;
+        /*0130*/                   WARPGROUP.DEPBAR.LE gsb0, 0x1 ;
+        /*0140*/                   FMNMX R7, R25, R24, !PT ;
+        /*0150*/                   STS.128 [UR11], R152 ;
+        /*0160*/              @P0  F2FP.BF16.F32.PACK_AB R157, R25, R24 ;
+        /*0170*/                   WARPGROUP.DEPBAR.LE gsb0, 0x0 ;
+        /*0180*/                   F2FP.BF16.F32.PACK_AB R152, R25, R24 ;
+"""
+
+
+def test_wgmma_operand_writes_reads_an_nvdisasm_listing():
+    """``ptx.wgmma_operand_writes`` flags a write to a register an HGMMA reads as its A
+    operand (R152..R159 here) before the wait for that product (0x0), and nothing else: not
+    a store of it, not a register outside, not a write after the wait (host-only: a canned
+    listing; ``python -m numba_flash.ptx --ptxas --sass`` counts them per Hopper kernel)."""
+    from numba_flash.ptx import wgmma_operand_writes
+    found = wgmma_operand_writes(WGMMA_SAMPLE)
+    assert found == [(0x160, "@P0  F2FP.BF16.F32.PACK_AB R157, R25, R24", 0x120)]
+
+
 def test_registry_is_the_source_of_dtypes():
     """Each direction's dtypes are those of the families registered for it (what the API
     accepts, and what the tests and bench.py enumerate)."""
