@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from numba_flash import ptx as ptx_tool
 from numba_flash import registry
 from numba_flash.kernels import forward_wgmma
 from numba_flash.scores import PACKED_SPECS, PAGED_SPECS, RULE_SPECS, SCORE_SPECS, SOFTCAP_TANH
@@ -44,8 +45,10 @@ ONLY_A = _layout_a_filters()
 CCS = ("8.0", "9.0")
 BUILT = CCS + ("9.0a",)     # the Hopper kernels are built for 9.0a when 9.0 is asked for
 SHARDS = 2      # the registry's kernels, compiled in this many parallel processes
+SASS = ["--sass"] if ptx_tool.find_tool("nvdisasm") else []
 RUNS = {
-    **{f"shard{k}": ["--cc", ",".join(CCS), "--ptxas", "--shard", f"{k}/{SHARDS}"] for k in range(SHARDS)},
+    # (--sass where nvdisasm is found: the Hopper kernels' operand races counted too)
+    **{f"shard{k}": ["--cc", ",".join(CCS), "--ptxas", *SASS, "--shard", f"{k}/{SHARDS}"] for k in range(SHARDS)},
     **{f"layoutA-{dt}": ["--cc", "9.0", "--layout", "A", "--only", f] for dt, f in ONLY_A.items()},
 }
 
@@ -268,6 +271,17 @@ def test_no_serialized_wgmma(ptx_runs):
         pytest.skip("no ptxas on this machine (python -m numba_flash.ptx --ptxas found none)")
     assert all("wgmma_serialized" in r for r in rows), [r["name"] for r in rows if "wgmma_serialized" not in r]
     assert not [r["name"] for r in rows if r["wgmma_serialized"]]
+
+
+def test_no_write_races_a_wgmma_operand(ptx_runs):
+    """No Hopper kernel's SASS writes a register a warpgroup product reads as its A operand
+    before the wait for that product (``ptx.wgmma_operand_writes``; a rotated loop of the
+    forward did, and gave NaN on an H100: docs/performance.md item 97). Needs nvdisasm
+    (``NVDISASM``, PATH or a CUDA toolkit); skipped without it."""
+    rows = [r for r in _cc_rows(ptx_runs, "9.0a") if "wgmma_operand_writes" in r]
+    if not rows:
+        pytest.skip("no nvdisasm on this machine (python -m numba_flash.ptx --sass found none)")
+    assert not [(r["name"], r["wgmma_operand_writes"]) for r in rows if r["wgmma_operand_writes"]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):
