@@ -800,23 +800,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     @cuda.jit(device=True, inline=True)
     def tile_done(acc, s, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1, l0, l1):
-        """The second half of :func:`next_tile`: :func:`tile_softmax`, then P V waited for.
-        Returns the softmax's results and the rings' places."""
-        m0, m1, l0, l1, alpha0, alpha1, ring = tile_softmax(acc, s, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0,
-                                                            sc, slopes, b1, b2, m0, m1, l0, l1)
+        """The second half of :func:`next_tile`: S_j waited for (K_j's stage released), its
+        softmax while the tile before's P V runs, then P V waited for. Returns the softmax's
+        results and the rings' places."""
         ak, bk, av, bv = ring
-        _, _, _, _, _, empty_v = barriers(base)
-        wait0()                                    # P V done: its stage is free, p may change
-        release(ct, empty_v + 8 * av)
-        av, bv = advance(av, bv)
-        return m0, m1, l0, l1, alpha0, alpha1, (ak, bk, av, bv)
-
-    @cuda.jit(device=True, inline=True)
-    def tile_softmax(acc, s, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1, l0, l1):
-        """S_j waited for (K_j's stage released) and its softmax, the tile before's P V
-        still in flight. Returns the softmax's results and the rings' places."""
-        ak, bk, av, bv = ring
-        _, _, _, empty_k, _, _ = barriers(base)
+        _, _, _, empty_k, _, empty_v = barriers(base)
         wait1()                                    # S_j done: K_j's stage is free
         release(ct, empty_k + 8 * ak)
         ak, bk = advance(ak, bk)
@@ -824,6 +812,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         m0, m1, l0, l1, alpha0, alpha1 = softmax(s, key_at(q0, kt0, j, geo, slopes, b1, b2), row0, tq4, r0, m0, m1,
                                                  l0, l1, geo, geo[1], consts_at(q0, j, geo, slopes, b1, b2, sc),
                                                  slopes, b1, b2)
+        wait0()                                    # P V done: its stage is free, p may change
+        release(ct, empty_v + 8 * av)
+        av, bv = advance(av, bv)
         return m0, m1, l0, l1, alpha0, alpha1, (ak, bk, av, bv)
 
     @cuda.jit(device=True, inline=True)
@@ -849,10 +840,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     def idle_item(ring, base, buf, ct, wg, tiles):
         """A consumer warpgroup none of whose rows lie in the sequence: the item's barriers
         without its products, in the order :func:`first_tile`, :func:`later_tiles`,
-        :func:`last_product` and :func:`last_done` take them (each stage waited for before it is released, so the
-        warpgroup keeps pace with the producer and the others; its turns taken), so that
-        the producer and the other warpgroups run as they would, with the tensor cores to
-        themselves. Returns the rings' places."""
+        :func:`last_product` and :func:`last_done` take them (each stage waited for before
+        it is released, so the warpgroup keeps pace with the producer and the others; its
+        turns taken), so that the producer and the other warpgroups run as they would, with
+        the tensor cores to themselves. Returns the rings' places."""
         ak, bk, av, bv = ring
         _, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
         wait_phase(full_k + 8 * ak, bk)
