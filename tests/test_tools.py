@@ -41,6 +41,15 @@ def test_ab_summary_compares_each_tree_with_the_first():
     records = [dict(call="fwd", tree=t, ms=ms) for t, ms in (("a", 1.0), ("b", 0.9), ("a", 1.0), ("b", 0.95))]
     lines = ab.summarise(records, ["a", "b"])
     assert len(lines) == 2 and "1.0000/1.0000" in lines[1] and "0.9000/0.9500 (-7.5%)" in lines[1]
+    assert lines[1].endswith("n/a")                      # no hashes recorded
+
+
+def test_ab_summary_tells_which_trees_changed_the_bits():
+    ab = _load("ab")
+    records = [dict(call="fwd", tree=t, ms=1.0, bits=h) for t, h in
+               (("a", "x"), ("b", "x"), ("c", "y"), ("a", "x"), ("b", "x"), ("c", "x"))]
+    assert ab.summarise(records, ["a", "b", "c"])[1].endswith("differ: 2")   # c's rounds disagree
+    assert ab.summarise(records[:2] + records[3:5], ["a", "b"])[1].endswith("same")
 
 
 def test_ab_exports_a_revision(tmp_path):

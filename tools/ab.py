@@ -29,7 +29,9 @@ GPU sleep long enough to hold them all (``benchmarks/gpu_pace.py``): the time is
 host's pace of launching (which bounds a call of a few microseconds of work). A varlen
 call is timed whole, through the API, queued the same way (its host work, the same in
 every tree unless a tree changes it, is hidden unless it outlasts the kernels). Prints, per call, each tree's times and its mean
-against the first tree's; ``--json`` keeps every measurement.
+against the first tree's, and whether every tree's results (out and lse) have the first
+tree's bits (a hash of each call's results: ``same``, or the trees that differ, by their
+place in the order given); ``--json`` keeps every measurement.
 
 A tree's process differs from the others only in the source it imports, so the ratios
 measure the change; differences under about 0.5% are run-to-run noise on an H200
@@ -107,7 +109,7 @@ def summarise(records, trees):
     """Lines of a table from the workers' records: per call, each tree's median times
     (one per round) and the mean of its rounds against the first tree's."""
     calls = list(dict.fromkeys(r["call"] for r in records))
-    lines = [f"{'call':36s} " + " ".join(f"{t:>26s}" for t in trees)]
+    lines = [f"{'call':36s} " + " ".join(f"{t:>26s}" for t in trees) + "  bits"]
     for call in calls:
         means = {}
         cells = []
@@ -116,7 +118,11 @@ def summarise(records, trees):
             means[t] = sum(ms) / len(ms) if ms else None
             change = "" if t == trees[0] or not ms or not means[trees[0]] else f" ({means[t] / means[trees[0]] - 1:+.1%})"
             cells.append(f"{'/'.join(f'{x:.4f}' for x in ms) + change:>26s}")
-        lines.append(f"{call:36s} " + " ".join(cells))
+        digests = {t: {r.get("bits") for r in records if r["call"] == call and r["tree"] == t} for t in trees}
+        same = [t for t in trees[1:] if digests[t] == digests[trees[0]] and len(digests[t]) == 1]
+        bits = "n/a" if None in digests[trees[0]] else "same" if len(same) == len(trees) - 1 else (
+            "differ: " + ", ".join(str(trees.index(t)) for t in trees[1:] if t not in same))
+        lines.append(f"{call:36s} " + " ".join(cells) + f"  {bits}")
     return lines
 
 
@@ -127,6 +133,16 @@ def _as_torch(x, torch):
     host = x.copy_to_host() if hasattr(x, "copy_to_host") else np.asarray(x)
     return torch.from_numpy(host.view(np.int16) if host.dtype.itemsize == 2 else host).view(
         {"bfloat16": torch.bfloat16, "float16": torch.float16}.get(str(host.dtype), torch.float32)).cuda()
+
+
+def _digest(arrays, torch):
+    """A short hash of the arrays' bits (the same in two trees: the same results, bit for bit)."""
+    import hashlib
+    h = hashlib.sha1()
+    for x in arrays:
+        t = _as_torch(x, torch).contiguous()
+        h.update(t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]).cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
 
 
 def worker(tree, args):
@@ -159,7 +175,8 @@ def worker(tree, args):
             err = (_as_torch(out, torch)[:, :, N - rows:].float() - ref).abs().max().item()
         name = (f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}{'' if left is None else f' window {left}'}"
                 f"{'' if cap is None else f' softcap {cap:g}'}")
-        records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err))
+        records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err,
+                            bits=_digest([out, lse], torch)))
         if args.backward:
             result, launches = api.plan_backward(dout, q, k, v, _as_torch(out, torch), _as_torch(lse, torch),
                                                  causal=bool(causal), window=window, softcap=cap)
@@ -179,7 +196,8 @@ def worker(tree, args):
                 peer = lambda: sdpa(q, k, v, enable_gqa=hkv < 32)  # noqa: E731
                 err = (_as_torch(out, torch).float() - peer().float()).abs().max().item()
                 name = f"decode ({b},32/{hkv},8192,128)"
-                records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err))
+                records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err,
+                                    bits=_digest([out], torch)))
                 records.append(dict(call=name + " cuDNN", ms=_time(peer), err=None))
     if args.varlen:
         given = parse_lens(args.lens)
@@ -192,7 +210,7 @@ def worker(tree, args):
         ref = sdpa(*(x[rows].transpose(0, 1) for x in (q, k, v)), is_causal=True).transpose(0, 1)
         err = (_as_torch(call(), torch)[rows].float() - ref.float()).abs().max().item() if s is not None else 0.0
         name = "16 x 256..4096" if given == VARLEN_LENS else f"{len(given)} x {min(given)}..{max(given)}"
-        records.append(dict(call=f"varlen {name} causal", ms=_time(call), err=err))
+        records.append(dict(call=f"varlen {name} causal", ms=_time(call), err=err, bits=_digest([call()], torch)))
     return records
 
 
