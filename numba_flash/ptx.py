@@ -136,6 +136,7 @@ def assemble(ptx: str, cc, ptxas: str, nvdisasm: str = None, keep_sass: bool = F
         info["hot_blocks"] = hot_blocks(sass)
         if "wgmma.mma_async" in ptx:
             info["wgmma_operand_writes"] = len(wgmma_operand_writes(sass))
+            info["exponentials_between_waits"] = exponentials_between_waits(sass)
         if keep_sass:
             info["sass"] = sass
     return info
@@ -177,6 +178,25 @@ def wgmma_operand_writes(sass: str) -> list:
         if regs and not op.startswith(_NO_DESTINATION) and int(regs[0]) in in_flight:
             found.append((address, text, in_flight[int(regs[0])]))
     return found
+
+
+def exponentials_between_waits(sass: str) -> list:
+    """For each ``WARPGROUP.DEPBAR.LE gsb0, 0x1`` of an ``nvdisasm`` listing (a consumer
+    waiting for S while the P V issued with it runs), the ``MUFU.EX2`` before the next
+    ``WARPGROUP.DEPBAR.LE gsb0, 0x0``, in listing order: the softmax's exponentials that
+    run while P V does (FlashAttention-3's intra-warpgroup overlap). 0 where ptxas issues
+    the second wait first (docs/performance.md items 97-98)."""
+    counts, open_ = [], False
+    for line in sass.splitlines():
+        if "WARPGROUP.DEPBAR.LE" in line:
+            if line.rstrip().rstrip(";").split()[-1] == "0x1":
+                counts.append(0)
+                open_ = True
+            else:
+                open_ = False
+        elif open_ and "MUFU.EX2" in line:
+            counts[-1] += 1
+    return counts
 
 
 def hot_blocks(sass: str, min_fma: int = 16) -> list:

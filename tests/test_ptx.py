@@ -396,6 +396,17 @@ def test_wgmma_operand_writes_reads_an_nvdisasm_listing():
     assert found == [(0x160, "@P0  F2FP.BF16.F32.PACK_AB R157, R25, R24", 0x120)]
 
 
+def test_exponentials_between_waits_reads_an_nvdisasm_listing():
+    """``ptx.exponentials_between_waits`` counts, per wait for S (0x1), the MUFU.EX2 issued
+    before the wait for P V (0x0): the softmax that runs while P V does."""
+    from numba_flash.ptx import exponentials_between_waits
+    overlapped = WGMMA_SAMPLE.replace("FMNMX R7, R25, R24, !PT", "MUFU.EX2 R7, R25")
+    late = WGMMA_SAMPLE + "        /*0190*/                   MUFU.EX2 R8, R26 ;\n"
+    assert exponentials_between_waits(overlapped) == [1]
+    assert exponentials_between_waits(late) == [0]
+    assert exponentials_between_waits(late + overlapped) == [0, 1]
+
+
 def test_registry_is_the_source_of_dtypes():
     """Each direction's dtypes are those of the families registered for it (what the API
     accepts, and what the tests and bench.py enumerate)."""
