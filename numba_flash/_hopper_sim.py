@@ -36,7 +36,7 @@ import numpy as np
 
 from . import _simulator
 
-__all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_init", "wgmma_wait", "wgmma_wait_behind", "setmaxnreg",
+__all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_init", "wgmma_wait", "setmaxnreg",
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
@@ -179,11 +179,6 @@ def _noop():
 def wgmma_wait(pending):
     """A no-op: in the simulator every product has completed when its call returns."""
     return _noop
-
-
-def wgmma_wait_behind(pending):
-    """A no-op of one argument: :func:`wgmma_wait`'s, for the compiled kernels' ordering."""
-    return lambda x: None
 
 
 def setmaxnreg(count, increase):

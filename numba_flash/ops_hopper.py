@@ -77,29 +77,6 @@ def wgmma_wait(pending):
     return _void(f"wgmma.wait_group.sync.aligned {int(pending)};")
 
 
-def wgmma_wait_behind(pending):
-    """``wgmma.wait_group pending`` behind a branch on a float32 ``x`` that is never taken
-    (to a trap, if ``x < -inf``; ptxas does not fold the test): an intrinsic of ``x``. The
-    branch ends a basic block, and ptxas schedules within one: the work that computes ``x``
-    (say, a softmax's exponentials, summed into ``x``) is issued before the wait instead of
-    stalled behind it. A plain wait has no operands, and ptxas issues it as early as its
-    block allows, before independent work that could have run while the products finish
-    (docs/performance.md item 98)."""
-    text = ("{ .reg .pred p; setp.lt.f32 p, $0, 0fFF800000; @p trap; }\n\t"
-            f"wgmma.wait_group.sync.aligned {int(pending)};")
-
-    @intrinsic
-    def wait_behind(typingctx, x):
-        if not isinstance(x, types.Float):
-            return None
-
-        def codegen(ctx, builder, sig, args):
-            _asm(builder, VOID, [ctx.cast(builder, args[0], sig.args[0], types.float32)], text, "f,~{memory}")
-            return ctx.get_dummy_value()
-        return types.void(x), codegen
-    return wait_behind
-
-
 def setmaxnreg(count, increase):
     """``setmaxnreg.{inc,dec}.sync.aligned.u32 count``: a warpgroup's register budget (count a
     multiple of 8 in 24..256); producers give registers up, consumers take them

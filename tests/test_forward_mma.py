@@ -378,17 +378,6 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
                               41, "overlap", lambda kernel: not kernel.overlap)
 
 
-@pytest.mark.parametrize("rules", ["causal", "full"])
-def test_hopper_wait_behind_the_softmax_changes_no_bit(rules, monkeypatch):
-    """Each tile's wait for P V behind a branch on its softmax's row sums
-    (``make_forward_wgmma``'s ``wait_behind``, ``SOFTMAX_BEFORE_WAIT``) orders the issue,
-    not the arithmetic: forced the other way, the same bits (the branch's argument, the
-    rows' sums, is computed on every tile; in the simulator the wait itself is a no-op:
-    the order it gives is checked in the SASS, ``test_ptx``)."""
-    _forced_option_keeps_bits(monkeypatch, rules, 128, 200, 90 if rules == "causal" else 150, None,
-                              43, "wait_behind", lambda kernel: not kernel.wait_behind)
-
-
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):

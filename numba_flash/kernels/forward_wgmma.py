@@ -158,22 +158,6 @@ FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 PAIRED_MAXIMA = False
 
 
-# Each tile's wait for P V issued behind a branch on its softmax's row sums (never taken:
-# ``ops_hopper.wgmma_wait_behind``), so that the softmax's exponentials run while P V
-# does: with a plain wait, ptxas issues the wait first and the warpgroup's exponentials
-# stall behind its own product (item 97). Where ptxas keeps the kernel's registers: at
-# d = 128 without a window or packed rows (with it d = 64's three consumers spill, and the
-# window and packed kernels serialize their products, some spilling too). Off until measured
-# (docs/performance.md item 98).
-SOFTMAX_BEFORE_WAIT = False
-
-
-def softmax_before_wait(D, scores):
-    """Whether the kernel for ``D`` and ``scores`` takes :data:`SOFTMAX_BEFORE_WAIT`'s
-    order, where it is on."""
-    return D == 128 and not scores.window and not scores.packed
-
-
 def longest_first(scores):
     """Whether the kernel for ``scores`` deals its items longest first (``work_item``):
     where a mask makes rows see different numbers of keys (causal rows, a window, a block
@@ -300,7 +284,7 @@ def overlaps(scores, bm, d):
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None,
-                       paired_max: bool = None, wait_behind: bool = None):
+                       paired_max: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -316,9 +300,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     through the item's barriers without its products (default :data:`SKIP_IDLE_ROWS`; not
     with ``overlap``); ``fixed_max``: under a softcap alone, each row's maximum taken as the
     cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`);
-    ``paired_max``: the rows' maxima in chains of pairs (default :data:`PAIRED_MAXIMA`);
-    ``wait_behind``: each tile's wait for P V after its softmax in the SASS too (default
-    :data:`SOFTMAX_BEFORE_WAIT` where :func:`softmax_before_wait`)."""
+    ``paired_max``: the rows' maxima in chains of pairs (default :data:`PAIRED_MAXIMA`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -353,7 +335,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
     PAIRED_MAX = PAIRED_MAXIMA if paired_max is None else paired_max
-    WAIT_BEHIND = (SOFTMAX_BEFORE_WAIT and softmax_before_wait(D, scores)) if wait_behind is None else wait_behind
     # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
     # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
     # slow instruction on the multi-function unit the exponentials need (user functions
@@ -375,7 +356,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
-    wait0_behind = H.wgmma_wait_behind(0)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     store_rows = make_store_rows(dtype_name, D)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
@@ -832,10 +812,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         m0, m1, l0, l1, alpha0, alpha1 = softmax(s, key_at(q0, kt0, j, geo, slopes, b1, b2), row0, tq4, r0, m0, m1,
                                                  l0, l1, geo, geo[1], consts_at(q0, j, geo, slopes, b1, b2, sc),
                                                  slopes, b1, b2)
-        if WAIT_BEHIND:
-            wait0_behind(l0 + l1)                  # (after the exponentials, which l0, l1 sum)
-        else:
-            wait0()                                # P V done: its stage is free, p may change
+        wait0()                                    # P V done: its stage is free, p may change
         release(ct, empty_v + 8 * av)
         av, bv = advance(av, bv)
         return m0, m1, l0, l1, alpha0, alpha1, (ak, bk, av, bv)
@@ -1083,6 +1060,5 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
-    forward.wait_behind = WAIT_BEHIND
     forward.threads = THREADS
     return forward
