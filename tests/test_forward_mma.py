@@ -236,28 +236,6 @@ def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
         check_forward_low(*(np.swapaxes(x[rows], 0, 1)[None] for x in (out, lse, q, k, v)), False, None)
 
 
-@pytest.mark.parametrize("causal", [False, True])
-def test_hopper_wide_softcap_tiles(causal, monkeypatch):
-    """A softcap at d = 128 in 192-row blocks of 64-key tiles (``forward_wgmma.WIDE_SOFTCAP``,
-    forced on here; three consumer warpgroups): the launch takes that tiling, and the result
-    is within the oracle's tolerance, with query tiles that see no key (causal, Nq > Nk) and
-    a ragged last key tile."""
-    from numba_flash import api
-    from numba_flash.kernels import forward_wgmma
-    _force_hopper(monkeypatch, cache=False)
-    monkeypatch.setattr(forward_wgmma, "WIDE_SOFTCAP", True)
-    rng = np.random.default_rng(31 + causal)
-    q = rng.standard_normal((1, 250 if causal else 200, 128)).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((1, 100 if causal else 150, 128)).astype(ml_dtypes.bfloat16) for _ in range(2))
-    opts = {"causal": causal, "softcap": 3.0}
-    spec = registry.forward_specialisation("bfloat16", 128, numba_flash.scores.parse(**opts).spec, True, cc=(9, 0))
-    assert (spec.tiling.BM, spec.tiling.BN) == forward_wgmma.WIDE_SOFTCAP_TILE
-    _, launches = api.plan_forward(q, k, v, **opts)
-    assert launches[-1][2] == 512, launches[-1][2]           # a producer and three consumers
-    out, lse = numba_flash.attention_fwd(q, k, v, **opts)
-    check_forward_low(out, lse, q, k, v, opts, None)
-
-
 @pytest.mark.parametrize("dtype,caps", [("bfloat16", (30.0, 50.0)), ("float16", (3.0, 30.0))])
 def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
     """``forward_wgmma.FIXED_MAX_SOFTCAP`` forced on: under a softcap within the dtype's
@@ -286,26 +264,6 @@ def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
             got[on] = (out, lse)
         same = all(bits(a) == bits(b) for a, b in zip(got[False], got[True]))
         assert same != frozen, (cap, frozen)
-
-
-@pytest.mark.parametrize("causal", [False, True])
-def test_hopper_paired_maxima_change_no_bit(causal, monkeypatch):
-    """``forward_wgmma.PAIRED_MAXIMA`` (each row's maximum in two chains of pairs) forced
-    on and off: a maximum does not round, so the same bits, with causal rows that see no
-    key (masked scores, -inf) and a ragged key tile; a pair taken from the wrong row would
-    move some row's maximum and its exponentials' rounding."""
-    _force_hopper(monkeypatch, cache=False)
-    from numba_flash.kernels import forward_wgmma
-    rng = np.random.default_rng(71 + causal)
-    q = rng.standard_normal((1, 2, 140, 64)).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((1, 2, 100, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
-    got = []
-    for on in (False, True):
-        monkeypatch.setattr(forward_wgmma, "PAIRED_MAXIMA", on)
-        out, lse = numba_flash.attention_fwd(q, k, v, causal=causal)
-        check_forward_low(out, lse, q, k, v, causal, None)
-        got.append((bits(out), bits(lse)))
-    assert got[0] == got[1]
 
 
 @pytest.mark.parametrize("hkv", [2, 1])

@@ -120,21 +120,13 @@ class WgmmaTiling:
 NARROW_CAUSAL_ROWS = 4096
 
 
-# A softcap at d = 128 in 192-row blocks of 64-key tiles (three consumer warpgroups, whose
-# 160 registers hold S (32), P (16) and O (64) at 64 keys: no spill), where a tile's two
-# special-function results a score take the unit as long as its products take the tensor
-# cores: the third warpgroup's products may run under the other two's softmax, as at
-# d = 64 (item 60). Off until measured on a GPU (docs/performance.md item 92).
-WIDE_SOFTCAP = False
-WIDE_SOFTCAP_TILE = (192, 64)
-
-
 # A consumer warpgroup none of whose 64 rows lie in the sequence (the last query tile of a
 # call whose rows are not a multiple of the block's: at d = 64, in 192-row blocks, 1024 rows
 # leave two of the last tile's three warpgroups without a row) goes through the item's
 # barriers without its products (``idle_item`` in :func:`make_forward_wgmma`), and full rows
 # then deal those tiles last (:func:`idle_rows_last`), where they shorten the blocks that
-# take the last round. Off until measured on a GPU (docs/performance.md item 93).
+# take the last round. Off: on an H100 within noise (+0.8% at (16,32,1024,64), -2.1% at
+# (4,32,4096,64); docs/performance.md items 93, 99).
 SKIP_IDLE_ROWS = False
 
 
@@ -146,16 +138,10 @@ SKIP_IDLE_ROWS = False
 # smallest exponential a row can have as its largest, 2^(-2 cap_out), keeps P's precision:
 # a normal number in float32 and bfloat16 down to 2^-120 (cap_out <= 60: c <= 41.5), in
 # float16 down to 2^-12 (cap_out <= 6: c <= 4.1); otherwise the running maxima, a branch
-# on the launch's cap_out (docs/performance.md item 94). Off until measured on a GPU.
-FIXED_MAX_SOFTCAP = False
+# on the launch's cap_out. Measured on an H100 2.7-3.0% faster on full rows with c = 30,
+# 1.2% on causal rows (docs/performance.md items 94, 99).
+FIXED_MAX_SOFTCAP = True
 FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
-
-
-# Each row's maximum of a tile taken in two chains of pairs, 10 dependent FMNMX deep rather
-# than one chain of 32, the same bits. Off until measured on a GPU: item 41 took the maxima
-# and the row sums over four partials together with descriptor offsets and measured d = 64
-# 8% slower, the parts not told apart (docs/performance.md items 41 and 95).
-PAIRED_MAXIMA = False
 
 
 def longest_first(scores):
@@ -174,13 +160,6 @@ def idle_rows_last(scores, bm, nq):
     return bool(SKIP_IDLE_ROWS and not (longest_first(scores) or scores.packed) and 0 < last <= bm - ROWS)
 
 
-def wide_softcap(D, scores):
-    """Whether :func:`tiling` gives ``scores`` at ``D`` :data:`WIDE_SOFTCAP_TILE`: a
-    softcap without a window, ALiBi, packed rows or user functions, at d = 128."""
-    return bool(WIDE_SOFTCAP and D == 128 and scores.softcap
-                and not (scores.window or scores.alibi or scores.packed or scores.mods is not None))
-
-
 def tiling(D, scores, rows=None):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
     or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
@@ -188,10 +167,8 @@ def tiling(D, scores, rows=None):
     functions and packed sequences (their consumers would spill registers at 192 rows:
     16-144 bytes, ptxas 13), and causal rows where the call's query rows per sequence
     (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200:
-    docs/performance.md items 60 and 63. (:func:`wide_softcap`: 192 rows of 64-key tiles.)"""
-    if wide_softcap(D, scores):
-        bm, bn = WIDE_SOFTCAP_TILE
-        return WgmmaTiling(BM=bm, BN=bn, threads=threads_for(bm))
+    docs/performance.md items 60 and 63. (A softcap at d = 128 in 192 rows of 64-key tiles,
+    three consumers: 4-11% slower on an H100, item 99.)"""
     narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
               or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
     bm = BM if narrow else BLOCK_ROWS.get(D, BM)
@@ -244,7 +221,7 @@ def buffers(D, bn=BN):
     stages before, measured on an H200 6-13% faster on causal rows of 256-1024 keys, 1-3%
     at 2048-4096 and on full rows, level at 8192 (docs/performance.md item 67). Tiles of
     fewer keys than ``BN`` (``bn``) take as many more stages, the same keys in flight
-    (:data:`WIDE_SOFTCAP_TILE`: four stages of 64 keys at d = 128, 225 KiB)."""
+    (64 keys at d = 128: four stages, 225 KiB)."""
     qbuf, stages = (2, 2) if D > 64 else (2, 4)
     return qbuf, stages * BN // bn if bn < BN else stages
 
@@ -283,8 +260,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None,
-                       paired_max: bool = None):
+                       overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -299,8 +275,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :func:`overlaps`); ``skip_idle``: a consumer warpgroup with no row in the sequence goes
     through the item's barriers without its products (default :data:`SKIP_IDLE_ROWS`; not
     with ``overlap``); ``fixed_max``: under a softcap alone, each row's maximum taken as the
-    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`);
-    ``paired_max``: the rows' maxima in chains of pairs (default :data:`PAIRED_MAXIMA`)."""
+    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -334,7 +309,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     SCALED = RAW or TANH_RAW          # s holds the scores over a positive factor, sl
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
-    PAIRED_MAX = PAIRED_MAXIMA if paired_max is None else paired_max
     # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
     # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
     # slow instruction on the multi-function unit the exponentials need (user functions
@@ -483,24 +457,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             mn0, mn1, mu0, mu1, alpha0, alpha1 = sl, sl, sl, sl, ONE, ONE
         else:
             mx0, mx1 = NEG_INF, NEG_INF
-            if PAIRED_MAX:
-                # each row's maximum in two chains of pairs (s[8c + 0, 1, 4, 5] are row 0's,
-                # s[8c + 2, 3, 6, 7] row 1's): a quarter as deep as one chain of NS / 2, the
-                # same value (a maximum does not round)
-                my0, my1 = NEG_INF, NEG_INF
-                for c in range(NS // 8):
-                    i = 8 * c
-                    mx0 = max(mx0, max(s[i], s[i + 1]))
-                    mx1 = max(mx1, max(s[i + 2], s[i + 3]))
-                    my0 = max(my0, max(s[i + 4], s[i + 5]))
-                    my1 = max(my1, max(s[i + 6], s[i + 7]))
-                mx0, mx1 = max(mx0, my0), max(mx1, my1)
-            else:
-                for i in range(NS):
-                    if (i >> 1) & 1:
-                        mx1 = max(mx1, s[i])
-                    else:
-                        mx0 = max(mx0, s[i])
+            for i in range(NS):
+                if (i >> 1) & 1:
+                    mx1 = max(mx1, s[i])
+                else:
+                    mx0 = max(mx0, s[i])
             for off in (1, 2):
                 mx0 = max(mx0, warp.shfl_xor_sync(warp.FULL_MASK, mx0, off))
                 mx1 = max(mx1, warp.shfl_xor_sync(warp.FULL_MASK, mx1, off))
