@@ -65,6 +65,22 @@ def test_ab_exports_a_revision(tmp_path):
     assert (Path(tree) / "numba_flash" / "__init__.py").exists()
 
 
+def test_ab_tree_sets_module_constants(tmp_path):
+    """``--tree "PATH;MODULE.NAME=VALUE"``: a copy of PATH's numba_flash with that line
+    replaced, the original untouched; a name that is not one top-level line is refused."""
+    ab = _load("ab")
+    src = tmp_path / "src" / "numba_flash" / "kernels"
+    src.mkdir(parents=True)
+    (src / "k.py").write_text("A = 1\nFLAG = False  # off\n    FLAG = 3\n")
+    tree = ab.with_constants(f"{tmp_path / 'src'}; kernels.k.FLAG=True", str(tmp_path / "copy"))
+    assert (Path(tree) / "numba_flash" / "kernels" / "k.py").read_text() == "A = 1\nFLAG = True\n    FLAG = 3\n"
+    assert (src / "k.py").read_text().startswith("A = 1\nFLAG = False")
+    assert ab.with_constants(str(tmp_path / "src"), "unused") == str(tmp_path / "src")
+    for bad in ("kernels.k.B=2", "FLAG=True", "kernels.k.FLAG="):
+        with pytest.raises(ValueError, match="tree"):
+            ab.with_constants(f"{tmp_path / 'src'};{bad}", str(tmp_path / f"bad{len(bad)}"))
+
+
 def test_same_code_compares_instructions_not_mangled_counters():
     same_code = _load("same_code")
     listing = ("        /*0010*/                   MOV R1, c[0x0][0x28] ;   /* 0x00000a0000017a02 */\n"

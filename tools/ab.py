@@ -7,7 +7,12 @@ trees taking turns, each in its own process (a GPU machine)::
 ``--rev`` exports a git revision's ``numba_flash`` (``git archive``) into a temporary
 directory; ``--tree`` names a directory that holds a ``numba_flash`` package (on a GPU
 machine whose copy of the project has no git history, export the trees beforehand:
-``git archive REV numba_flash | tar -x -C DIR``). A shape is
+``git archive REV numba_flash | tar -x -C DIR``). A tree may set module constants for
+itself: ``--tree ".;kernels.forward_wgmma.SKIP_IDLE_ROWS=True"`` runs a copy of the
+checkout's ``numba_flash`` whose ``kernels/forward_wgmma.py`` has the line
+``SKIP_IDLE_ROWS = True`` in place of its own (several ``;MODULE.NAME=VALUE`` may follow
+a path; each must match one ``NAME = ...`` line at the module's top level), so an option
+is measured against the default with no tree exported. A shape is
 ``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``), with optional score rules after
 it: ``w=L``, a sliding window of ``L`` keys before each query (``window=(L, 0)`` when
 causal, else ``(L, L)``), ``c=C``, a softcap ``C`` (e.g. ``1,16,16384,128,1,w=1024`` or
@@ -214,6 +219,34 @@ def worker(tree, args):
     return records
 
 
+def with_constants(spec, into):
+    """``spec`` = ``"PATH;MODULE.NAME=VALUE;..."``: a copy of PATH's ``numba_flash`` under
+    ``into`` with each named top-level constant set (the line ``NAME = ...`` of
+    ``numba_flash/MODULE.py``, dots as folders, replaced by ``NAME = VALUE``); a PATH alone
+    is returned as it is."""
+    import re
+    import shutil
+    path, *sets = [s.strip() for s in spec.split(";")]
+    if not sets:
+        return path
+    shutil.copytree(os.path.join(path, "numba_flash"), os.path.join(into, "numba_flash"),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for item in sets:
+        target, _, value = item.partition("=")
+        module, _, name = target.strip().rpartition(".")
+        if not (module and name.isidentifier() and value.strip()):
+            raise ValueError(f"tree {spec!r}: {item!r} is not MODULE.NAME=VALUE (e.g. kernels.forward_wgmma.X=True)")
+        source = os.path.join(into, "numba_flash", *module.split(".")) + ".py"
+        text = open(source).read()
+        line = re.compile(rf"^{re.escape(name)} = .*$", re.M)
+        if len(line.findall(text)) != 1:
+            raise ValueError(f"tree {spec!r}: numba_flash/{module.replace('.', '/')}.py has "
+                             f"{len(line.findall(text))} lines '{name} = ...', expected one")
+        with open(source, "w") as f:
+            f.write(line.sub(lambda m: f"{name} = {value.strip()}", text))
+    return into
+
+
 def export_rev(rev, into):
     """``numba_flash`` of git revision ``rev`` under ``into`` (a new directory)."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
@@ -246,7 +279,7 @@ def main(argv=None):
         return 0
     with tempfile.TemporaryDirectory() as tmp:
         trees = {f"rev {r}": export_rev(r, os.path.join(tmp, f"rev{i}")) for i, r in enumerate(args.rev)}
-        trees.update({f"tree {t}": t for t in args.tree})
+        trees.update({f"tree {t}": with_constants(t, os.path.join(tmp, f"tree{i}")) for i, t in enumerate(args.tree)})
         if len(trees) < 1 or not (args.shapes or args.varlen or args.decode):
             p.error("give at least one --rev or --tree, and --shapes, --varlen or --decode")
         names = list(trees)
