@@ -567,6 +567,7 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, sp
     sm_count, smem_limit, cc = _device_facts()
     launches += families.forward(inp, qd, kd, vd, out, lse, inp.low or aligned, sm_count, smem_limit,
                                  splits, scratch, cc)
+    result = functools.partial(_results, inp, (out, lse), (qd, kd, vd))
     if not inp.on_device or copied:
         return result, launches, None
     finish = functools.partial(_finish, inp.dtype if inp.low else None)
@@ -576,6 +577,16 @@ def _plan_forward(q, k, v, slopes, causal, scale, window, softcap, mods=None, sp
         inputs, outputs, scratch + ([] if keep_lse else [lse]), launches, finish, stream,
         constants=inp.mod_tables)
     return result, launches, capture
+
+
+def _results(inp, outputs, held):
+    """``inp.result(*outputs)``. ``held``: the device arrays of the call's inputs (NumPy
+    inputs' copies, strided inputs' contiguous copies), referenced until the results are
+    taken, after the launches: the Hopper family's launches read them through tensor maps,
+    which hold their addresses only, so without this reference Numba could free them
+    (a pending deallocation flushed) before the kernels were launched."""
+    del held
+    return inp.result(*outputs)
 
 
 def _plan_attention(q, k, v, slopes, causal, scale, window, softcap, mods=None):
@@ -865,6 +876,7 @@ def _plan_backward(dout, q, k, v, out, lse, slopes, causal, scale, window, softc
     dev.update(zip(read, ready))
     launches += families.backward(inp, *(dev[n] for n in ("q", "k", "v", "dout", "out", "lse")), dq, dk, dv,
                                   inp.low or aligned, scratch, cc=_device_facts()[2])
+    result = functools.partial(_results, inp, (dq, dk, dv), tuple(dev.values()))
     if not inp.on_device or not (inp.nq and inp.nk) or copied:
         return result, launches, None
     inputs = [dev[n] for n in ("dout", "q", "k", "v", "out", "lse")]     # the signature's order

@@ -236,6 +236,44 @@ def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
         check_forward_low(*(np.swapaxes(x[rows], 0, 1)[None] for x in (out, lse, q, k, v)), False, None)
 
 
+@pytest.mark.parametrize("direction", ["forward", "backward"])
+def test_hopper_plan_keeps_the_inputs_its_maps_read(direction, monkeypatch):
+    """The Hopper family's launches read q, k, v (and dO) through TMA tensor maps, which
+    hold their addresses only: a call of NumPy inputs keeps its device copies referenced
+    until its results are taken, after the launches (dropped when the plan returned, a
+    pending deallocation could free them before the kernels ran: compute-sanitizer's
+    illegal address, docs/performance.md item 100); taken, they are released."""
+    import gc
+    import weakref
+    from numba_flash import api
+    from numba_flash.launch import launch
+    _force_hopper(monkeypatch, cache=False)
+    copies = []
+    device = api._Inputs.device
+    monkeypatch.setattr(api._Inputs, "device", lambda inp, name: copies.append(device(inp, name)) or copies[-1])
+    rng = np.random.default_rng(47)
+    q, k, v, dout = (rng.standard_normal((1, 2, 70, 64)).astype(ml_dtypes.bfloat16) for _ in range(4))
+    if direction == "forward":
+        result, launches = api.plan_forward(q, k, v, causal=True)
+    else:
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+        copies.clear()
+        result, launches = api.plan_backward(dout, q, k, v, out, lse, causal=True)
+    assert any("wgmma" in a[0].py_func.__module__ for a in launches)
+    held = [weakref.ref(a) for a in copies]
+    copies.clear()
+    gc.collect()
+    assert len(held) >= 3 and all(r() is not None for r in held)      # alive until the results
+    for a in launches:
+        launch(*a)
+    got = result()
+    if direction == "forward":
+        check_forward_low(got[0], got[1], q, k, v, True, None)
+    del result, launches
+    gc.collect()
+    assert all(r() is None for r in held)
+
+
 @pytest.mark.parametrize("dtype,caps", [("bfloat16", (30.0, 50.0)), ("float16", (3.0, 30.0))])
 def test_hopper_softcap_fixed_maximum(dtype, caps, monkeypatch):
     """``forward_wgmma.FIXED_MAX_SOFTCAP`` forced on: under a softcap within the dtype's
