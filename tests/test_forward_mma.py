@@ -236,6 +236,23 @@ def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
         check_forward_low(*(np.swapaxes(x[rows], 0, 1)[None] for x in (out, lse, q, k, v)), False, None)
 
 
+def test_hopper_full_rows_in_narrow_blocks(monkeypatch):
+    """Full rows at d = 64 in 128-row blocks (``forward_wgmma.NARROW_FULL_ROWS``, off by
+    default): the launch takes two consumer warpgroups, and the result is within the
+    oracle's tolerance with a ragged last query tile and key tile."""
+    from numba_flash import api
+    from numba_flash.kernels import forward_wgmma
+    _force_hopper(monkeypatch, cache=False)
+    monkeypatch.setattr(forward_wgmma, "NARROW_FULL_ROWS", 1024)
+    rng = np.random.default_rng(53)
+    q = rng.standard_normal((1, 2, 200, 64)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 2, 150, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    _, launches = api.plan_forward(q, k, v)
+    assert launches[-1][2] == 384, launches[-1][2]           # a producer and two consumers
+    out, lse = numba_flash.attention_fwd(q, k, v)
+    check_forward_low(out, lse, q, k, v, False, None)
+
+
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_hopper_plan_keeps_the_inputs_its_maps_read(direction, monkeypatch):
     """The Hopper family's launches read q, k, v (and dO) through TMA tensor maps, which

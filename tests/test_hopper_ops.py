@@ -504,7 +504,7 @@ def test_pairs_where_the_model_says():
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_block_rows_follow_the_rules(d):
+def test_block_rows_follow_the_rules(d, monkeypatch):
     """The forward's tile shape per head dim and rules, as the registry hands it to the
     launches: 192 rows in four warpgroups at d = 64 without a window, softcap, ALiBi or
     packed rows, nor causal rows of calls with at most ``NARROW_CAUSAL_ROWS`` query rows,
@@ -528,6 +528,10 @@ def test_block_rows_follow_the_rules(d):
         assert spec.tiling.BM == (128 if narrow else 192), (d, rules, rows)
         assert spec.name.endswith("/rows128") == (d == 64 and narrow), spec.name
         assert spec.kernel().threads == spec.tiling.threads
+    monkeypatch.setattr(F, "NARROW_FULL_ROWS", 1024)          # full rows too, where asked
+    for rows in (1024, 1025):
+        spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(), True, rows=rows)
+        assert spec.tiling.BM == (128 if d == 128 or rows <= 1024 else 192), (d, rows)
 
 
 @pytest.mark.parametrize("slow", [1, 2, 3])

@@ -118,6 +118,12 @@ class WgmmaTiling:
 # on an H200 5-13% faster at N = 1024-4096, 2-5% slower at N = 8192-16384 (docs/performance.md
 # item 63)
 NARROW_CAUSAL_ROWS = 4096
+# Full rows at d = 64 with at most this many query rows per sequence likewise (0: none). A
+# 192-row block's last query tile of 1024 rows has two idle warpgroups of three, which still
+# run their products on zero rows (12.5% of the tensor cores' work at 1024 rows; 3% at 4096);
+# 128-row blocks have none but two consumers. Not measured yet (docs/performance.md item 101):
+# to measure, `tools/ab.py --tree . --tree ".;kernels.forward_wgmma.NARROW_FULL_ROWS=2048"`.
+NARROW_FULL_ROWS = 0
 
 
 # A consumer warpgroup none of whose 64 rows lie in the sequence (the last query tile of a
@@ -166,11 +172,12 @@ def tiling(D, scores, rows=None):
     3-5% slower at d = 64), a softcap (causal: 6% slower; full: no faster), ALiBi, user
     functions and packed sequences (their consumers would spill registers at 192 rows:
     16-144 bytes, ptxas 13), and causal rows where the call's query rows per sequence
-    (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200:
+    (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS` (full rows:
+    :data:`NARROW_FULL_ROWS`). Measured on an H200:
     docs/performance.md items 60 and 63. (A softcap at d = 128 in 192 rows of 64-key tiles,
     three consumers: 4-11% slower on an H100, item 99.)"""
     narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
-              or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
+              or rows is not None and rows <= (NARROW_CAUSAL_ROWS if scores.causal else NARROW_FULL_ROWS))
     bm = BM if narrow else BLOCK_ROWS.get(D, BM)
     return WgmmaTiling(BM=bm, threads=threads_for(bm))
 
