@@ -26,7 +26,8 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   B, one m64n{d}k16 per 16 keys: ``wgmma_parts.make_column_product``) issued before the
   softmax of S_j, so that the tensor cores multiply while the warpgroup computes
   exponentials (intra-warpgroup overlap; but in the SASS ptxas places the wait for P V
-  before the softmax: docs/performance.md item 97); with ``pingpong``
+  before the softmax: docs/performance.md item 97; a wait kept after the softmax measured
+  no faster, item 98: with ping-pong the partner's products fill that wait); with ``pingpong``
   the consumer warpgroups take turns to issue their products, in a ring, so that one's
   products run while the others compute their softmax. With
   ``overlap`` (causal rows, two consumers: :func:`overlaps`) an item's last P V is issued
