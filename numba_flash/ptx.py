@@ -348,7 +348,8 @@ def main(argv=None):
     p.add_argument("--sass", action="store_true",
                    help="with ptxas: also disassemble (nvdisasm, if found) and report the hot blocks and, "
                         "for Hopper kernels, writes to a product's register operand before its wait "
-                        "(wgmma_operand_writes: a race; every registered kernel has none)")
+                        "(wgmma_operand_writes: a race; every registered kernel has none) and the softmax's "
+                        "exponentials between a tile's two waits (exponentials_between_waits)")
     a = p.parse_args(argv)
     if a.list:
         from . import registry

@@ -808,10 +808,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     @cuda.jit(device=True, inline=True)
     def idle_item(ring, base, buf, ct, wg, tiles):
         """A consumer warpgroup none of whose rows lie in the sequence: the item's barriers
-        without its products, in the order :func:`first_tile`, :func:`later_tiles`,
-        :func:`last_product` and :func:`last_done` take them (each stage waited for before
-        it is released, so the warpgroup keeps pace with the producer and the others; its
-        turns taken), so that the producer and the other warpgroups run as they would, with
+        without its products, in the order :func:`first_tile`, :func:`later_tiles` and
+        :func:`last_tile` take them (each stage waited for before it is released, so the
+        warpgroup keeps pace with the producer and the others; its turns taken), so that the producer and the other warpgroups run as they would, with
         the tensor cores to themselves. Returns the rings' places."""
         ak, bk, av, bv = ring
         _, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
@@ -836,26 +835,22 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return ak, bk, av, bv
 
     @cuda.jit(device=True, inline=True)
-    def last_product(o0, o1, p, ring, base):
-        """An item's last O += P V alone, issued (:func:`last_done` waits for it)."""
-        _, _, av, bv = ring
-        _, _, _, _, full_v, _ = barriers(base)
+    def last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4):
+        """An item's last O += P V alone, issued; while it runs, the rows' sums and lse
+        (:func:`row_sums`, which it does not hold); then it is waited for and its V stage
+        released. Returns O, ``1 / l`` of the thread's two rows and the rings' places (O / l
+        is the caller's to store)."""
+        ak, bk, av, bv = ring
+        _, _, _, _, full_v, empty_v = barriers(base)
         wait_phase(full_v + 8 * av, bv)
         H.wgmma_fence()
         o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
         H.wgmma_commit()
-        return o0, o1
-
-    @cuda.jit(device=True, inline=True)
-    def last_done(ring, base, ct):
-        """The last P V (:func:`last_product`) waited for, its V stage released; returns the
-        rings' places."""
-        ak, bk, av, bv = ring
-        _, _, _, _, _, empty_v = barriers(base)
+        inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4)
         wait0()
         release(ct, empty_v + 8 * av)
         av, bv = advance(av, bv)
-        return ak, bk, av, bv
+        return o0, o1, inv0, inv1, (ak, bk, av, bv)
 
     @cuda.jit(device=True, inline=True)
     def pack_p(s, p):
@@ -976,9 +971,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     o1 = zeros_o()
                     m0, m1, l0, l1 = n0, n1, k0l, k1l
                     pack_p(s, p)
-                o0, o1 = last_product(o0, o1, p, ring, base)
-                inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
-                ring = last_done(ring, base, ct)
+                o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, fb1, fb2, fqs, frow0, fnq,
+                                                     m0, m1, l0, l1, tq4)
                 store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
         else:
             for i in range(cuda.blockIdx.x, n_items, G):
@@ -1008,11 +1002,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
                                                                l0, l1)
-                    # the last P V issued; while it runs, the rows' sums and lse, which it does
-                    # not hold (before, they waited for it)
-                    o0, o1 = last_product(o0, o1, p, ring, base)
-                    inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4)
-                    ring = last_done(ring, base, ct)
+                    o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq,
+                                                         m0, m1, l0, l1, tq4)
                 store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
