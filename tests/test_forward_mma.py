@@ -205,54 +205,6 @@ def test_hopper_schedules_through_the_api(opts, monkeypatch):
         wgmma_schedule.paired_places.cache_clear()       # (its answers under the forced constants)
 
 
-def test_hopper_idle_warpgroups_through_the_api(monkeypatch):
-    """``forward_wgmma.SKIP_IDLE_ROWS`` on, full rows at d = 64 (192-row blocks) of 200 rows
-    on three simulated multiprocessors: the launch deals every head's last tile (8 rows,
-    two warpgroups without a row) after the others (``sched`` 1), those warpgroups take
-    barriers only; and a packed batch whose short sequences leave warpgroups without a row;
-    the results within the oracle's tolerance."""
-    if ON_GPU:
-        pytest.skip("the simulator's multiprocessor count is set here")
-    from numba_flash import api
-    from numba_flash.kernels import forward_wgmma
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")     # the forced kernels share a registry name
-    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
-    monkeypatch.setattr(forward_wgmma, "SKIP_IDLE_ROWS", True)
-    rng = np.random.default_rng(53)
-    q, k, v = (rng.standard_normal((1, 4, 200, 64)).astype(ml_dtypes.bfloat16) for _ in range(3))
-    _, launches = api.plan_forward(q, k, v)
-    assert launches[-1][1] == 3 and launches[-1][2] == 512 and launches[-1][4][-1] == 1
-    out, lse = numba_flash.attention_fwd(q, k, v)
-    check_forward_low(out, lse, q, k, v, False, None)
-    # a packed batch (128-row blocks): sequences of 30 and 50 rows leave their tile's second
-    # warpgroup without a row; an empty sequence between them
-    lens = np.array([150, 30, 0, 50])
-    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q, k, v = (rng.standard_normal((int(cu[-1]), 2, 64)).astype(ml_dtypes.bfloat16) for _ in range(3))
-    out, lse = numba_flash.attention_varlen_fwd(q, k, v, cu, cu)
-    for z in np.flatnonzero(lens):
-        rows = slice(cu[z], cu[z + 1])
-        check_forward_low(*(np.swapaxes(x[rows], 0, 1)[None] for x in (out, lse, q, k, v)), False, None)
-
-
-def test_hopper_full_rows_in_narrow_blocks(monkeypatch):
-    """Full rows at d = 64 in 128-row blocks (``forward_wgmma.NARROW_FULL_ROWS``, off by
-    default): the launch takes two consumer warpgroups, and the result is within the
-    oracle's tolerance with a ragged last query tile and key tile."""
-    from numba_flash import api
-    from numba_flash.kernels import forward_wgmma
-    _force_hopper(monkeypatch, cache=False)
-    monkeypatch.setattr(forward_wgmma, "NARROW_FULL_ROWS", 1024)
-    rng = np.random.default_rng(53)
-    q = rng.standard_normal((1, 2, 200, 64)).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((1, 2, 150, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
-    _, launches = api.plan_forward(q, k, v)
-    assert launches[-1][2] == 384, launches[-1][2]           # a producer and two consumers
-    out, lse = numba_flash.attention_fwd(q, k, v)
-    check_forward_low(out, lse, q, k, v, False, None)
-
-
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_hopper_plan_keeps_the_inputs_its_maps_read(direction, monkeypatch):
     """The Hopper family's launches read q, k, v (and dO) through TMA tensor maps, which

@@ -261,14 +261,15 @@ FORWARD_PARAMS = ("tq", "tk", "tv", "out", "lse", "nk", "group", "scale_log2", "
                   "cap_out", "slopes", "sched")
 
 
-def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, window=None, skip_idle=None):
+def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, window=None, store_under_next=None):
     """The Hopper forward (``kernels/forward_wgmma``, launched with its own ``BM``, ``BN``,
     ``THREADS`` and ``smem_bytes``) on bf16 inputs of ``heads = (B1, B2)`` against the float64 oracle (the
     FlashAttention rule of the tensor-core tests: outputs within a few units of the last place).
     ``grid``: blocks launched (default: one per work item; fewer make each block take several);
     ``bn``: keys per tile (default the family's; with wider tiles 128 query rows, as
     192 rows of each would not fit in shared memory); ``window``: the public option;
-    ``skip_idle``: the factory's (warpgroups without a row take barriers only)."""
+    ``store_under_next``: the factory's (an item's O stored under the next item's first
+    product)."""
     import inspect
     import math
     import ml_dtypes
@@ -284,7 +285,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     rules = parse(causal=causal, window=window)
     bn = bn or F.BN
     bm = F.tiling(d, rules.spec).BM if bn == F.BN else F.BM
-    kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn, bm=bm, skip_idle=skip_idle)
+    kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn, bm=bm, store_under_next=store_under_next)
     params = tuple(inspect.signature(kern.py_func).parameters)
     if params != FORWARD_PARAMS:
         pytest.skip(f"the forward kernel's parameters changed to {params}: update check_forward")
@@ -331,52 +332,17 @@ def test_forward_draft_on_gpu(d, causal, nq, nk):
     (64, True, 200, 450, (1, 2), 2, 192, None),     # 192-key tiles: the diagonal inside a tile, a ragged last one
     (64, True, 420, 400, (1, 1), 2, None, (200, None)),  # a window: 1 to 4 key tiles per item
 ])
-def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn, window):
+@pytest.mark.parametrize("store_under_next", [False, True])
+def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn, window, store_under_next):
     """Blocks that take several work items each (``grid`` below the item count): Q's and
     the ring's barriers across items, items that see no key, the causal schedule's rounds,
-    a window's band across items;
+    a window's band across items; each item's O stored at its end or under the next item's
+    first product (``store_under_next``: the last item's after the loop, items without keys
+    at once; where items overlap, d = 64 causal rows in 128-row blocks, it does not apply);
     in the simulator through the twins, and on a Hopper GPU."""
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
-    check_forward(d, causal, nq, nk, heads, grid, bn, window=window)
-
-
-@pytest.mark.parametrize("d, nq, nk, sched", [
-    (64, 200, 150, 1),      # 192-row blocks: the last tile's second and third warpgroups have no row, dealt last
-    (64, 420, 90, 0),       # ... its third (rows 384-419 in the first), in the usual order
-    (128, 150, 200, 1),     # 128-row blocks: the last tile's second warpgroup (rows 192-255)
-])
-def test_forward_idle_warpgroups(d, nq, nk, sched):
-    """Consumer warpgroups with no row in the sequence (``skip_idle``) go through the items'
-    barriers without their products, on blocks that take several items (3 heads on 2
-    blocks: the rings and the turns run on across idle and busy items), the last tiles
-    dealt last (``sched`` 1) or in the usual order; every row written (NaN-poisoned
-    outputs), against the oracle. (A warpgroup that skipped a turn or a release would
-    deadlock the block, which the simulator reports: checked by deleting a turn.)"""
-    if not _simulator() and not _hopper_gpu():
-        pytest.skip("the Hopper instructions run on compute capability 9.0 only")
-    check_forward(d, False, nq, nk, (1, 3), 2, sched=sched, skip_idle=True)
-
-
-def test_idle_rows_last_where_it_applies():
-    """``idle_rows_last``: only with ``SKIP_IDLE_ROWS`` on, for full rows whose last query
-    tile leaves a consumer warpgroup without a row; ``schedule`` then passes 1."""
-    from numba_flash.kernels import forward_wgmma as F
-    from numba_flash.scores import ScoreSpec, parse
-    assert not F.idle_rows_last(ScoreSpec(), 192, 1024)                 # off by default
-    old = F.SKIP_IDLE_ROWS
-    try:
-        F.SKIP_IDLE_ROWS = True
-        assert F.idle_rows_last(ScoreSpec(), 192, 1024) and F.idle_rows_last(ScoreSpec(), 192, 4096)
-        assert not F.idle_rows_last(ScoreSpec(), 192, 768) and not F.idle_rows_last(ScoreSpec(), 192, 1100)
-        assert F.idle_rows_last(ScoreSpec(), 128, 1050) and not F.idle_rows_last(ScoreSpec(), 128, 1000)
-        assert not F.idle_rows_last(ScoreSpec(causal=True), 192, 1024)
-        assert not F.idle_rows_last(ScoreSpec(packed=True), 128, 1050)
-        assert F.schedule(parse(), 192, 1024, 1024, 512, 132, 1 << 30) == 1
-        assert F.schedule(parse(), 192, 768, 768, 512, 132, 1 << 30) == 0
-    finally:
-        F.SKIP_IDLE_ROWS = old
-    assert F.schedule(parse(), 192, 1024, 1024, 512, 132, 1 << 30) == 0
+    check_forward(d, causal, nq, nk, heads, grid, bn, window=window, store_under_next=store_under_next)
 
 
 @pytest.mark.parametrize("causal, window, sched", [(True, None, -1), (False, (150, 0), 0)])
@@ -504,7 +470,7 @@ def test_pairs_where_the_model_says():
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_block_rows_follow_the_rules(d, monkeypatch):
+def test_block_rows_follow_the_rules(d):
     """The forward's tile shape per head dim and rules, as the registry hands it to the
     launches: 192 rows in four warpgroups at d = 64 without a window, softcap, ALiBi or
     packed rows, nor causal rows of calls with at most ``NARROW_CAUSAL_ROWS`` query rows,
@@ -528,10 +494,6 @@ def test_block_rows_follow_the_rules(d, monkeypatch):
         assert spec.tiling.BM == (128 if narrow else 192), (d, rules, rows)
         assert spec.name.endswith("/rows128") == (d == 64 and narrow), spec.name
         assert spec.kernel().threads == spec.tiling.threads
-    monkeypatch.setattr(F, "NARROW_FULL_ROWS", 1024)          # full rows too, where asked
-    for rows in (1024, 1025):
-        spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(), True, rows=rows)
-        assert spec.tiling.BM == (128 if d == 128 or rows <= 1024 else 192), (d, rows)
 
 
 @pytest.mark.parametrize("slow", [1, 2, 3])

@@ -8,9 +8,9 @@ trees taking turns, each in its own process (a GPU machine)::
 directory; ``--tree`` names a directory that holds a ``numba_flash`` package (on a GPU
 machine whose copy of the project has no git history, export the trees beforehand:
 ``git archive REV numba_flash | tar -x -C DIR``). A tree may set module constants for
-itself: ``--tree ".;kernels.forward_wgmma.SKIP_IDLE_ROWS=True"`` runs a copy of the
+itself: ``--tree ".;kernels.forward_wgmma.EXP2_FMA_SOFTCAP=1"`` runs a copy of the
 checkout's ``numba_flash`` whose ``kernels/forward_wgmma.py`` has the line
-``SKIP_IDLE_ROWS = True`` in place of its own (several ``;MODULE.NAME=VALUE`` may follow
+``EXP2_FMA_SOFTCAP = 1`` in place of its own (several ``;MODULE.NAME=VALUE`` may follow
 a path; each must match one ``NAME = ...`` line at the module's top level), so an option
 is measured against the default with no tree exported. A shape is
 ``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``), with optional score rules after

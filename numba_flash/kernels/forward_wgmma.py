@@ -119,22 +119,16 @@ class WgmmaTiling:
 # on an H200 5-13% faster at N = 1024-4096, 2-5% slower at N = 8192-16384 (docs/performance.md
 # item 63)
 NARROW_CAUSAL_ROWS = 4096
-# Full rows at d = 64 with at most this many query rows per sequence likewise (0: none). A
-# 192-row block's last query tile of 1024 rows has two idle warpgroups of three, which still
-# run their products on zero rows (12.5% of the tensor cores' work at 1024 rows; 3% at 4096);
-# 128-row blocks have none but two consumers. Not measured yet (docs/performance.md item 101):
-# to measure, `tools/ab.py --tree . --tree ".;kernels.forward_wgmma.NARROW_FULL_ROWS=2048"`.
-NARROW_FULL_ROWS = 0
 
-
-# A consumer warpgroup none of whose 64 rows lie in the sequence (the last query tile of a
-# call whose rows are not a multiple of the block's: at d = 64, in 192-row blocks, 1024 rows
-# leave two of the last tile's three warpgroups without a row) goes through the item's
-# barriers without its products (``idle_item`` in :func:`make_forward_wgmma`), and full rows
-# then deal those tiles last (:func:`idle_rows_last`), where they shorten the blocks that
-# take the last round. Off: on an H100 within noise (+0.8% at (16,32,1024,64), -2.1% at
-# (4,32,4096,64); docs/performance.md items 93, 99).
-SKIP_IDLE_ROWS = False
+# Where items do not overlap (``overlaps``: full rows, windows, causal rows at d = 128 and
+# at d = 64 in 192-row blocks), an item's O stored once the next item's first Q Kᵀ is
+# issued, rather than before the next item starts: the stores (a 64-bit store a lane for
+# each 32 bytes of a row, 16 a thread at d = 128) then share the warpgroup's wait for that
+# product. With the stores left out (wrong results, timing only) an H100 ran those kernels
+# 4.7% (full rows, N = 1024), 9.4% (causal, 1024) and 2.4% (a window of 1024 keys) faster
+# (docs/performance.md item 102), the most this can gain. Off until measured; to measure,
+# `tools/ab.py --tree . --tree ".;kernels.forward_wgmma.STORE_UNDER_NEXT=True"`.
+STORE_UNDER_NEXT = False
 
 
 # A softcap bounds every score: with the cap c, ``cap_out · tanh(·) <= cap_out`` (c log2 e,
@@ -158,27 +152,19 @@ def longest_first(scores):
     return bool(scores.causal or scores.window or (scores.mods is not None and scores.mods.blocks))
 
 
-def idle_rows_last(scores, bm, nq):
-    """Whether a launch of full rows (no mask that shortens rows, not packed) deals every
-    leading index's last query tile after all the others (``sched`` 1): where
-    :data:`SKIP_IDLE_ROWS` is on and that tile of ``nq`` rows in blocks of ``bm`` leaves a
-    consumer warpgroup without a row."""
-    last = nq - (-(-nq // bm) - 1) * bm
-    return bool(SKIP_IDLE_ROWS and not (longest_first(scores) or scores.packed) and 0 < last <= bm - ROWS)
-
-
 def tiling(D, scores, rows=None):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
     or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
     3-5% slower at d = 64), a softcap (causal: 6% slower; full: no faster), ALiBi, user
     functions and packed sequences (their consumers would spill registers at 192 rows:
     16-144 bytes, ptxas 13), and causal rows where the call's query rows per sequence
-    (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS` (full rows:
-    :data:`NARROW_FULL_ROWS`). Measured on an H200:
+    (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200:
     docs/performance.md items 60 and 63. (A softcap at d = 128 in 192 rows of 64-key tiles,
-    three consumers: 4-11% slower on an H100, item 99.)"""
+    three consumers: 4-11% slower on an H100, item 99; full rows of up to 2048 per sequence
+    at d = 64 in 128-row blocks: level at 1024 rows, 10% slower at 2048 on an H100, item
+    102.)"""
     narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
-              or rows is not None and rows <= (NARROW_CAUSAL_ROWS if scores.causal else NARROW_FULL_ROWS))
+              or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
     bm = BM if narrow else BLOCK_ROWS.get(D, BM)
     return WgmmaTiling(BM=bm, threads=threads_for(bm))
 
@@ -207,9 +193,7 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
     (``scores.Scores``) in blocks of ``bm`` query rows (not packed): the pairs schedule's
     (:func:`wgmma_schedule.paired_places`, positive) where causal rows take it, else where
     rows differ in length ``−1`` for the longest-first deal with its even rounds back
-    (:func:`wgmma_schedule.longest_first_flip`), 0 for the odd ones; for full rows 1 where
-    every leading index's last query tile goes after the others (:func:`idle_rows_last`),
-    else 0."""
+    (:func:`wgmma_schedule.longest_first_flip`), 0 for the odd ones; for full rows 0."""
     spec = rules.spec
     if paired(spec, bm):
         places = wgmma_schedule.paired_places(-(-nq // bm), b, grid, kv_bytes)
@@ -219,7 +203,7 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
         if spec.mods is not None and spec.mods.blocks:
             return 0                          # (a block mask's items: costs the model does not know)
         return -wgmma_schedule.longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn)
-    return int(idle_rows_last(spec, bm, nq))
+    return 0
 
 
 def buffers(D, bn=BN):
@@ -268,7 +252,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, skip_idle: bool = None, fixed_max: bool = None):
+                       overlap: bool = None, fixed_max: bool = None, store_under_next: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -280,16 +264,16 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     H200, docs/performance.md item 57); ``bm``: query rows per block, 64 per consumer
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
-    :func:`overlaps`); ``skip_idle``: a consumer warpgroup with no row in the sequence goes
-    through the item's barriers without its products (default :data:`SKIP_IDLE_ROWS`; not
-    with ``overlap``); ``fixed_max``: under a softcap alone, each row's maximum taken as the
-    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
+    :func:`overlaps`); ``fixed_max``: under a softcap alone, each row's maximum taken as the
+    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`);
+    ``store_under_next``: without ``overlap``, an item's O stored once the next item's first
+    Q Kᵀ is issued (default :data:`STORE_UNDER_NEXT`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
     OVERLAP = overlaps(scores, BM, D) if overlap is None else overlap
-    SKIP_IDLE = (SKIP_IDLE_ROWS if skip_idle is None else skip_idle) and not OVERLAP
+    DEFER = (STORE_UNDER_NEXT if store_under_next is None else store_under_next) and not OVERLAP
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
     QBUF, STAGES = buffers(D, bn) if qbuf is None else (qbuf, stages)
@@ -535,12 +519,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             w = deal(i, G, n_qt * B, -sched)       # (sched −1: the even rounds back)
             qt = n_qt - 1 - w // B
             return qt, w - (w // B) * B
-        if sched == 1:                        # full rows: every leading index's last tile after the others
-            first = (n_qt - 1) * B
-            if i >= first:
-                return n_qt - 1, i - first
-            b = i // (n_qt - 1)
-            return i - b * (n_qt - 1), b
         b = i // n_qt
         return i - b * n_qt, b
 
@@ -719,14 +697,29 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         """An item's key tile 0 alone: S = Q Kᵀ waited for, its softmax, P packed in ``p``.
         Returns the rows' maxima and sums, zero O accumulators and the rings' places
         (``ring``: the K ring's stage and phase, the V ring's)."""
-        ak, bk, av, bv = ring
-        _, _, full_k, empty_k, _, _ = barriers(base)
+        acc = first_issue(q_at, ring, base, wg)
+        return first_done(acc, s, p, ring, base, ct, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2)
+
+    @cuda.jit(device=True, inline=True)
+    def first_issue(q_at, ring, base, wg):
+        """The first half of :func:`first_tile`: S = Q K_0ᵀ issued in the warpgroup's turn
+        (its accumulator returned in flight)."""
+        ak, bk, _, _ = ring
+        _, _, full_k, _, _, _ = barriers(base)
         wait_phase(full_k + 8 * ak, bk)
         my_turn(wg)
         H.wgmma_fence()
         acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
         H.wgmma_commit()
         their_turn(wg)
+        return acc
+
+    @cuda.jit(device=True, inline=True)
+    def first_done(acc, s, p, ring, base, ct, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2):
+        """The second half of :func:`first_tile`: S waited for, K_0's stage released, the
+        softmax, P packed."""
+        ak, bk, av, bv = ring
+        _, _, _, empty_k, _, _ = barriers(base)
         wait0()
         release(ct, empty_k + 8 * ak)
         ak, bk = advance(ak, bk)
@@ -804,35 +797,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         _, q_empty, _, _, _, _ = barriers(base)
         release(ct, q_empty + 8 * buf)
         return m0, m1, l0, l1, o0, o1, ring
-
-    @cuda.jit(device=True, inline=True)
-    def idle_item(ring, base, buf, ct, wg, tiles):
-        """A consumer warpgroup none of whose rows lie in the sequence: the item's barriers
-        without its products, in the order :func:`first_tile`, :func:`later_tiles` and
-        :func:`last_tile` take them (each stage waited for before it is released, so the
-        warpgroup keeps pace with the producer and the others; its turns taken), so that the producer and the other warpgroups run as they would, with
-        the tensor cores to themselves. Returns the rings' places."""
-        ak, bk, av, bv = ring
-        _, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
-        wait_phase(full_k + 8 * ak, bk)
-        my_turn(wg)
-        their_turn(wg)
-        release(ct, empty_k + 8 * ak)
-        ak, bk = advance(ak, bk)
-        for _ in range(1, tiles):
-            wait_phase(full_k + 8 * ak, bk)
-            my_turn(wg)
-            wait_phase(full_v + 8 * av, bv)
-            their_turn(wg)
-            release(ct, empty_k + 8 * ak)
-            ak, bk = advance(ak, bk)
-            release(ct, empty_v + 8 * av)
-            av, bv = advance(av, bv)
-        release(ct, q_empty + 8 * buf)
-        wait_phase(full_v + 8 * av, bv)
-        release(ct, empty_v + 8 * av)
-        av, bv = advance(av, bv)
-        return ak, bk, av, bv
 
     @cuda.jit(device=True, inline=True)
     def last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4):
@@ -975,36 +939,36 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                      m0, m1, l0, l1, tq4)
                 store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
         else:
+            # (DEFER: the O owed, of no row until an item has keys)
+            ob1, ob2, o_row, o_end = numba.int64(0), numba.int64(0), numba.int64(0), numba.int64(0)
+            oo0, oo1, oinv0, oinv1 = zeros_o(), zeros_o(), ZERO, ZERO
             for i in range(cuda.blockIdx.x, n_items, G):
                 b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                 r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes,
                                                     b1, b2)
                 o0 = zeros_o()
                 o1 = zeros_o()
-                idle = True                            # no key tile, or (SKIP_IDLE) no row
-                if tiles > 0:
-                    wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
-                    n_q += 1
-                    idle = False
-                    if SKIP_IDLE:
-                        # no row of this warpgroup in the sequence; the test taken from lane 0
-                        # by a shuffle, which ptxas knows gives every lane of the warp the same
-                        # value: on the warpgroup index itself it could not tell the branch
-                        # uniform and serialized every product of the kernel (C7520)
-                        idle = warp.shfl_sync(warp.FULL_MASK, numba.int32(r0 >= nq), 0) != 0
-                        if idle:
-                            ring = idle_item(ring, base, buf, ct, wg, tiles)
-                if idle:
+                if tiles == 0:                          # no key tile: 0 and -inf
                     inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, NEG_INF, NEG_INF, ZERO, ZERO, tq4)
                 else:
-                    m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4,
-                                                              r0, sc, slopes, b1, b2)
+                    wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
+                    n_q += 1
+                    acc = first_issue(q_at, ring, base, wg)
+                    if DEFER:                           # the item before's O, while S_0 runs
+                        store_rows(out, ob1, ob2, o_row, o_end, oo0, oo1, oinv0, oinv1, tq4)
+                    m0, m1, l0, l1, o0, o1, ring = first_done(acc, s, p, ring, base, ct, q0, kt0, geo, row0, tq4, r0,
+                                                              sc, slopes, b1, b2)
                     m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
                                                                l0, l1)
                     o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq,
                                                          m0, m1, l0, l1, tq4)
-                store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
+                    if DEFER:                           # owed until the next item's S_0 is issued
+                        ob1, ob2, o_row, o_end, oo0, oo1, oinv0, oinv1 = b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1
+                if tiles == 0 or not DEFER:
+                    store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
+            if DEFER:
+                store_rows(out, ob1, ob2, o_row, o_end, oo0, oo1, oinv0, oinv1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
 
