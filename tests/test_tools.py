@@ -157,11 +157,12 @@ def test_host_time_rows():
 
 
 def test_mufu_rate_runs_its_chains():
-    """tools/mufu_rate.py: both kernels run (two steps of eight chains, one block) and give
-    one rate each (nan in the simulator, whose events time nothing); bad options exit."""
+    """tools/mufu_rate.py: the three kernels run (two steps of eight chains, one block:
+    tanh, ex2, the two interleaved) and give one rate each (nan in the simulator, whose
+    events time nothing); bad options exit."""
     mufu_rate = _load("mufu_rate")
     rates = mufu_rate.main(["--iters", "2", "--blocks", "1"])
-    assert set(rates) == {"tanh", "ex2"}
+    assert set(rates) == {"tanh", "ex2", "tanh+ex2"}
     for bad in (["--ops", "tanh,log"], ["--iters", "0"]):
         with pytest.raises(SystemExit):
             mufu_rate.main(bad)

@@ -1,7 +1,7 @@
 """How many results a clock the special-function unit gives per multiprocessor, instruction
 by instruction (a GPU machine)::
 
-    python tools/mufu_rate.py                       # tanh.approx.f32 against ex2.approx.ftz.f32
+    python tools/mufu_rate.py                       # tanh.approx.f32, ex2.approx.ftz.f32, both at once
     python tools/mufu_rate.py --iters 64 --blocks 2 # a quick run (the simulator takes this too)
 
 The softcap costs the forward two special-function results a score (tanh, then exp2;
@@ -29,19 +29,25 @@ import numba  # noqa: E402
 from numba import cuda  # noqa: E402
 
 CHAINS = 8
-OPS = {"tanh": ops.tanh_approx, "ex2": ops.exp2_approx}
+# each op: the instructions of the even chains and of the odd ones ("tanh+ex2": both at
+# once, whose rate against each alone says whether they share one unit)
+OPS = {"tanh": (ops.tanh_approx, ops.tanh_approx), "ex2": (ops.exp2_approx, ops.exp2_approx),
+       "tanh+ex2": (ops.tanh_approx, ops.exp2_approx)}
 
 
 def make_kernel(op, iters):
-    """The kernel: ``CHAINS`` independent chains of ``op`` per thread, ``iters`` steps each."""
+    """The kernel: ``CHAINS`` independent chains per thread, ``iters`` steps each, the even
+    chains of ``op[0]``, the odd ones of ``op[1]``."""
+    f, g = op
+
     @cuda.jit
     def chains(out, seed):
         t = cuda.grid(1)
         a0 = numba.float32(seed + 1e-4 * t)
         a1, a2, a3, a4, a5, a6, a7 = a0 + 0.1, a0 + 0.2, a0 + 0.3, a0 + 0.4, a0 + 0.5, a0 + 0.6, a0 + 0.7
         for _ in range(iters):
-            a0, a1, a2, a3 = op(a0), op(a1), op(a2), op(a3)
-            a4, a5, a6, a7 = op(a4), op(a5), op(a6), op(a7)
+            a0, a1, a2, a3 = f(a0), g(a1), f(a2), g(a3)
+            a4, a5, a6, a7 = f(a4), g(a5), f(a6), g(a7)
         if t < out.shape[0]:
             out[t] = a0 + a1 + a2 + a3 + a4 + a5 + a6 + a7
     return chains
@@ -79,7 +85,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--iters", type=int, default=4096, help="steps of each chain (default 4096)")
     p.add_argument("--blocks", type=int, default=None, help="blocks of 256 threads (default 8 per multiprocessor)")
-    p.add_argument("--ops", default="tanh,ex2", help="comma-separated, of " + ", ".join(OPS))
+    p.add_argument("--ops", default="tanh,ex2,tanh+ex2", help="comma-separated, of " + ", ".join(OPS))
     args = p.parse_args(argv)
     names = [n.strip() for n in args.ops.split(",") if n.strip()]
     unknown = [n for n in names if n not in OPS]
