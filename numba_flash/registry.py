@@ -333,7 +333,8 @@ VARIANTS = {v.name: v for v in (
             # (the flags passed, so that the factory's cache keys on them)
             lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores, bn=s.tiling.BN, bm=s.tiling.BM,
                                                        fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP,
-                                                       store_under_next=forward_wgmma.STORE_UNDER_NEXT),
+                                                       store_under_next=forward_wgmma.STORE_UNDER_NEXT,
+                                                       stream_stores=forward_wgmma.STREAM_STORES),
             lambda d, t: forward_wgmma.smem_bytes(d, bn=t.BN, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
             lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True,
             rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows)),

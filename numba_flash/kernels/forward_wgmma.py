@@ -131,6 +131,16 @@ NARROW_CAUSAL_ROWS = 4096
 STORE_UNDER_NEXT = False
 
 
+# An item's O written with streaming stores (``st.global.cs``: L2 evicts their lines first),
+# so that the outputs, written once, do not push out of L2 the K and V tiles that other
+# blocks' items still read (at (16, 16, 1024, 128) the output is 64 MiB against a 50 MiB
+# L2). Item 86 moved the stores off the warps (shared memory and bulk copies) and was
+# slower, while leaving the stores out ran short items up to 9.4% faster (item 102): the
+# stores' cost may lie in the memory system rather than in the warps. Off until measured;
+# `tools/ab.py --tree . --tree ".;kernels.forward_wgmma.STREAM_STORES=True"`.
+STREAM_STORES = False
+
+
 # A softcap bounds every score: with the cap c, ``cap_out · tanh(·) <= cap_out`` (c log2 e,
 # the scores' log2 units), so each row's maximum may be taken as ``cap_out`` from the start
 # (the exponentials' arguments in [-2 cap_out, 0]): no maxima taken (a FMNMX a score and
@@ -252,7 +262,8 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, fixed_max: bool = None, store_under_next: bool = None):
+                       overlap: bool = None, fixed_max: bool = None, store_under_next: bool = None,
+                       stream_stores: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -267,7 +278,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :func:`overlaps`); ``fixed_max``: under a softcap alone, each row's maximum taken as the
     cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`);
     ``store_under_next``: without ``overlap``, an item's O stored once the next item's first
-    Q Kᵀ is issued (default :data:`STORE_UNDER_NEXT`)."""
+    Q Kᵀ is issued (default :data:`STORE_UNDER_NEXT`); ``stream_stores``: O written with
+    streaming stores (default :data:`STREAM_STORES`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -323,7 +335,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    store_rows = make_store_rows(dtype_name, D)
+    store_rows = make_store_rows(dtype_name, D, STREAM_STORES if stream_stores is None else stream_stores)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None
