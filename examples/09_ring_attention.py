@@ -3,6 +3,9 @@
     torchrun --nproc_per_node=2 examples/09_ring_attention.py     # one process per GPU (NCCL)
     python examples/09_ring_attention.py                           # spawns 2 CPU processes (gloo)
 
+NCCL needs a GPU of its own for each rank: with fewer GPUs than a host's ranks they talk
+through gloo with CPU tensors (numba_flash still runs its kernels on the GPU there).
+
 Each rank holds a zigzag shard of q, k, v (chunks r and 2P-1-r of 2P, so that a causal
 mask gives every rank the same work); numba_flash.distributed.ring_attention passes the K/V
 shards around the ring, merges the partial results exactly through their log-sum-exp and
@@ -18,9 +21,11 @@ import torch.distributed as dist
 def main(rank, world):
     import numba_flash
     from numba_flash.distributed import ring_attention, zigzag_shard, zigzag_unshard
-    cuda = torch.cuda.is_available() and not numba_flash.SIMULATOR
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))         # (torchrun sets these; spawned: one host)
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    cuda = torch.cuda.is_available() and not numba_flash.SIMULATOR and torch.cuda.device_count() >= local_world
     dist.init_process_group("nccl" if cuda else "gloo", rank=rank, world_size=world)
-    device = torch.device("cuda", rank % torch.cuda.device_count()) if cuda else torch.device("cpu")
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
     B, H, N, D = (1, 8, 8192, 128) if cuda else (1, 2, 8 * world, 16)

@@ -10,8 +10,7 @@ implementations with the same semantics:
 ``SIMULATOR`` (from ``_runtime``) picks one at import time, so kernels call
 ``ops.ld_shared_x4(...)`` and run unchanged in both modes.
 
-Operations: 128-bit accesses (``ld_shared_x4``, ``ld_global_x4``, ``st_shared_x4``); a
-streaming 64-bit store (``st_global_cs``);
+Operations: 128-bit accesses (``ld_shared_x4``, ``ld_global_x4``, ``st_shared_x4``);
 asynchronous copies (``cp_async16`` from 4-D and ``cp_async16_2d`` from 2-D arrays,
 ``cp_async16_rows``, ``cp_async_commit``, ``cp_async_wait``); special functions
 (``exp2_approx``, ``tanh_approx``, ``rcp_approx``; ``exp2_fma``: 2^x without the
@@ -193,27 +192,6 @@ if not SIMULATOR:
         rty = types.UniTuple(types.float32, 4)
 
         return rty(ary, row, col), _ld_f32x4_codegen(1)
-
-    @intrinsic
-    def st_global_cs(typingctx, ary, i0, i1, i2, i3, value):
-        """``a[i0, i1, i2, i3] = value`` into a 4-D uint64 global array as one
-        ``st.global.cs.u64``: a streaming store, whose lines L2 evicts first (the PTX ISA's
-        "cache streaming, likely to be accessed once"), so that outputs written once do not
-        push out inputs other blocks still read.
-        """
-        if not (isinstance(ary, types.Array) and ary.ndim == 4 and ary.dtype == types.uint64
-                and all(isinstance(i, types.Integer) for i in (i0, i1, i2, i3)) and value == types.uint64):
-            return None
-
-        def codegen(ctx, builder, sig, args):
-            p = _elem_ptr(ctx, builder, sig.args[0], args[0], sig.args[1:5], args[1:5])
-            addr = builder.ptrtoint(p, ir.IntType(64))
-            fty = ir.FunctionType(ir.VoidType(), [ir.IntType(64), ir.IntType(64)])
-            asm = ir.InlineAsm(fty, "{ .reg .u64 g; cvta.to.global.u64 g, $0; st.global.cs.u64 [g], $1; }",
-                               "l,l,~{memory}", side_effect=True)
-            builder.call(asm, [addr, args[5]])
-            return ctx.get_dummy_value()
-        return types.void(ary, i0, i1, i2, i3, value), codegen
 
     @intrinsic
     def st_shared_x4(typingctx, ary, idx, x0, x1, x2, x3):
@@ -509,9 +487,6 @@ else:
 
     def st_shared_x4(a, i, x0, x1, x2, x3):
         a[i], a[i + 1], a[i + 2], a[i + 3] = x0, x1, x2, x3
-
-    def st_global_cs(a, i0, i1, i2, i3, value):
-        a[i0, i1, i2, i3] = value
 
     def cp_async16_2d(dst, dst_idx, src, row, col, src_bytes):
         n = 16 // dst.itemsize

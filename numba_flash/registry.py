@@ -332,9 +332,7 @@ VARIANTS = {v.name: v for v in (
             lambda dt, d, sim: forward_wgmma.tiling(d, FULL),
             # (the flags passed, so that the factory's cache keys on them)
             lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores, bn=s.tiling.BN, bm=s.tiling.BM,
-                                                       fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP,
-                                                       store_under_next=forward_wgmma.STORE_UNDER_NEXT,
-                                                       stream_stores=forward_wgmma.STREAM_STORES),
+                                                       fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP),
             lambda d, t: forward_wgmma.smem_bytes(d, bn=t.BN, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
             lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True,
             rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows)),

@@ -173,17 +173,6 @@ def forward_drafts(ptx, cc, tool):
     return found
 
 
-def streaming_store_ptx(ptx, cc):
-    """The PTX of a kernel that writes one word with ``ops.st_global_cs`` (the output
-    stores of ``forward_wgmma.STREAM_STORES``)."""
-    from numba import types as T
-    from numba_flash import ops
-
-    def kern(out, x):
-        ops.st_global_cs(out, 0, 1, 2, 3, x)
-    return ptx.compile_ptx(kern, (T.uint64[:, :, :, ::1], T.uint64), [cc])[cc]
-
-
 def main():
     os.environ["NUMBA_ENABLE_CUDASIM"] = "0"
     from numba_flash import ptx
@@ -202,7 +191,6 @@ def main():
         report.update({k: info[k] for k in ("registers", "spill_stores") if k in info})
     report["layout_wgmma"] = layout.count("wgmma.mma_async")
     report["layout_local"] = layout.count(".local")
-    report["streaming_stores"] = streaming_store_ptx(ptx, cc).count("st.global.cs.u64")
     print(json.dumps(report))
 
 
@@ -217,7 +205,6 @@ def test_hopper_intrinsics_compile_for_sm_90a():
     assert report["mbarrier.try_wait"] >= 1 and report["setmaxnreg"] == 2 and report["bar.sync"] >= 1
     assert report[".local"] == 0, "the accumulator tuple must stay in registers"
     assert report["layout_wgmma"] >= 3 and report["layout_local"] == 0, report
-    assert report["streaming_stores"] == 1, report
     # S = Q Kᵀ: d / 16 products, O += P V: 8 per 64 columns of d (128-key tiles), each written
     # twice (tile 0's S before the loop, the last P V after it): unrolled, in registers
     from test_ptx import KNOWN_SPILLS
@@ -274,14 +261,13 @@ FORWARD_PARAMS = ("tq", "tk", "tv", "out", "lse", "nk", "group", "scale_log2", "
                   "cap_out", "slopes", "sched")
 
 
-def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, window=None, **options):
+def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, window=None):
     """The Hopper forward (``kernels/forward_wgmma``, launched with its own ``BM``, ``BN``,
     ``THREADS`` and ``smem_bytes``) on bf16 inputs of ``heads = (B1, B2)`` against the float64 oracle (the
     FlashAttention rule of the tensor-core tests: outputs within a few units of the last place).
     ``grid``: blocks launched (default: one per work item; fewer make each block take several);
     ``bn``: keys per tile (default the family's; with wider tiles 128 query rows, as
-    192 rows of each would not fit in shared memory); ``window``: the public option;
-    ``options``: the factory's (e.g. ``store_under_next``, ``stream_stores``)."""
+    192 rows of each would not fit in shared memory); ``window``: the public option."""
     import inspect
     import math
     import ml_dtypes
@@ -297,7 +283,7 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     rules = parse(causal=causal, window=window)
     bn = bn or F.BN
     bm = F.tiling(d, rules.spec).BM if bn == F.BN else F.BM
-    kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn, bm=bm, **options)
+    kern = F.make_forward_wgmma("bfloat16", d, rules.spec, bn=bn, bm=bm)
     params = tuple(inspect.signature(kern.py_func).parameters)
     if params != FORWARD_PARAMS:
         pytest.skip(f"the forward kernel's parameters changed to {params}: update check_forward")
@@ -344,18 +330,13 @@ def test_forward_draft_on_gpu(d, causal, nq, nk):
     (64, True, 200, 450, (1, 2), 2, 192, None),     # 192-key tiles: the diagonal inside a tile, a ragged last one
     (64, True, 420, 400, (1, 1), 2, None, (200, None)),  # a window: 1 to 4 key tiles per item
 ])
-@pytest.mark.parametrize("options", [{}, {"store_under_next": True, "stream_stores": True}])
-def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn, window, options):
+def test_forward_persistent_blocks(d, causal, nq, nk, heads, grid, bn, window):
     """Blocks that take several work items each (``grid`` below the item count): Q's and
     the ring's barriers across items, items that see no key, the causal schedule's rounds,
-    a window's band across items; each item's O stored at its end or under the next item's
-    first product (``store_under_next``: the last item's after the loop, items without keys
-    at once; where items overlap, d = 64 causal rows in 128-row blocks, it does not apply),
-    by plain or streaming stores (``stream_stores``);
-    in the simulator through the twins, and on a Hopper GPU."""
+    a window's band across items; in the simulator through the twins, and on a Hopper GPU."""
     if not _simulator() and not _hopper_gpu():
         pytest.skip("the Hopper instructions run on compute capability 9.0 only")
-    check_forward(d, causal, nq, nk, heads, grid, bn, window=window, **options)
+    check_forward(d, causal, nq, nk, heads, grid, bn, window=window)
 
 
 @pytest.mark.parametrize("causal, window, sched", [(True, None, -1), (False, (150, 0), 0)])

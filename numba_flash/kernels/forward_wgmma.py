@@ -120,27 +120,6 @@ class WgmmaTiling:
 # item 63)
 NARROW_CAUSAL_ROWS = 4096
 
-# Where items do not overlap (``overlaps``: full rows, windows, causal rows at d = 128 and
-# at d = 64 in 192-row blocks), an item's O stored once the next item's first Q Kᵀ is
-# issued, rather than before the next item starts: the stores (a 64-bit store a lane for
-# each 32 bytes of a row, 16 a thread at d = 128) then share the warpgroup's wait for that
-# product. With the stores left out (wrong results, timing only) an H100 ran those kernels
-# 4.7% (full rows, N = 1024), 9.4% (causal, 1024) and 2.4% (a window of 1024 keys) faster
-# (docs/performance.md item 102), the most this can gain. Off until measured; to measure,
-# `tools/ab.py --tree . --tree ".;kernels.forward_wgmma.STORE_UNDER_NEXT=True"`.
-STORE_UNDER_NEXT = False
-
-
-# An item's O written with streaming stores (``st.global.cs``: L2 evicts their lines first),
-# so that the outputs, written once, do not push out of L2 the K and V tiles that other
-# blocks' items still read (at (16, 16, 1024, 128) the output is 64 MiB against a 50 MiB
-# L2). Item 86 moved the stores off the warps (shared memory and bulk copies) and was
-# slower, while leaving the stores out ran short items up to 9.4% faster (item 102): the
-# stores' cost may lie in the memory system rather than in the warps. Off until measured;
-# `tools/ab.py --tree . --tree ".;kernels.forward_wgmma.STREAM_STORES=True"`.
-STREAM_STORES = False
-
-
 # A softcap bounds every score: with the cap c, ``cap_out · tanh(·) <= cap_out`` (c log2 e,
 # the scores' log2 units), so each row's maximum may be taken as ``cap_out`` from the start
 # (the exponentials' arguments in [-2 cap_out, 0]): no maxima taken (a FMNMX a score and
@@ -262,8 +241,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, fixed_max: bool = None, store_under_next: bool = None,
-                       stream_stores: bool = None):
+                       overlap: bool = None, fixed_max: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -276,16 +254,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
     :func:`overlaps`); ``fixed_max``: under a softcap alone, each row's maximum taken as the
-    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`);
-    ``store_under_next``: without ``overlap``, an item's O stored once the next item's first
-    Q Kᵀ is issued (default :data:`STORE_UNDER_NEXT`); ``stream_stores``: O written with
-    streaming stores (default :data:`STREAM_STORES`)."""
+    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
     OVERLAP = overlaps(scores, BM, D) if overlap is None else overlap
-    DEFER = (STORE_UNDER_NEXT if store_under_next is None else store_under_next) and not OVERLAP
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
     QBUF, STAGES = buffers(D, bn) if qbuf is None else (qbuf, stages)
@@ -335,7 +309,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    store_rows = make_store_rows(dtype_name, D, STREAM_STORES if stream_stores is None else stream_stores)
+    store_rows = make_store_rows(dtype_name, D)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None
@@ -709,29 +683,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         """An item's key tile 0 alone: S = Q Kᵀ waited for, its softmax, P packed in ``p``.
         Returns the rows' maxima and sums, zero O accumulators and the rings' places
         (``ring``: the K ring's stage and phase, the V ring's)."""
-        acc = first_issue(q_at, ring, base, wg)
-        return first_done(acc, s, p, ring, base, ct, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2)
-
-    @cuda.jit(device=True, inline=True)
-    def first_issue(q_at, ring, base, wg):
-        """The first half of :func:`first_tile`: S = Q K_0ᵀ issued in the warpgroup's turn
-        (its accumulator returned in flight)."""
-        ak, bk, _, _ = ring
-        _, _, full_k, _, _, _ = barriers(base)
+        ak, bk, av, bv = ring
+        _, _, full_k, empty_k, _, _ = barriers(base)
         wait_phase(full_k + 8 * ak, bk)
         my_turn(wg)
         H.wgmma_fence()
         acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
         H.wgmma_commit()
         their_turn(wg)
-        return acc
-
-    @cuda.jit(device=True, inline=True)
-    def first_done(acc, s, p, ring, base, ct, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2):
-        """The second half of :func:`first_tile`: S waited for, K_0's stage released, the
-        softmax, P packed."""
-        ak, bk, av, bv = ring
-        _, _, _, empty_k, _, _ = barriers(base)
         wait0()
         release(ct, empty_k + 8 * ak)
         ak, bk = advance(ak, bk)
@@ -951,9 +910,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                      m0, m1, l0, l1, tq4)
                 store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
         else:
-            # (DEFER: the O owed, of no row until an item has keys)
-            ob1, ob2, o_row, o_end = numba.int64(0), numba.int64(0), numba.int64(0), numba.int64(0)
-            oo0, oo1, oinv0, oinv1 = zeros_o(), zeros_o(), ZERO, ZERO
             for i in range(cuda.blockIdx.x, n_items, G):
                 b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                 r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes,
@@ -965,22 +921,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 else:
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                     n_q += 1
-                    acc = first_issue(q_at, ring, base, wg)
-                    if DEFER:                           # the item before's O, while S_0 runs
-                        store_rows(out, ob1, ob2, o_row, o_end, oo0, oo1, oinv0, oinv1, tq4)
-                    m0, m1, l0, l1, o0, o1, ring = first_done(acc, s, p, ring, base, ct, q0, kt0, geo, row0, tq4, r0,
-                                                              sc, slopes, b1, b2)
+                    m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4,
+                                                              r0, sc, slopes, b1, b2)
                     m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
                                                                l0, l1)
                     o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq,
                                                          m0, m1, l0, l1, tq4)
-                    if DEFER:                           # owed until the next item's S_0 is issued
-                        ob1, ob2, o_row, o_end, oo0, oo1, oinv0, oinv1 = b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1
-                if tiles == 0 or not DEFER:
-                    store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
-            if DEFER:
-                store_rows(out, ob1, ob2, o_row, o_end, oo0, oo1, oinv0, oinv1, tq4)
+                store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
 

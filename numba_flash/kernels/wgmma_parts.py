@@ -104,7 +104,7 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_rows(dtype_name: str, D: int, streaming: bool = False):
+def make_store_rows(dtype_name: str, D: int):
     """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
     a 64 × ``D`` accumulator (two 64-column halves ``o0, o1``; ``o1`` unused at ``D = 64``)
     into rows ``row0`` (times ``inv0``) and ``row0 + 8`` (times ``inv1``) of ``out[b1,
@@ -118,9 +118,7 @@ def make_store_rows(dtype_name: str, D: int, streaming: bool = False):
     pair per two blocks ``2u, 2u + 1`` instead: the even lane keeps block ``2u``'s four
     columns, the odd lane block ``2u + 1``'s, and a quad writes 32 contiguous bytes of its
     row with one 8-byte store per lane. Short loops with constant bounds, so that every
-    accumulator index is a constant (a rolled loop picked registers by branching: item 34).
-    ``streaming``: each store an ``st.global.cs`` (``ops.st_global_cs``: lines L2 evicts
-    first), else a plain one."""
+    accumulator index is a constant (a rolled loop picked registers by branching: item 34)."""
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
 
     @cuda.jit(device=True, inline=True)
@@ -133,11 +131,7 @@ def make_store_rows(dtype_name: str, D: int, streaming: bool = False):
             lo = got if odd else a
             hi = b if odd else got
             if ok:
-                word = numba.uint64(lo) | (numba.uint64(hi) << numba.uint64(32))
-                if streaming:
-                    ops.st_global_cs(out, b1, b2, row, c0 + 4 * u + 2 * odd + half, word)
-                else:
-                    out[b1, b2, row, c0 + 4 * u + 2 * odd + half] = word
+                out[b1, b2, row, c0 + 4 * u + 2 * odd + half] = numba.uint64(lo) | (numba.uint64(hi) << numba.uint64(32))
 
     @cuda.jit(device=True, inline=True)
     def store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
