@@ -222,6 +222,41 @@ def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, de
     _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
 
 
+@pytest.mark.parametrize("hopper", [False, True], ids=["default", "hopper"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_varlen_non_finite_values_stay_in_their_sequence(hopper, causal, monkeypatch):
+    """inf and NaN in one sequence's q, k and v leave the other sequences' outputs as the
+    oracle has them. Sequence lengths that end inside key tiles: the Hopper family's TMA
+    boxes read the next sequence's rows there (its V rows past the end are cleared before
+    the last P V: 0 · inf would be NaN), the default family's loads stop at the end."""
+    from numba_flash import families
+    if hopper:
+        if ON_GPU and tuple(cuda.get_current_device().compute_capability) != (9, 0):
+            pytest.skip("the Hopper family runs on compute capability 9.0 only")
+        monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    calls = []
+    real = families._hopper_launches
+    monkeypatch.setattr(families, "_hopper_launches", lambda *a: calls.append(1) or real(*a))
+    rng = np.random.default_rng(70 + 2 * hopper + causal)
+    dt = np_dtype("bfloat16")
+    lens = [70, 60, 90] if not ON_GPU else [700, 300, 900]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((int(cu[-1]), 2, 64)).astype(dt) for _ in range(3))
+    bad = slice(cu[1], cu[2])                   # sequence 1: its first rows follow sequence 0's end
+    v[cu[1] + 3, 1, 5] = np.inf
+    v[cu[1] + 9, 0] = np.nan
+    k[cu[1] + 5, 0, 7] = np.inf
+    q[cu[1] + 1, 1] = np.nan
+    out, lse = (host(x) for x in numba_flash.attention_varlen_fwd(q, k, v, cu, cu, causal=causal))
+    assert bool(calls) == hopper, calls
+    assert not np.isfinite(out[bad]).all()      # (the non-finite values were read)
+    for b in (0, 2):
+        rows = slice(cu[b], cu[b + 1])
+        assert np.isfinite(out[rows]).all() and np.isfinite(lse[rows]).all(), b
+        _check("bfloat16", _heads_first(out[rows]), np.ascontiguousarray(lse[rows].T), _heads_first(q[rows]),
+               _heads_first(k[rows]), _heads_first(v[rows]), {"causal": causal})
+
+
 def test_kvcache_unused_rows_stay_out_with_the_hopper_family(monkeypatch):
     """A KV cache's rows past each sequence's length may hold anything, NaN included: with
     the Hopper family forced, KV-cache calls of more than 16 queries still leave them unread

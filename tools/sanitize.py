@@ -65,8 +65,10 @@ def _heads_first(x):
 def serving(rng, hopper=False, low=False):
     """The packed-row kernels at ragged shapes, each result against the oracle; ``hopper``:
     the varlen batch alone on the Hopper forward (d = 64, sequences across its 128-row
-    tiles, three persistent blocks), float16 and bfloat16; ``low``: float16 and bfloat16
-    only."""
+    tiles, three persistent blocks; causal, whose kernel issues an item's last P V with
+    the next item's first product, and full rows, whose kernel does not: both clear the V
+    rows of the next sequence in a tile that crosses a sequence's end), float16 and
+    bfloat16; ``low``: float16 and bfloat16 only."""
     from numba_flash import registry
     bad = 0
     lens_q, lens_k = ([5, 0, 140, 1], [9, 3, 200, 0]) if hopper else ([5, 0, 37, 1], [9, 3, 70, 0])
@@ -75,25 +77,28 @@ def serving(rng, hopper=False, low=False):
     for dt, tol in DTYPES[2:] if hopper or low else DTYPES:
         npdt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
         d = 64 if hopper else 40
-        q = rng.standard_normal((cu_q[-1], 4, d))
-        k, v = (rng.standard_normal((cu_k[-1], 2, d)) for _ in range(2))
-        out, lse = numba_flash.attention_varlen_fwd(*(x.astype(npdt) for x in (q, k, v)), cu_q, cu_k, causal=True)
-        dout = rng.standard_normal(out.shape)
-        grads = numba_flash.attention_varlen_bwd(*(x.astype(npdt) for x in (dout, q, k, v)), out, lse, cu_q, cu_k,
-                                                 causal=True)
-        err = 0.0
-        for b in range(len(lens_q)):
-            rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-            qs, ks, vs, ds = (_heads_first(x) for x in (q[rq], k[rk], v[rk], dout[rq]))
-            ks, vs = (np.repeat(x, 2, axis=0) for x in (ks, vs))
-            ro = reference.attention(qs, ks, vs, causal=True)
-            err = max(err, float(np.abs(_heads_first(out[rq]) - ro).max(initial=0)))
-            rg = reference.attention_bwd(ds, qs, ks, vs, causal=True)
-            got = [_heads_first(grads[0][rq]), _heads_first(grads[1][rk]), _heads_first(grads[2][rk])]
-            rg = [rg[0]] + [r.reshape(2, 2, *r.shape[1:]).sum(1) for r in rg[1:]]   # K/V heads: their group's sum
-            err = max(err, max(float(np.abs(g - r).max(initial=0)) / max(1, np.abs(r).max(initial=0))
-                               for g, r in zip(got, rg)))
-        bad += _report("varlen forward and backward (4 sequences, GQA, causal)", dt, err, tol)
+        for causal in (True, False) if hopper else (True,):
+            q = rng.standard_normal((cu_q[-1], 4, d))
+            k, v = (rng.standard_normal((cu_k[-1], 2, d)) for _ in range(2))
+            out, lse = numba_flash.attention_varlen_fwd(*(x.astype(npdt) for x in (q, k, v)), cu_q, cu_k,
+                                                        causal=causal)
+            dout = rng.standard_normal(out.shape)
+            grads = numba_flash.attention_varlen_bwd(*(x.astype(npdt) for x in (dout, q, k, v)), out, lse, cu_q,
+                                                     cu_k, causal=causal)
+            err = 0.0
+            for b in range(len(lens_q)):
+                rq, rk = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+                qs, ks, vs, ds = (_heads_first(x) for x in (q[rq], k[rk], v[rk], dout[rq]))
+                ks, vs = (np.repeat(x, 2, axis=0) for x in (ks, vs))
+                ro = reference.attention(qs, ks, vs, causal=causal)
+                err = max(err, float(np.abs(_heads_first(out[rq]) - ro).max(initial=0)))
+                rg = reference.attention_bwd(ds, qs, ks, vs, causal=causal)
+                got = [_heads_first(grads[0][rq]), _heads_first(grads[1][rk]), _heads_first(grads[2][rk])]
+                rg = [rg[0]] + [r.reshape(2, 2, *r.shape[1:]).sum(1) for r in rg[1:]]   # K/V heads: the group's sum
+                err = max(err, max(float(np.abs(g - r).max(initial=0)) / max(1, np.abs(r).max(initial=0))
+                                   for g, r in zip(got, rg)))
+            bad += _report(f"varlen forward and backward (4 sequences, GQA, {'causal' if causal else 'full'})", dt,
+                           err, tol)
         if hopper:
             continue
         for page in (0, 7, 16):       # contiguous; pages read row step by row step; in 16-row pieces

@@ -261,7 +261,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NWG = BM // ROWS                      # consumer warpgroups
     OVERLAP = overlaps(scores, BM, D) if overlap is None else overlap
     THREADS = threads_for(BM)
-    TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns
+    TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns,
+    CLEAR = TURN0 + NWG                   # then the consumers' meeting over a cleared V tile (packed)
     QBUF, STAGES = buffers(D, bn) if qbuf is None else (qbuf, stages)
     PINGPONG = pingpong
     mods = scores.mods
@@ -327,6 +328,36 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         H.named_barrier(1 + (ct >> 7), 128)
         if (ct & 127) == 0:
             H.mbarrier_arrive(empty)
+
+    @cuda.jit(device=True, inline=True)
+    def tail_rows(q0, kt0, tiles, geo, slopes, b1, b2):
+        """The rows of an item's last key tile that lie in its sequence (``BN`` where the
+        tile is whole)."""
+        return min(geo[0] - key_at(q0, kt0, tiles - 1, geo, slopes, b1, b2), BN)
+
+    @cuda.jit(device=True, inline=True)
+    def clear_tail(smf, sm_at, ring, base, ct, valid):
+        """Packed sequences: before an item's last P V, the rows of its last V tile past its
+        sequence's end (``valid`` rows lie in it) set to zero. The TMA clips a box at the
+        packed array's end only, so those rows are the next sequence's values: P is 0
+        there, but 0 · inf and 0 · NaN are NaN, and one sequence's non-finite values would
+        reach its neighbours' outputs. The consumer warpgroups clear a share each (whole
+        128-byte rows of each 64-column sub-tile, which the swizzle leaves in place), make
+        the stores visible to the tensor cores' reads (``fence.proxy.async``) and meet on a
+        named barrier; the last V tile is always an item's last (its key tiles go upwards),
+        and a sequence's other tiles are whole."""
+        if PACKED and valid < BN:
+            _, _, _, _, full_v, _ = barriers(base)
+            _, _, av, bv = ring
+            wait_phase(full_v + 8 * av, bv)             # (the TMA's bytes landed before the zeros)
+            first = (base - sm_at + V_OFF + av * NSUB * SUB_K + valid * SUB) >> 2    # float32 words
+            words = (BN - valid) * (SUB >> 2)
+            for sub in range(NSUB):
+                at = first + sub * (SUB_K >> 2)
+                for c in range(4 * ct, words, 4 * 128 * NWG):
+                    ops.st_shared_x4(smf, at + c, ZERO, ZERO, ZERO, ZERO)
+            H.fence_async_shared()
+            H.named_barrier(CLEAR, 128 * NWG)
 
     @cuda.jit(device=True, inline=True)
     def my_turn(wg):
@@ -806,8 +837,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         geo0 = geo
 
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
+        smf = cuda.shared.array(0, numba.float32, alignment=1024)     # the same memory, as float32
         tid = cuda.threadIdx.x
-        base = (H.shared_address(sm) + 1023) & ~1023
+        sm_at = H.shared_address(sm)
+        base = (sm_at + 1023) & ~1023
         q_full, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
         if tid == 0:
             for buf in range(QBUF):
@@ -889,6 +922,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0,
                                                                m1, l0, l1)
                     fb1, fb2, fqs, frow0, fnq = b1, b2, qs, row0, nq     # the item the last P V is of
+                    fvalid = tail_rows(q0, kt0, tiles, geo, slopes, b1, b2)
                     i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(i + G, G, n_qt, B, B2, sched, geo0,
                                                                       slopes, seqs, out, lse, wg, w, g, tq4)
                     if i >= n_items:
@@ -897,6 +931,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                               cap_in, cap_out, slopes, b1, b2)
                     # the next item's S_0 with this one's last P V; while they run, this item's
                     # rows' sums and lse; its O stored once its last P V is done
+                    clear_tail(smf, sm_at, ring, base, ct, fvalid)
                     acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg)
                     inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
                     n0, n1, k0l, k1l, _, _, ring = tile_done(acc, s, ring, base, ct, 0, q0, kt0, geo, row0, tq4, r0,
@@ -906,6 +941,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     o1 = zeros_o()
                     m0, m1, l0, l1 = n0, n1, k0l, k1l
                     pack_p(s, p)
+                clear_tail(smf, sm_at, ring, base, ct, fvalid)
                 o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, fb1, fb2, fqs, frow0, fnq,
                                                      m0, m1, l0, l1, tq4)
                 store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
@@ -926,6 +962,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
                                                                l0, l1)
+                    clear_tail(smf, sm_at, ring, base, ct, tail_rows(q0, kt0, tiles, geo, slopes, b1, b2))
                     o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq,
                                                          m0, m1, l0, l1, tq4)
                 store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
