@@ -225,10 +225,12 @@ def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, de
 @pytest.mark.parametrize("hopper", [False, True], ids=["default", "hopper"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_non_finite_values_stay_in_their_sequence(hopper, causal, monkeypatch):
-    """inf and NaN in one sequence's q, k and v leave the other sequences' outputs as the
-    oracle has them. Sequence lengths that end inside key tiles: the Hopper family's TMA
-    boxes read the next sequence's rows there (its V rows past the end are cleared before
-    the last P V: 0 · inf would be NaN), the default family's loads stop at the end."""
+    """inf and NaN in one sequence's q, k and v leave the other sequences' outputs and
+    gradients as the oracle has them. Sequence lengths that end inside key tiles: the
+    Hopper family's TMA boxes read the next sequence's rows there (its V rows past the end
+    are cleared before the last P V: 0 · inf would be NaN), the default family's loads
+    stop at the end (and the backward's, which packed sequences take on every GPU)."""
+    from test_backward_mma import check_backward_low
     from numba_flash import families
     if hopper:
         if ON_GPU and tuple(cuda.get_current_device().compute_capability) != (9, 0):
@@ -239,22 +241,28 @@ def test_varlen_non_finite_values_stay_in_their_sequence(hopper, causal, monkeyp
     monkeypatch.setattr(families, "_hopper_launches", lambda *a: calls.append(1) or real(*a))
     rng = np.random.default_rng(70 + 2 * hopper + causal)
     dt = np_dtype("bfloat16")
-    lens = [70, 60, 90] if not ON_GPU else [700, 300, 900]
+    # (the simulator's default tiles are a few rows: short sequences cross them)
+    lens = [700, 300, 900] if ON_GPU else [70, 60, 90] if hopper else [11, 9, 13]
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-    q, k, v = (rng.standard_normal((int(cu[-1]), 2, 64)).astype(dt) for _ in range(3))
+    q, k, v = (rng.standard_normal((int(cu[-1]), 2, 64 if hopper or ON_GPU else 16)).astype(dt) for _ in range(3))
     bad = slice(cu[1], cu[2])                   # sequence 1: its first rows follow sequence 0's end
     v[cu[1] + 3, 1, 5] = np.inf
-    v[cu[1] + 9, 0] = np.nan
+    v[cu[1] + 8, 0] = np.nan
     k[cu[1] + 5, 0, 7] = np.inf
     q[cu[1] + 1, 1] = np.nan
     out, lse = (host(x) for x in numba_flash.attention_varlen_fwd(q, k, v, cu, cu, causal=causal))
     assert bool(calls) == hopper, calls
     assert not np.isfinite(out[bad]).all()      # (the non-finite values were read)
+    dout = rng.standard_normal(q.shape).astype(dt)
+    grads = [host(g) for g in numba_flash.attention_varlen_bwd(dout, q, k, v, out, lse, cu, cu, causal=causal)]
     for b in (0, 2):
         rows = slice(cu[b], cu[b + 1])
         assert np.isfinite(out[rows]).all() and np.isfinite(lse[rows]).all(), b
-        _check("bfloat16", _heads_first(out[rows]), np.ascontiguousarray(lse[rows].T), _heads_first(q[rows]),
-               _heads_first(k[rows]), _heads_first(v[rows]), {"causal": causal})
+        assert all(np.isfinite(g[rows].astype(np.float32)).all() for g in grads), b
+        seq = [_heads_first(x[rows]) for x in (q, k, v)]
+        _check("bfloat16", _heads_first(out[rows]), np.ascontiguousarray(lse[rows].T), *seq, {"causal": causal})
+        check_backward_low([_heads_first(g[rows]) for g in grads], _heads_first(dout[rows]), *seq,
+                           {"causal": causal}, None)
 
 
 def test_kvcache_unused_rows_stay_out_with_the_hopper_family(monkeypatch):
