@@ -344,8 +344,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         reach its neighbours' outputs. The consumer warpgroups clear a share each (whole
         128-byte rows of each 64-column sub-tile, which the swizzle leaves in place), make
         the stores visible to the tensor cores' reads (``fence.proxy.async``) and meet on a
-        named barrier; the last V tile is always an item's last (its key tiles go upwards),
-        and a sequence's other tiles are whole."""
+        named barrier. The tile where a sequence's keys end is the last of any item that
+        visits it (an item's key tiles go upwards), and its other tiles are whole."""
         if PACKED and valid < BN:
             _, _, _, _, full_v, _ = barriers(base)
             _, _, av, bv = ring
