@@ -48,6 +48,15 @@ def project_env(**overrides):
     return env
 
 
+def process_failure(proc, what="the process"):
+    """The assertion message for a subprocess that failed: its exit status and the last
+    line of its stderr (the exception, which a one-line test summary then shows), then the
+    tails of its stdout and stderr."""
+    err = proc.stderr or ""
+    last = next((line for line in reversed(err.splitlines()) if line.strip()), "")
+    return f"{what} exited {proc.returncode}: {last}\n{(proc.stdout or '')[-3000:]}\n{err[-3000:]}"
+
+
 def run_compile_probe(code):
     """The stdout of ``python -c code`` from the project's root, run as a user would
     without the simulator (``NUMBA_ENABLE_CUDASIM=0``: it compiles, with no GPU needed);
@@ -56,7 +65,7 @@ def run_compile_probe(code):
     import sys
     proc = subprocess.run([sys.executable, "-c", code], env=project_env(NUMBA_ENABLE_CUDASIM="0"), cwd=ROOT,
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     return proc.stdout
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from numba_flash import reference
-from conftest import HANG_GUARD_S, run_compile_probe
+from conftest import HANG_GUARD_S, process_failure, run_compile_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench.py"
@@ -305,7 +305,7 @@ def test_tiny_variants_run(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH), "variants", "--tiny", "--variant-dtypes", "bfloat16",
                            "--no-backward", "--repeats", "1", "--json", str(js)],
                           cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     rows = json.loads(js.read_text())["rows"]
     expected = [r for r in bench.TINY_VARIANT_ROWS if r.dtype == "bfloat16"]
     assert [r["row"]["label"] for r in rows] == [r.label for r in expected]
@@ -361,7 +361,7 @@ def test_tiny_serving_run(tmp_path):
     proc = subprocess.run([sys.executable, str(BENCH), "serving", "--tiny", "--serving-dtypes", "bfloat16",
                            "--repeats", "1", "--json", str(js)],
                           cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     rows = json.loads(js.read_text())["rows"]
     expected = [r for r in bench.TINY_SERVING_ROWS if r.dtype == "bfloat16"]
     assert [r["row"]["label"] for r in rows] == [r.label for r in expected]

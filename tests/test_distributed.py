@@ -12,7 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 import torch.distributed as dist  # noqa: E402
 
-from conftest import ROOT, project_env  # noqa: E402
+from conftest import ROOT, process_failure, project_env  # noqa: E402
 
 TOL = {"float32": 2e-5, "bfloat16": 6e-2}   # out/lse/gradients of N(0, 1) data, d = 8: a few ulps each
 
@@ -49,7 +49,7 @@ def test_ring_matches_the_oracle_on_two_ranks(backend):
     env = project_env(NUMBA_ENABLE_CUDASIM="1") if backend == "gloo" else project_env(NCCL_NVLS_ENABLE="0")
     proc = subprocess.run([sys.executable, "tests/ring_worker.py", "2", str(_free_port()), backend], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     assert len(rows) == 2 * 2, proc.stdout
     for row in rows:

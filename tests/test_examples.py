@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import HANG_GUARD_S, project_env
+from conftest import HANG_GUARD_S, process_failure, project_env
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = sorted((ROOT / "examples").glob("[0-9][0-9]_*.py"))
@@ -22,5 +22,5 @@ def test_examples_exist():
 def test_example_runs(path):
     proc = subprocess.run([sys.executable, str(path)], cwd=ROOT, env=project_env(), capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, f"{path.name} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, process_failure(proc, path.name)
     assert proc.stdout.strip(), f"{path.name} printed nothing"

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 if __name__ != "__main__":
-    from conftest import HANG_GUARD_S, project_env
+    from conftest import HANG_GUARD_S, process_failure, project_env
     from numba import cuda       # after conftest imported numba_flash (which picks GPU or simulator)
 
 N = 64          # accumulator columns of the sample products
@@ -197,7 +197,7 @@ def main():
 def test_hopper_intrinsics_compile_for_sm_90a():
     proc = subprocess.run([sys.executable, __file__], env=project_env(NUMBA_ENABLE_CUDASIM="0"),
                           capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     report = json.loads(proc.stdout.strip().splitlines()[-1])
     assert report["target"] == ["sm_90a"]
     assert report["wgmma.mma_async"] == 3 and report["cp.async.bulk.tensor.3d"] == 1

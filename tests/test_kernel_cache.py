@@ -25,7 +25,7 @@ from numba_flash import _kernel_cache as kc
 from numba_flash import launch as _launch
 from numba_flash import registry
 
-from conftest import HANG_GUARD_S, ON_GPU, ROOT, project_env
+from conftest import HANG_GUARD_S, ON_GPU, ROOT, process_failure, project_env
 
 ENV = (("source", "abc"), ("python", "3.11"), ("numba", "0.68.1"), ("numba-cuda", "0.30.4"),
        ("llvmlite", "0.50.0"), ("cc", "9.0"), ("driver", 13000), ("nvvm", (2, 0)), ("nvjitlink", (13, 0)),
@@ -91,7 +91,7 @@ def test_kernel_keys_are_the_same_in_every_process():
     for seed in ("1", "2"):
         proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                               env=project_env(NUMBA_ENABLE_CUDASIM="0", PYTHONHASHSEED=seed), timeout=HANG_GUARD_S)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, process_failure(proc)
         found.append(json.loads(proc.stdout.splitlines()[-1]))
     assert found[0] == found[1] and found[0][0] == found[0][1] > 100, found
 
@@ -458,7 +458,7 @@ def _run(code, cache, **env):
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env=project_env(**{"NUMBA_FLASH_CACHE_DIR": str(cache), "NUMBA_FLASH_CACHE": None, **env}),
                           timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     return json.loads(proc.stdout.splitlines()[-1])
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba_flash import families, reference, registry, scores
 from numba_flash.testing import assert_attention_close
-from conftest import ON_GPU, ROOT, project_env
+from conftest import ON_GPU, ROOT, process_failure, project_env
 from test_backward import check_backward
 from test_backward_mma import check_backward_low
 
@@ -608,7 +608,7 @@ def test_kernels_with_mods_compile_to_tensor_core_ptx():
     int), and keep their tensor-core instructions."""
     proc = subprocess.run([sys.executable, "-c", _PTX], cwd=ROOT + "/tests", capture_output=True, text=True,
                           env=project_env(NUMBA_ENABLE_CUDASIM="0"), timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     assert proc.stdout.count("\n") == 4, proc.stdout
 
 

@@ -13,7 +13,7 @@ import pytest
 
 import numba_flash  # noqa: F401  (before numba: decides the simulator)
 from numba_flash import _runtime
-from conftest import HANG_GUARD_S, project_env, run_compile_probe
+from conftest import HANG_GUARD_S, process_failure, project_env, run_compile_probe
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def test_import_numba_first():
         "'where': [(w.filename, w.lineno) for w in caught if w.category is numba_flash.SimulatorWarning]}))\n")
     proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=project_env(**{_runtime.ENV: None}), capture_output=True, text=True,
                           timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     got = json.loads(proc.stdout.splitlines()[-1])
     assert got["ok"] and got["simulator"] == got["cuda_simulator"]
     if got["simulator"]:
@@ -102,7 +102,7 @@ def test_ml_dtypes_deferred_until_imported():
     for defer in ("1", "0"):
         proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
                               env=project_env(NUMBA_FLASH_DEFER_ML_DTYPES=defer), timeout=HANG_GUARD_S)
-        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.returncode == 0, process_failure(proc)
         got[defer] = json.loads(proc.stdout.splitlines()[-1])
     if not _runtime.pinned_numba_cuda("NUMBA_FLASH_DEFER_ML_DTYPES"):
         pytest.skip("another numba-cuda than the pinned one: nothing is deferred")
@@ -295,7 +295,7 @@ def test_python_m_numba_flash_reports_what_a_bug_report_needs():
     environment that changes behaviour and the kernel family of each dtype."""
     proc = subprocess.run([sys.executable, "-m", "numba_flash"], env=project_env(NUMBA_ENABLE_CUDASIM="1"),
                           cwd=ROOT, capture_output=True, text=True, timeout=HANG_GUARD_S)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, process_failure(proc)
     out = proc.stdout
     for needle in (f"numba_flash {numba_flash.__version__}", "numba-cuda 0.30.4", "numpy ", "simulator",
                    "NUMBA_ENABLE_CUDASIM=1", "float32   forward forward_simt", "bfloat16  forward forward_mma",
