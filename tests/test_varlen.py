@@ -265,6 +265,32 @@ def test_varlen_non_finite_values_stay_in_their_sequence(hopper, causal, monkeyp
                            {"causal": causal}, None)
 
 
+@pytest.mark.parametrize("splits", [1, 3])
+def test_varlen_decoding_non_finite_values_stay_in_their_sequence(splits, monkeypatch):
+    """The same with one query per sequence (the one-warp decoding kernel, with key splits
+    forced and their merge, or one split): inf and NaN in sequence 1's keys and values
+    leave sequences 0 and 2 as the oracle has them."""
+    monkeypatch.setattr(registry, "forward_splits", lambda *args: splits)
+    rng = np.random.default_rng(75 + splits)
+    dt = np_dtype("bfloat16")
+    lens_k = [700, 300, 900] if ON_GPU else [45, 37, 52]       # (simulator: 16-key tiles)
+    cu_q = np.arange(4, dtype=np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    d = 64 if ON_GPU else 16
+    q = rng.standard_normal((3, 2, d)).astype(dt)
+    k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dt) for _ in range(2))
+    v[cu_k[1] + 3, 1, 5] = np.inf
+    v[cu_k[1] + 8, 0] = np.nan
+    k[cu_k[1] + 5, 0, 7] = np.inf
+    out, lse = (host(x) for x in numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k))
+    assert not np.isfinite(out[1]).all()        # (the non-finite values were read)
+    for b in (0, 2):
+        keys = slice(cu_k[b], cu_k[b + 1])
+        assert np.isfinite(out[b]).all() and np.isfinite(lse[b]).all(), b
+        _check("bfloat16", _heads_first(out[b:b + 1]), np.ascontiguousarray(lse[b:b + 1].T),
+               _heads_first(q[b:b + 1]), _heads_first(k[keys]), _heads_first(v[keys]), {})
+
+
 def test_kvcache_unused_rows_stay_out_with_the_hopper_family(monkeypatch):
     """A KV cache's rows past each sequence's length may hold anything, NaN included: with
     the Hopper family forced, KV-cache calls of more than 16 queries still leave them unread
