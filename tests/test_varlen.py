@@ -222,6 +222,14 @@ def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, de
     _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
 
 
+def _non_finite_rows(k, v, start):
+    """inf and NaN written into the key and value rows of the sequence starting at row
+    ``start`` (its first rows: the ones a tile crossing the sequence before reads)."""
+    v[start + 3, 1, 5] = np.inf
+    v[start + 8, 0] = np.nan
+    k[start + 5, 0, 7] = np.inf
+
+
 @pytest.mark.parametrize("hopper", [False, True], ids=["default", "hopper"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_non_finite_values_stay_in_their_sequence(hopper, causal, monkeypatch):
@@ -246,9 +254,7 @@ def test_varlen_non_finite_values_stay_in_their_sequence(hopper, causal, monkeyp
     cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
     q, k, v = (rng.standard_normal((int(cu[-1]), 2, 64 if hopper or ON_GPU else 16)).astype(dt) for _ in range(3))
     bad = slice(cu[1], cu[2])                   # sequence 1: its first rows follow sequence 0's end
-    v[cu[1] + 3, 1, 5] = np.inf
-    v[cu[1] + 8, 0] = np.nan
-    k[cu[1] + 5, 0, 7] = np.inf
+    _non_finite_rows(k, v, cu[1])
     q[cu[1] + 1, 1] = np.nan
     out, lse = (host(x) for x in numba_flash.attention_varlen_fwd(q, k, v, cu, cu, causal=causal))
     assert bool(calls) == hopper, calls
@@ -279,9 +285,7 @@ def test_varlen_decoding_non_finite_values_stay_in_their_sequence(splits, monkey
     d = 64 if ON_GPU else 16
     q = rng.standard_normal((3, 2, d)).astype(dt)
     k, v = (rng.standard_normal((int(cu_k[-1]), 2, d)).astype(dt) for _ in range(2))
-    v[cu_k[1] + 3, 1, 5] = np.inf
-    v[cu_k[1] + 8, 0] = np.nan
-    k[cu_k[1] + 5, 0, 7] = np.inf
+    _non_finite_rows(k, v, cu_k[1])
     out, lse = (host(x) for x in numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k))
     assert not np.isfinite(out[1]).all()        # (the non-finite values were read)
     for b in (0, 2):
