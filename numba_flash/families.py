@@ -120,11 +120,15 @@ def _heads_views(inp, arrays):
     """Grouped query heads for the Hopper family, which reads K/V head ``h // group`` for
     query head ``h`` itself: each array ``(*L, H, *tail)`` (q, out, lse, slopes: ``H = Hq``;
     k, v: ``Hkv``) as ``(X, H, *tail)``, ``L`` folded into one axis; ``[]`` where an
-    array's leading strides do not fold."""
-    h = len(inp.lead) - 1
+    array's leading strides do not fold. Without a head axis (q of shape ``(N, d)``) the
+    arrays are one head's: ``(1, 1, *tail)``."""
+    h = max(len(inp.lead) - 1, 0)
     folded = []
     for a in arrays:
         shape, strides = tuple(a.shape), tuple(a.strides)
+        if not inp.lead:        # no head axis: an axis of one index stands for it
+            shape, strides = (1,) + shape, (
+                _arrays.unit_axis_stride(shape, strides, a.dtype.itemsize, strides[0] * shape[0]),) + strides
         x, xs = 1, 0
         for n, s in zip(reversed(shape[:h]), reversed(strides[:h])):    # innermost first
             if n == 1:

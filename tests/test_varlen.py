@@ -230,20 +230,20 @@ def _non_finite_rows(k, v, start):
     k[start + 5, 0, 7] = np.inf
 
 
-@pytest.mark.parametrize("hopper", [False, True], ids=["default", "hopper"])
+@pytest.mark.parametrize("hopper", [False, True], ids=["mma", "hopper"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_varlen_non_finite_values_stay_in_their_sequence(hopper, causal, monkeypatch):
     """inf and NaN in one sequence's q, k and v leave the other sequences' outputs and
     gradients as the oracle has them. Sequence lengths that end inside key tiles: the
     Hopper family's TMA boxes read the next sequence's rows there (its V rows past the end
-    are cleared before the last P V: 0 · inf would be NaN), the default family's loads
-    stop at the end (and the backward's, which packed sequences take on every GPU)."""
+    are cleared before the last P V: 0 · inf would be NaN), the ``mma.sync`` family's
+    loads stop at the end (and the backward's, which packed sequences take on every GPU).
+    Each family forced (on a Hopper GPU the Hopper family is the default)."""
     from test_backward_mma import check_backward_low
     from numba_flash import families
-    if hopper:
-        if ON_GPU and tuple(cuda.get_current_device().compute_capability) != (9, 0):
-            pytest.skip("the Hopper family runs on compute capability 9.0 only")
-        monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    if hopper and ON_GPU and tuple(cuda.get_current_device().compute_capability) != (9, 0):
+        pytest.skip("the Hopper family runs on compute capability 9.0 only")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1" if hopper else "0")
     calls = []
     real = families._hopper_launches
     monkeypatch.setattr(families, "_hopper_launches", lambda *a: calls.append(1) or real(*a))
