@@ -223,8 +223,14 @@ def bits(x):
 
 def pytest_runtest_logreport(report):
     """With ``NUMBA_FLASH_FAILURE_LOG=<path>``, append each failure's report to that file as it
-    happens (a run cut short by a time limit still leaves its failures behind)."""
+    happens, and each finished test's id, outcome and seconds to ``<path>.done`` (a run cut
+    short by a time limit still leaves its failures behind, and what it did not reach)."""
     path = os.environ.get("NUMBA_FLASH_FAILURE_LOG")
-    if path and report.failed and not os.environ.get("PYTEST_XDIST_WORKER"):   # once, not per process
+    if not path or os.environ.get("PYTEST_XDIST_WORKER"):     # once, not per process
+        return
+    if report.failed:
         with open(path, "a") as f:
             f.write(f"===== {report.nodeid} ({report.when})\n{report.longreprtext}\n")
+    if report.when == "call" or not report.passed:
+        with open(path + ".done", "a") as f:
+            f.write(f"{report.nodeid} {report.outcome} {report.duration:.1f}\n")
