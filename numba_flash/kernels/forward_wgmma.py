@@ -32,7 +32,9 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   products run while the others compute their softmax. With
   ``overlap`` (causal rows, two consumers: :func:`overlaps`) an item's last P V is issued
   with the next item's S_0, whose softmax runs while it completes, and the item's rows are
-  stored after that (else each item's first tile and last product wait alone).
+  stored after that (else each item's first tile and last product wait alone). Where a
+  warpgroup's rows see only one half of a key tile (causal diagonals, a window's first
+  tile), its P V takes that half (:data:`EDGE_HALVES`).
 
 Scores, softmax and accumulation in float32 (``exp2`` on log2-scaled scores), P rounded
 to the input dtype, as the ``mma.sync`` forward (``forward_mma``) does; the score rules
@@ -59,10 +61,11 @@ query tiles in pairs from both ends, then the middle tiles of odd counts), and `
 ``lse`` may have any strides; launch with
 ``grid <= tiles · B1 · B2``. Each item reads its sequence's row of the table; its TMA boxes
 are whole tiles of the packed arrays, so a sequence's last tiles load rows of the next
-one: as keys they lie past the sequence's end (scores −inf, P exactly 0), as queries they
-are not stored. (So a non-finite value in another sequence's V rows could still reach an
-output, as 0 · inf; a KV cache's unused rows may hold anything, so ``families`` gives KV
-caches to the ``mma.sync`` family.) Paged caches would need a TMA load per page.
+one: as keys they lie past the sequence's end (scores −inf, P exactly 0, and their V rows
+cleared before that tile's P V, since 0 · inf is NaN: ``clear_tail``), as queries they
+are not stored. (A KV cache's unused rows would be read the same way, so ``families``
+gives KV caches with gaps to the ``mma.sync`` family.) Paged caches would need a TMA load
+per page.
 """
 import dataclasses
 import functools
@@ -137,7 +140,7 @@ FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 # see in a key tile lies in one half of it (the first half of the diagonal's tile for the
 # first 64 rows; the second half of a window's first tile for the last 64), that
 # warpgroup's P V takes that half's k-steps only (P is exactly 0 on the other half): a
-# quarter of the tile's products less. The branch is on a value broadcast from lane 0
+# quarter of its products for that tile, an eighth of the tile's. The branch is on a value broadcast from lane 0
 # (``warp.shfl_sync``), which ptxas takes as uniform: on a value it cannot prove uniform it
 # serialized every product of the kernel (C7520). Q Kᵀ stays whole: a half product's
 # registers merged with the whole one's while in flight, or even waited for in its own
