@@ -427,12 +427,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     @cuda.jit(device=True, inline=True)
     def pv_product(o0, o1, p, v_at, half):
-        """O += P V of the tile at ``v_at``, issued; with ``half`` over that half's keys."""
+        """O += P V of the tile at ``v_at``, issued; with ``half`` over that half's keys
+        (the first half's k-steps, then the second's: both for a whole tile)."""
         if HALVES:
-            if half == 1:
-                return pv_first(o0, o1, p, v_at)
-            if half == 2:
-                return pv_second(o0, o1, p, v_at)
+            if half != 2:
+                o0, o1 = pv_first(o0, o1, p, v_at)
+            if half != 1:
+                o0, o1 = pv_second(o0, o1, p, v_at)
+            return o0, o1
         return pv(o0, o1, p, v_at)
 
     @cuda.jit(device=True, inline=True)
