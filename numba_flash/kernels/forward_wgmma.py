@@ -140,9 +140,10 @@ FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 # see in a key tile lies in one half of it (the first half of the diagonal's tile for the
 # first 64 rows; the second half of a window's first tile for the last 64), that
 # warpgroup's P V takes that half's k-steps only (P is exactly 0 on the other half): a
-# quarter of its products for that tile, an eighth of the tile's. The branch is on a value broadcast from lane 0
-# (``warp.shfl_sync``), which ptxas takes as uniform: on a value it cannot prove uniform it
-# serialized every product of the kernel (C7520). Q Kᵀ stays whole: a half product's
+# quarter of its products for that tile, an eighth of the tile's. Every P V is two
+# conditional chains of four k-steps (both for a whole tile), on a value broadcast from
+# lane 0 (``warp.shfl_sync``), which ptxas takes as uniform: on a value it cannot prove
+# uniform it serialized every product of the kernel (C7520). Q Kᵀ stays whole: a half product's
 # registers merged with the whole one's while in flight, or even waited for in its own
 # branch (the first tile's), made ptxas serialize every product (C7511, C7519). Three
 # consumers (192-row blocks, 160 registers) spilled with it.
