@@ -39,7 +39,7 @@ from . import _simulator
 __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_init", "wgmma_wait", "setmaxnreg",
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
-           "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "hold", "wgmma", "tensor_map_4d",
+           "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
            "encode_tensor_map_4d"]
 
 _TIMEOUT_S = 600.0
@@ -430,11 +430,6 @@ def scale_rows(acc, row0, row1):
 def to_array(acc, ary):
     for i, x in enumerate(acc):
         ary[i] = x
-
-
-def hold(n):
-    """Registers are the simulator's Python values: nothing to hold."""
-    return lambda ary, never, at: None
 
 
 _INDEX = {}

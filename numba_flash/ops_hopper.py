@@ -259,36 +259,6 @@ def to_array(typingctx, acc, ary):
     return types.void(acc, ary), codegen
 
 
-def hold(n):
-    """An intrinsic ``(ary, never, at)``: keep the registers of ``ary[0 .. n−1]`` (a local
-    uint32 array, ``n`` a multiple of 4) live to this point, by ``st.shared.v4`` of them at
-    shared address ``at`` under the predicate ``never != 0``, which the caller makes false
-    at run time in a way ptxas cannot prove (no store happens; the instructions stay).
-    Placed after the wait for a product that reads them as its A operand, it stops ptxas
-    giving their registers to other values while the product may still read them: where a
-    branch chooses among products, ptxas let temporaries take them
-    (``ptx.wgmma_operand_writes``)."""
-    assert n % 4 == 0, n
-    stores = "".join(f"@q st.shared.v4.b32 [${n + 1}+{16 * j}], {{${4 * j}, ${4 * j + 1}, ${4 * j + 2}, ${4 * j + 3}}};\n"
-                     for j in range(n // 4))
-    text = f"{{ .reg .pred q; setp.ne.b32 q, ${n}, 0;\n{stores}}}"
-
-    @intrinsic
-    def keep(typingctx, ary, never, at):
-        if not (isinstance(ary, types.Array) and ary.ndim == 1 and isinstance(never, types.Integer)
-                and isinstance(at, types.Integer)):
-            return None
-
-        def codegen(ctx, builder, sig, args):
-            data = ctx.make_array(sig.args[0])(ctx, builder, args[0]).data
-            vals = [ctx.cast(builder, builder.load(builder.gep(data, [I32(i)])), ary.dtype, U32) for i in range(n)]
-            extra = [ctx.cast(builder, a, t, U32) for a, t in zip(args[1:], sig.args[1:])]
-            _asm(builder, VOID, vals + extra, text, ",".join(["r"] * (n + 2)) + ",~{memory}")
-            return ctx.get_dummy_value()
-        return types.void(ary, never, at), codegen
-    return keep
-
-
 _WGMMA = {}
 
 

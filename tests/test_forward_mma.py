@@ -291,8 +291,7 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
 
 def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option, forced):
     """A Hopper forward call (``rules`` "packed": a causal varlen batch of sequences
-    ``lens``; else ``nq`` query and ``nk`` key rows, causal for "causal", a causal window
-    of 100 keys before each query for "window") with the
+    ``lens``; else ``nq`` query and ``nk`` key rows, causal for "causal") with the
     registry's kernel, checked against the oracle, then with ``make_forward_wgmma``'s
     ``option`` forced to ``forced(default kernel)``: asserts the kernel took it and the
     same bits. (In the simulator one persistent block takes every item, so every
@@ -306,11 +305,11 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
         q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
         call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
     else:
-        options = {"causal": rules == "causal", **({"window": (100, 0)} if rules == "window" else {})}
+        causal = rules == "causal"
         q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
         k, v = (rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
-        _assert_hopper_launch(q, k, v, **options)
-        call = lambda: numba_flash.attention_fwd(q, k, v, **options)  # noqa: E731
+        _assert_hopper_launch(q, k, v, causal=causal)
+        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
     built = []
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
@@ -321,7 +320,7 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
             check_forward_low(np.swapaxes(default[0][rows], 0, 1)[None], None,
                               *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
-        check_forward_low(default[0], default[1], q, k, v, options, None)
+        check_forward_low(default[0], default[1], q, k, v, causal, None)
     value = forced(built[-1])
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, **{**kw, option: value}))
@@ -342,20 +341,6 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     full rows; a varlen batch with an empty sequence."""
     _forced_option_keeps_bits(monkeypatch, rules, 128, 300, 90 if rules == "causal" else 150, np.array([150, 0, 70]),
                               41, "overlap", lambda kernel: not kernel.overlap)
-
-
-@pytest.mark.parametrize("rules", ["causal", "window", "packed"])
-def test_hopper_edge_halves_change_no_bit(rules, monkeypatch):
-    """A warpgroup's P V over one half of a key tile where its rows see only that half
-    (``make_forward_wgmma``'s ``halves``, :data:`forward_wgmma.EDGE_HALVES`) leaves out
-    products of zero weights: forced off, the same bits. The shapes take both halves:
-    causal rows with Nq > Nk (the last 64 rows of query tile 1 see keys 0-45 only: the
-    first half), a causal window of 100 keys (query tile 1's last 64 rows see keys 92-255:
-    the second half of key tile 0; its first 64 rows the first half of key tile 1), and a
-    causal varlen batch (its diagonals' tiles, and a sequence's ragged end: the 150-row
-    sequence's second query tile sees keys 128-149 of key tile 1, the first half)."""
-    _forced_option_keeps_bits(monkeypatch, rules, 128, 300, 90 if rules == "causal" else 300, np.array([150, 0, 70]),
-                              43, "halves", lambda kernel: not kernel.halves)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

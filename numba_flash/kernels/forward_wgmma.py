@@ -32,9 +32,7 @@ A block has a producer warpgroup and ``BM / 64`` consumers (384 or 512 threads):
   products run while the others compute their softmax. With
   ``overlap`` (causal rows, two consumers: :func:`overlaps`) an item's last P V is issued
   with the next item's S_0, whose softmax runs while it completes, and the item's rows are
-  stored after that (else each item's first tile and last product wait alone). Where a
-  warpgroup's rows see only one half of a key tile (causal diagonals, a window's first
-  tile), its P V takes that half (:data:`EDGE_HALVES`).
+  stored after that (else each item's first tile and last product wait alone).
 
 Scores, softmax and accumulation in float32 (``exp2`` on log2-scaled scores), P rounded
 to the input dtype, as the ``mma.sync`` forward (``forward_mma``) does; the score rules
@@ -135,19 +133,6 @@ NARROW_CAUSAL_ROWS = 4096
 # 1.2% on causal rows (docs/performance.md items 94, 99).
 FIXED_MAX_SOFTCAP = True
 FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
-
-# Causal rows and windows in 128-row blocks: where every key a consumer warpgroup's 64 rows
-# see in a key tile lies in one half of it (the first half of the diagonal's tile for the
-# first 64 rows; the second half of a window's first tile for the last 64), that
-# warpgroup's P V takes that half's k-steps only (P is exactly 0 on the other half): a
-# quarter of its products for that tile, an eighth of the tile's. Every P V is two
-# conditional chains of four k-steps (both for a whole tile), on a value broadcast from
-# lane 0 (``warp.shfl_sync``), which ptxas takes as uniform: on a value it cannot prove
-# uniform it serialized every product of the kernel (C7520). Q Kᵀ stays whole: a half product's
-# registers merged with the whole one's while in flight, or even waited for in its own
-# branch (the first tile's), made ptxas serialize every product (C7511, C7519). Three
-# consumers (192-row blocks, 160 registers) spilled with it.
-EDGE_HALVES = True
 
 
 def longest_first(scores):
@@ -257,7 +242,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, fixed_max: bool = None, halves: bool = None):
+                       overlap: bool = None, fixed_max: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -270,9 +255,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
     :func:`overlaps`); ``fixed_max``: under a softcap alone, each row's maximum taken as the
-    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`); ``halves``:
-    half-tile products where a warpgroup's rows see one half of a key tile (default
-    :data:`EDGE_HALVES`)."""
+    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -320,13 +303,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NP = NS // 2                          # the same, packed in 16-bit pairs
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K)        # S = Q Kᵀ of one key tile
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
-    HALF = BN // 2
-    # the half-tile products (:data:`EDGE_HALVES`): where rows' key bounds are monotone
-    HALVES = ((EDGE_HALVES if halves is None else halves) and bool(scores.causal or scores.window)
-              and mods is None and HALF % 16 == 0 and NWG == 2)
-    pv_first = make_column_product(dtype_name, D, HALF, SUB_K)        # P V over the first half's keys
-    pv_second = make_column_product(dtype_name, D, BN, SUB_K, HALF)   # over the second half's
-    keep_p = H.hold(NP)
     zeros_o = H.accumulator(64)
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the
     # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
@@ -401,42 +377,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     def relative(bound, c0):
         """A row's key bound relative to the key ``c0``, clamped to ``[-1, BN]`` (int32)."""
         return numba.int32(min(max(bound - c0, -1), BN))
-
-    @cuda.jit(device=True, inline=True)
-    def half_of(r0, k0, geo):
-        """Which keys of the tile at ``k0`` the warpgroup's rows ``r0 .. r0 + 63`` can see:
-        0 both halves' (or :data:`EDGE_HALVES` off), 1 the first half's only, 2 the
-        second's only (a row's bounds grow with the row)."""
-        h = 0
-        if HALVES:
-            lo, _ = row_keys(r0, geo)
-            _, hi = row_keys(r0 + ROWS - 1, geo)
-            if hi < k0 + HALF:
-                h = 1
-            elif lo >= k0 + HALF:
-                h = 2
-            h = warp.shfl_sync(warp.FULL_MASK, numba.int32(h), 0)
-        return h
-
-    @cuda.jit(device=True, inline=True)
-    def p_done(p, count, base):
-        """After the wait for a P V that :func:`pv_product` chose: P's registers held to
-        here (``H.hold``, its stores under ``count < 0``: a row count, never negative), else
-        ptxas gives them to temporaries while the half product may still read them."""
-        if HALVES:
-            keep_p(p, numba.uint32(count < 0), base)
-
-    @cuda.jit(device=True, inline=True)
-    def pv_product(o0, o1, p, v_at, half):
-        """O += P V of the tile at ``v_at``, issued; with ``half`` over that half's keys
-        (the first half's k-steps, then the second's: both for a whole tile)."""
-        if HALVES:
-            if half != 2:
-                o0, o1 = pv_first(o0, o1, p, v_at)
-            if half != 1:
-                o0, o1 = pv_second(o0, o1, p, v_at)
-            return o0, o1
-        return pv(o0, o1, p, v_at)
 
     @cuda.jit(device=True, inline=True)
     def frozen(sc):
@@ -773,9 +713,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     @cuda.jit(device=True, inline=True)
     def first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2):
         """An item's key tile 0 alone: S = Q Kᵀ waited for, its softmax, P packed in ``p``.
-        Returns the rows' maxima and sums, zero O accumulators, the rings' places
-        (``ring``: the K ring's stage and phase, the V ring's) and the tile's
-        :func:`half_of`."""
+        Returns the rows' maxima and sums, zero O accumulators and the rings' places
+        (``ring``: the K ring's stage and phase, the V ring's)."""
         ak, bk, av, bv = ring
         _, _, full_k, empty_k, _, _ = barriers(base)
         wait_phase(full_k + 8 * ak, bk)
@@ -792,31 +731,25 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                        ZERO, ZERO, geo, geo[1], consts_at(q0, 0, geo, slopes, b1, b2, sc), slopes,
                                        b1, b2)
         pack_p(s, p)
-        half = half_of(r0, key_at(q0, kt0, 0, geo, slopes, b1, b2), geo)
-        return m0, m1, l0, l1, zeros_o(), zeros_o(), (ak, bk, av, bv), half
+        return m0, m1, l0, l1, zeros_o(), zeros_o(), (ak, bk, av, bv)
 
     @cuda.jit(device=True, inline=True)
     def next_tile(s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
-                  m0, m1, l0, l1, half):
+                  m0, m1, l0, l1):
         """Key tile ``j`` of an item after a tile whose P is in ``p``: S_j = Q Kᵀ and that
         tile's O += P V issued in one turn (:func:`issue_tile`); once S_j is done, its softmax
         (on the rows' ``m0 .. l1``) while P V runs; then P V waited for (:func:`tile_done`).
-        ``half``: the tile before's :func:`half_of`. Returns the softmax's results, the
-        accumulators, the rings' places and tile ``j``'s half; ``p`` is free, O not yet
-        rescaled."""
-        next_half = half_of(r0, key_at(q0, kt0, j, geo, slopes, b1, b2), geo)
-        acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg, half)
+        Returns the softmax's results, the accumulators and the rings' places; ``p`` is
+        free, O not yet rescaled."""
+        acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg)
         m0, m1, l0, l1, alpha0, alpha1, ring = tile_done(acc, s, ring, base, ct, j, q0, kt0, geo, row0, tq4, r0, sc,
                                                          slopes, b1, b2, m0, m1, l0, l1)
-        p_done(p, geo[0], base)
-        return m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring, next_half
+        return m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring
 
     @cuda.jit(device=True, inline=True)
-    def issue_tile(o0, o1, p, q_at, ring, base, wg, pv_half):
+    def issue_tile(o0, o1, p, q_at, ring, base, wg):
         """The first half of :func:`next_tile`: S_j = Q Kᵀ (its accumulator returned in
-        flight) and the tile before's O += P V (on the half :func:`half_of` gave) issued in
-        one turn. (S_j is whole: a half product merged with a whole one's registers while
-        in flight makes ptxas serialize every product.)"""
+        flight) and the tile before's O += P V issued in one turn."""
         ak, bk, av, bv = ring
         _, _, full_k, _, full_v, _ = barriers(base)
         wait_phase(full_k + 8 * ak, bk)
@@ -825,7 +758,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         acc = qk(q_at, base + K_OFF + ak * NSUB * SUB_K)
         H.wgmma_commit()
         wait_phase(full_v + 8 * av, bv)            # the tile before's V
-        o0, o1 = pv_product(o0, o1, p, base + V_OFF + av * NSUB * SUB_K, pv_half)
+        o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
         H.wgmma_commit()
         their_turn(wg)
         return acc, o0, o1
@@ -851,25 +784,25 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     @cuda.jit(device=True, inline=True)
     def later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
-                    m0, m1, l0, l1, half):
+                    m0, m1, l0, l1):
         """An item's key tiles 1 .. tiles − 1 after :func:`first_tile` (:func:`next_tile`
         each, O rescaled and P packed after it), then Q's buffer released (every Q Kᵀ of the
-        item has completed). Returns the rows' statistics, O, the rings' places and the last
-        tile's half (``half``: tile 0's), its P V still owed."""
+        item has completed). Returns the rows' statistics, O and the rings' places, the last
+        tile's P V still owed."""
         for j in range(1, tiles):
-            m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring, half = next_tile(
+            m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
                 s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
-                m0, m1, l0, l1, half)
+                m0, m1, l0, l1)
             if not frozen(sc):               # (a fixed maximum: O is never rescaled)
                 o0 = H.scale_rows(o0, alpha0, alpha1)
                 o1 = H.scale_rows(o1, alpha0, alpha1)
             pack_p(s, p)
         _, q_empty, _, _, _, _ = barriers(base)
         release(ct, q_empty + 8 * buf)
-        return m0, m1, l0, l1, o0, o1, ring, half
+        return m0, m1, l0, l1, o0, o1, ring
 
     @cuda.jit(device=True, inline=True)
-    def last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4, half):
+    def last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4):
         """An item's last O += P V alone, issued; while it runs, the rows' sums and lse
         (:func:`row_sums`, which it does not hold); then it is waited for and its V stage
         released. Returns O, ``1 / l`` of the thread's two rows and the rings' places (O / l
@@ -878,11 +811,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         _, _, _, _, full_v, empty_v = barriers(base)
         wait_phase(full_v + 8 * av, bv)
         H.wgmma_fence()
-        o0, o1 = pv_product(o0, o1, p, base + V_OFF + av * NSUB * SUB_K, half)
+        o0, o1 = pv(o0, o1, p, base + V_OFF + av * NSUB * SUB_K)
         H.wgmma_commit()
         inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4)
         wait0()
-        p_done(p, nq, base)
         release(ct, empty_v + 8 * av)
         av, bv = advance(av, bv)
         return o0, o1, inv0, inv1, (ak, bk, av, bv)
@@ -984,12 +916,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             if i < n_items:
                 r0, row0, buf, q_at, sc, n_q = begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2, cap_in,
                                                           cap_out, slopes, b1, b2)
-                m0, m1, l0, l1, o0, o1, ring, half = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0,
-                                                                tq4, r0, sc, slopes, b1, b2)
+                m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4, r0,
+                                                          sc, slopes, b1, b2)
                 while True:
-                    m0, m1, l0, l1, o0, o1, ring, half = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg,
-                                                                     tiles, q0, kt0, geo, row0, tq4, r0, sc, slopes,
-                                                                     b1, b2, m0, m1, l0, l1, half)
+                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
+                                                               q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0,
+                                                               m1, l0, l1)
                     fb1, fb2, fqs, frow0, fnq = b1, b2, qs, row0, nq     # the item the last P V is of
                     fvalid = tail_rows(q0, kt0, tiles, geo, slopes, b1, b2)
                     i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(i + G, G, n_qt, B, B2, sched, geo0,
@@ -1001,12 +933,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     # the next item's S_0 with this one's last P V; while they run, this item's
                     # rows' sums and lse; its O stored once its last P V is done
                     clear_tail(smf, sm_at, ring, base, ct, fvalid)
-                    acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg, half)
-                    half = half_of(r0, key_at(q0, kt0, 0, geo, slopes, b1, b2), geo)     # (its tile 0's P V)
+                    acc, o0, o1 = issue_tile(o0, o1, p, q_at, ring, base, wg)
                     inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
                     n0, n1, k0l, k1l, _, _, ring = tile_done(acc, s, ring, base, ct, 0, q0, kt0, geo, row0, tq4, r0,
                                                              sc, slopes, b1, b2, NEG_INF, NEG_INF, ZERO, ZERO)
-                    p_done(p, geo[0], base)
                     store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
                     o0 = zeros_o()
                     o1 = zeros_o()
@@ -1014,7 +944,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     pack_p(s, p)
                 clear_tail(smf, sm_at, ring, base, ct, fvalid)
                 o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, fb1, fb2, fqs, frow0, fnq,
-                                                     m0, m1, l0, l1, tq4, half)
+                                                     m0, m1, l0, l1, tq4)
                 store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
         else:
             for i in range(cuda.blockIdx.x, n_items, G):
@@ -1028,14 +958,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 else:
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                     n_q += 1
-                    m0, m1, l0, l1, o0, o1, ring, half = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo,
-                                                                    row0, tq4, r0, sc, slopes, b1, b2)
-                    m0, m1, l0, l1, o0, o1, ring, half = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg,
-                                                                     tiles, q0, kt0, geo, row0, tq4, r0, sc, slopes,
-                                                                     b1, b2, m0, m1, l0, l1, half)
+                    m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4,
+                                                              r0, sc, slopes, b1, b2)
+                    m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
+                                                               q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
+                                                               l0, l1)
                     clear_tail(smf, sm_at, ring, base, ct, tail_rows(q0, kt0, tiles, geo, slopes, b1, b2))
                     o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq,
-                                                         m0, m1, l0, l1, tq4, half)
+                                                         m0, m1, l0, l1, tq4)
                 store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
@@ -1052,6 +982,5 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
-    forward.halves = HALVES
     forward.threads = THREADS
     return forward

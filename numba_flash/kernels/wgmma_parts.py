@@ -69,15 +69,13 @@ def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int, k_from: int = 0):
+def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
     """``product(o0, o1, p, b_at)``: issue ``O += P B`` for a 64 × ``D`` accumulator held as
     two 64-column halves ``o0, o1`` (``o1`` unused at ``D = 64``): ``P`` (64 × ``n_k``) in
     packed registers, ``p[4 t] .. p[4 t + 3]`` the A operand of k-step ``t`` (an
     accumulator's columns ``16 t .. 16 t + 15`` in pairs), B's ``n_k`` rows (the k dim) at
     shared address ``b_at``, MN-major (rows along d, read transposed), its second
-    sub-tile ``sub_b`` bytes on. O += P V, dQ += dS K, dK += dSᵀ Q, dV += Pᵀ dO. With
-    ``k_from`` (a multiple of 16) only the k dim's rows ``k_from .. n_k − 1`` (where P's
-    columns before them are zero).
+    sub-tile ``sub_b`` bytes on. O += P V, dQ += dS K, dK += dSᵀ Q, dV += Pᵀ dO.
 
     At ``D = 128`` each k-step is one m64n128k16 (:data:`WIDE_COLUMNS`): an MN-major
     descriptor's leading byte offset (LBO) is the distance between its 64-element atoms
@@ -94,10 +92,10 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int, k_from: i
     def product(o0, o1, p, b_at):
         if WIDE:
             o = o0 + o1
-            for t in range(k_from // 16, n_k // 16):
+            for t in range(n_k // 16):
                 o = wide(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], wide_desc(b_at + 2048 * t), 1)
             return o[:32], o[32:]
-        for t in range(k_from // 16, n_k // 16):
+        for t in range(n_k // 16):
             o0 = mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + 2048 * t), 1)
             if D == 128:
                 o1 = mma(o1, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + sub_b + 2048 * t), 1)
