@@ -179,7 +179,7 @@ def _hopper_launches(inp, spec, views, maps, packed, score_args, sm_count):
         # the longest-first deal's rounds)
         last = inp.packed.table if inp.packed is not None else forward_wgmma.schedule(
             inp.rules, t.BM, rows, inp.nk, b, g, 2 * math.prod(k4.shape[:2]) * inp.nk * inp.d
-            * inp.dtype.itemsize, t.BN)      # (the bytes of K and V)
+            * inp.dtype.itemsize, t.BN, inp.d)      # (the bytes of K and V)
         launches.append((kern, g, t.threads, kern.smem_bytes,
                          (*tmaps, o2, l3, inp.nk, inp.group, scale_log2, *score_args, inp.score_tail(s3), last),
                          inp.stream))

@@ -212,6 +212,9 @@ class Variant:
     signature: object       # (dtype, layout) -> numba signature string
     dtypes: tuple = DTYPES
     head_dims: object = lambda d: True   # d -> whether this variant supports it
+    # d -> whether a GPU of its ``arch`` takes it by default (None: ``head_dims``); the
+    # others only where forced (``hopper_choice``)
+    default_dims: object = None
     direction: str = None   # "forward" / "backward": a family computing that direction (None: a helper)
     compact: object = None  # (dtype, d, simulator) -> Tiling for GPUs with less shared memory
     plain_compact: object = None  # (dtype, d) -> whether plain-load kernels take the compact tiling
@@ -335,7 +338,8 @@ VARIANTS = {v.name: v for v in (
                                                        fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP),
             lambda d, t: forward_wgmma.smem_bytes(d, bn=t.BN, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
             lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True,
-            rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows)),
+            rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows),
+            default_dims=lambda d: d in forward_wgmma.DEFAULT_HEAD_DIMS),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
@@ -495,11 +499,14 @@ def hopper_choice():
 def uses_hopper(dtype_name, d, cc, simulator=SIMULATOR, variant="forward_wgmma"):
     """Whether these inputs run on the Hopper family (``variant``: ``forward_wgmma``, or
     the backward's ``backward_dkdv_wgmma``): 16-bit inputs, a head dim it takes, and
-    ``hopper_choice()`` with the device's compute capability ``cc``."""
-    if dtype_name not in LOW_DTYPES or not VARIANTS[variant].head_dims(d):
+    ``hopper_choice()`` with the device's compute capability ``cc`` (by default only the
+    head dims of the variant's ``default_dims``)."""
+    v = VARIANTS[variant]
+    if dtype_name not in LOW_DTYPES or not v.head_dims(d):
         return False
     choice = hopper_choice()
-    return choice == "1" or (choice == "auto" and not simulator and cc is not None and tuple(cc[:2]) == (9, 0))
+    return choice == "1" or (choice == "auto" and not simulator and cc is not None and tuple(cc[:2]) == (9, 0)
+                             and (v.default_dims is None or v.default_dims(d)))
 
 
 def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR, smem_limit=None, cc=None,

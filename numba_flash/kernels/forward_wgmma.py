@@ -2,7 +2,8 @@
 
 The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A work item is
 ``BM`` query rows of one (batch, head) (128, or 192 at d = 64 where the rules allow:
-:func:`tiling`); the grid is persistent (at most one block per
+:func:`tiling`; head dims 64, 128 and 256, the last in 64-key tiles with one Q buffer:
+:data:`WIDE_HEAD_BN`); the grid is persistent (at most one block per
 multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
 order of ``work_item`` (for causal rows, where it pays, pairs of query tiles that see
 ``n_qt + 1`` key tiles together, head by head, then the rest heaviest first:
@@ -77,8 +78,8 @@ from .. import ops_hopper as H
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules, mask_rule
 from . import wgmma_schedule
 from .forward import LN2
-from .wgmma_parts import (SUB, consumer_registers, make_column_product, make_row_product, make_store_rows,
-                          wait_phase)
+from .wgmma_parts import (SUB, consumer_registers, half_columns, make_column_product, make_row_product,
+                          make_store_rows, wait_phase)
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
@@ -94,7 +95,15 @@ BLOCK_ROWS = {64: 192, 128: 128}
 # bytes in the causal d = 128 kernel, at 40 56/172 (52/140 before the tail), none in the
 # loop over key tiles
 SCHEDULE_PRODUCER_REGS = 40
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+# The head dims the family takes by default on a compute capability 9.0 GPU; d = 256 runs on
+# it where forced (``NUMBA_FLASH_HOPPER=1``), the mma.sync family otherwise, until measured
+# against it on a GPU
+DEFAULT_HEAD_DIMS = (64, 128)
+# Keys per tile at d = 256, where O takes 128 of a consumer's registers: S and P of 64 keys
+# beside it, in two ring stages beside one Q buffer (192 KiB). (80 keys, FlashAttention-3's
+# choice, spilled under causal rows and windows: ptxas 13, 48-152 bytes; docs/hopper.md.)
+WIDE_HEAD_BN = 64
 # With a softcap every score takes two special-function instructions (tanh, then exp2).
 # Moving half the exponentials to the FMA units (about ten instructions each: ops.exp2_fma)
 # was measured 10-15 % slower on an H200 (docs/performance.md item 32): none by default; the
@@ -156,7 +165,7 @@ def tiling(D, scores, rows=None):
     narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
               or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
     bm = BM if narrow else BLOCK_ROWS.get(D, BM)
-    return WgmmaTiling(BM=bm, threads=threads_for(bm))
+    return WgmmaTiling(BM=bm, BN=WIDE_HEAD_BN if D == 256 else BN, threads=threads_for(bm))
 
 
 def threads_for(bm):
@@ -171,21 +180,24 @@ def grid_size(nq, b, sm_count, bm=BM):
     return max(min(-(-nq // bm) * b, sm_count), 1)
 
 
-def paired(scores, bm):
+def paired(scores, bm, d=128):
     """Whether the kernel for ``scores`` at ``bm`` rows takes the pairs schedule where its
     launch asks for it: causal rows without a window, user functions or packed sequences,
-    at 128 rows (at 192 the pairs are few and coarse: 22 query tiles per head at N = 4096)."""
-    return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed and bm == BM)
+    at 128 rows (at 192 the pairs are few and coarse: 22 query tiles per head at N = 4096),
+    head dim ``d`` at most 128 (at 256 O holds 128 of a consumer's registers, and with the
+    pairs' producer of 40 registers the consumers spilled: ptxas 13, 76/192 bytes)."""
+    return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed and bm == BM
+                and d <= 128)
 
 
-def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN):
+def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
     """The Hopper forward's ``sched`` argument for a call of score rules ``rules``
-    (``scores.Scores``) in blocks of ``bm`` query rows (not packed): the pairs schedule's
+    (``scores.Scores``) in blocks of ``bm`` query rows (not packed), head dim ``d``: the pairs schedule's
     (:func:`wgmma_schedule.paired_places`, positive) where causal rows take it, else where
     rows differ in length ``−1`` for the longest-first deal with its even rounds back
     (:func:`wgmma_schedule.longest_first_flip`), 0 for the odd ones; for full rows 0."""
     spec = rules.spec
-    if paired(spec, bm):
+    if paired(spec, bm, d):
         places = wgmma_schedule.paired_places(-(-nq // bm), b, grid, kv_bytes)
         if places:
             return places
@@ -203,7 +215,10 @@ def buffers(D, bn=BN):
     stages before, measured on an H200 6-13% faster on causal rows of 256-1024 keys, 1-3%
     at 2048-4096 and on full rows, level at 8192 (docs/performance.md item 67). Tiles of
     fewer keys than ``BN`` (``bn``) take as many more stages, the same keys in flight
-    (64 keys at d = 128: four stages, 225 KiB)."""
+    (64 keys at d = 128: four stages, 225 KiB). At d = 256 a 128-row Q tile takes 64 KiB:
+    one Q buffer, two stages."""
+    if D == 256:
+        return 1, 2
     qbuf, stages = (2, 2) if D > 64 else (2, 4)
     return qbuf, stages * BN // bn if bn < BN else stages
 
@@ -235,8 +250,8 @@ def overlaps(scores, bm, d):
     per-item schedule: the overlap's code takes Numba's front end 5.7 s longer for that
     kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
     (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
-    tiles (up to 300 bytes)."""
-    return bm // ROWS == 2 and scores.causal and (d == 64 or scores.packed)
+    tiles (up to 300 bytes); so did packed rows at d = 256 (368/704 bytes, 60/212 without)."""
+    return bm // ROWS == 2 and scores.causal and (d == 64 or scores.packed and d <= 128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,7 +290,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # rows see different numbers of keys (packed sequences: ``packed_item``'s order instead)
     LONGEST_FIRST = longest_first(scores)
     # causal rows: the pairs schedule where the launch asks for it (:func:`paired`)
-    PAIRED = paired(scores, BM)
+    PAIRED = paired(scores, BM, D)
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
     # bits, then masked (one loop calling the function per score kept the scores in local
     # memory: a 416-byte stack)
@@ -303,7 +318,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NP = NS // 2                          # the same, packed in 16-bit pairs
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K)        # S = Q Kᵀ of one key tile
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
-    zeros_o = H.accumulator(64)
+    zeros_o = H.accumulator(half_columns(D))
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the
     # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
     PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED else 24

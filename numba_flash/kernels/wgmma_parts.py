@@ -21,6 +21,12 @@ DESC = H.smem_descriptor(16, 1024, 1)   # 128-byte swizzle, 8-row groups 1024 by
 WIDE_COLUMNS = True
 
 
+def half_columns(D):
+    """The columns of each of the two accumulators ``o0, o1`` that hold a 64 × ``D`` output
+    (``o1`` unused at ``D = 64``): 64, or 128 at ``D = 256``."""
+    return 128 if D == 256 else 64
+
+
 def consumer_registers(producer, threads, producer_threads=128):
     """The registers per thread that a block's consumer warpgroups can take
     (``setmaxnreg.inc``) once its producer warpgroup (``producer_threads`` threads) keeps
@@ -43,8 +49,8 @@ def wait_phase(bar, parity):
 @functools.lru_cache(maxsize=None)
 def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int):
     """``product(a_at, b_at)``: issue the 64 × ``n`` float32 accumulator of ``A Bᵀ`` over the
-    head dim ``D`` (64 or 128): A's 64 rows at shared address ``a_at``, B's ``n`` rows at
-    ``b_at``, their second sub-tiles (``D = 128``) ``sub_a`` and ``sub_b`` bytes on. Both
+    head dim ``D`` (64, 128 or 256): A's 64 rows at shared address ``a_at``, B's ``n`` rows at
+    ``b_at``, their later sub-tiles (``D >= 128``) every ``sub_a`` and ``sub_b`` bytes on. Both
     operands are K-major (rows along d): S = Q Kᵀ, dP = dO Vᵀ and their transposes."""
     mma = H.wgmma(n, dtype_name)
     zeros = H.accumulator(n)
@@ -62,8 +68,11 @@ def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int):
     @cuda.jit(device=True, inline=True)
     def product(a_at, b_at):
         acc = sub_tile(zeros(), a_at, b_at, 0)
-        if D == 128:
+        if D >= 128:
             acc = sub_tile(acc, a_at + sub_a, b_at + sub_b, 1)
+        if D == 256:
+            acc = sub_tile(acc, a_at + 2 * sub_a, b_at + 2 * sub_b, 1)
+            acc = sub_tile(acc, a_at + 3 * sub_a, b_at + 3 * sub_b, 1)
         return acc
     return product
 
@@ -71,7 +80,7 @@ def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int):
 @functools.lru_cache(maxsize=None)
 def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
     """``product(o0, o1, p, b_at)``: issue ``O += P B`` for a 64 × ``D`` accumulator held as
-    two 64-column halves ``o0, o1`` (``o1`` unused at ``D = 64``): ``P`` (64 × ``n_k``) in
+    two halves ``o0, o1`` (:func:`half_columns` each; ``o1`` unused at ``D = 64``): ``P`` (64 × ``n_k``) in
     packed registers, ``p[4 t] .. p[4 t + 3]`` the A operand of k-step ``t`` (an
     accumulator's columns ``16 t .. 16 t + 15`` in pairs), B's ``n_k`` rows (the k dim) at
     shared address ``b_at``, MN-major (rows along d, read transposed), its second
@@ -81,12 +90,14 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
     descriptor's leading byte offset (LBO) is the distance between its 64-element atoms
     along N, here the two sub-tiles, so one product reads both; its accumulator is ``o0``'s
     32 registers then ``o1``'s (columns 0-63, then 64-127). A is read once per k-step
-    instead of twice."""
+    instead of twice. At ``D = 256`` each k-step is one m64n256k16 over the four sub-tiles
+    (``o0`` columns 0-127, ``o1`` 128-255, 64 registers each)."""
     mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
-    wide = H.wgmma(128, dtype_name, a_in_registers=True, trans_b=1)
+    wide = H.wgmma(2 * half_columns(D) if D > 64 else 64, dtype_name, a_in_registers=True, trans_b=1)
     desc = DESC
     wide_desc = H.smem_descriptor(sub_b, 1024, 1)
-    WIDE = D == 128 and WIDE_COLUMNS
+    WIDE = D == 256 or D == 128 and WIDE_COLUMNS
+    HALF = half_columns(D) // 2           # accumulator registers of a half
 
     @cuda.jit(device=True, inline=True)
     def product(o0, o1, p, b_at):
@@ -94,7 +105,7 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
             o = o0 + o1
             for t in range(n_k // 16):
                 o = wide(o, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], wide_desc(b_at + 2048 * t), 1)
-            return o[:32], o[32:]
+            return o[:HALF], o[HALF:]
         for t in range(n_k // 16):
             o0 = mma(o0, p[4 * t], p[4 * t + 1], p[4 * t + 2], p[4 * t + 3], desc(b_at + 2048 * t), 1)
             if D == 128:
@@ -106,7 +117,8 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
 @functools.lru_cache(maxsize=None)
 def make_store_rows(dtype_name: str, D: int):
     """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
-    a 64 × ``D`` accumulator (two 64-column halves ``o0, o1``; ``o1`` unused at ``D = 64``)
+    a 64 × ``D`` accumulator (two halves ``o0, o1`` of :func:`half_columns` each; ``o1``
+    unused at ``D = 64``)
     into rows ``row0`` (times ``inv0``) and ``row0 + 8`` (times ``inv1``) of ``out[b1,
     b2]``, a uint64 view of four 16-bit values per element (``_arrays.packed_view``), rows
     from ``n_rows`` on left out. Every lane of the warp calls it (it shuffles).
@@ -141,4 +153,18 @@ def make_store_rows(dtype_name: str, D: int):
         if D == 128:
             store_half(out, b1, b2, row0, row0 < n_rows, o1, 0, inv0, odd, half, 16)
             store_half(out, b1, b2, row0 + 8, row0 + 8 < n_rows, o1, 1, inv1, odd, half, 16)
-    return store_rows
+
+    @cuda.jit(device=True, inline=True)
+    def store_rows_256(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
+        """``D = 256``: each half's 64 registers as two 64-column blocks of 32."""
+        odd, half = tq4 & 1, tq4 >> 1
+        ok0, ok1 = row0 < n_rows, row0 + 8 < n_rows
+        store_half(out, b1, b2, row0, ok0, o0[:32], 0, inv0, odd, half, 0)
+        store_half(out, b1, b2, row0 + 8, ok1, o0[:32], 1, inv1, odd, half, 0)
+        store_half(out, b1, b2, row0, ok0, o0[32:], 0, inv0, odd, half, 16)
+        store_half(out, b1, b2, row0 + 8, ok1, o0[32:], 1, inv1, odd, half, 16)
+        store_half(out, b1, b2, row0, ok0, o1[:32], 0, inv0, odd, half, 32)
+        store_half(out, b1, b2, row0 + 8, ok1, o1[:32], 1, inv1, odd, half, 32)
+        store_half(out, b1, b2, row0, ok0, o1[32:], 0, inv0, odd, half, 48)
+        store_half(out, b1, b2, row0 + 8, ok1, o1[32:], 1, inv1, odd, half, 48)
+    return store_rows_256 if D == 256 else store_rows
