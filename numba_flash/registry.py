@@ -337,7 +337,7 @@ VARIANTS = {v.name: v for v in (
             lambda s: forward_wgmma.make_forward_wgmma(s.dtype, s.d, s.scores, bn=s.tiling.BN, bm=s.tiling.BM,
                                                        fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP),
             lambda d, t: forward_wgmma.smem_bytes(d, bn=t.BN, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
-            lambda d: d in forward_wgmma.HEAD_DIMS, direction="forward", async_only=True, arch="sm_90a", packed=True,
+            forward_wgmma.takes, direction="forward", async_only=True, arch="sm_90a", packed=True,
             rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows),
             default_dims=lambda d: d in forward_wgmma.DEFAULT_HEAD_DIMS),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,

@@ -124,11 +124,15 @@ HOPPER_EXAMPLES = [     # ragged against the family's 128-row, 128-key tiles; th
     # d = 256: 64-key tiles (a ragged last one), one Q buffer, O as two 128-column halves
     Case((), 150, 170, 256, "bfloat16", causal=True, seed=14),
     Case((2,), 70, 100, 256, "float16", seed=15, device=True),
+    # head dims between: the kernels of 128 and 256 on zero columns, the output clipped
+    Case((), 150, 170, 96, "bfloat16", causal=True, seed=16),
+    Case((2,), 70, 100, 200, "float16", seed=17),
 ]
 
 
 @pytest.mark.parametrize("case", HOPPER_EXAMPLES, ids=["causal-100x150", "full-130x300", "causal-300x90",
-                                                      "d256-causal-150x170", "d256-full-70x100"])
+                                                      "d256-causal-150x170", "d256-full-70x100", "d96-causal-150x170",
+                                                      "d200-full-70x100"])
 def test_hopper_family_through_the_api(case, monkeypatch):
     """The Hopper family forced on (``NUMBA_FLASH_HOPPER=1``): in the simulator through
     ``ops_hopper``'s twins, on a GPU where it is one of cc 9.0 (elsewhere the variable
@@ -180,28 +184,31 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
-def test_hopper_d256_score_rules(monkeypatch):
-    """d = 256 on the Hopper family with a window, a softcap and ALiBi (the scores' general
-    path beside O's 128 registers a thread)."""
+@pytest.mark.parametrize("d", [256, 72])
+def test_hopper_head_dims_beyond_64_and_128_score_rules(d, monkeypatch):
+    """d = 256 (O's 128 registers a thread) and d = 72 (the d = 128 kernel on zero columns)
+    on the Hopper family with a window, a softcap and ALiBi (the scores' general path)."""
     _force_hopper(monkeypatch)
-    rng = np.random.default_rng(16)
-    q = rng.standard_normal((2, 130, 256)).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((2, 150, 256)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    rng = np.random.default_rng(16 + d)
+    q = rng.standard_normal((2, 130, d)).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((2, 150, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
     opts = {"window": (90, 3), "softcap": 3.0, "alibi_slopes": np.array([0.25, 0.0625], np.float32)}
     _assert_hopper_launch(q, k, v, **opts)
     out, lse = numba_flash.attention_fwd(q, k, v, **opts)
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
-def test_hopper_d256_only_where_forced(monkeypatch):
-    """On a compute capability 9.0 GPU the Hopper family takes d = 256 only where forced
-    (``forward_wgmma.DEFAULT_HEAD_DIMS``); d = 64 and 128 by default."""
+def test_hopper_other_head_dims_only_where_forced(monkeypatch):
+    """On a compute capability 9.0 GPU the Hopper family takes d = 64 and 128 by default,
+    the other multiples of 8 from 64 to 256 only where forced
+    (``forward_wgmma.DEFAULT_HEAD_DIMS``), and never the rest."""
     monkeypatch.setenv(registry.HOPPER_ENV, "auto")
-    assert not registry.uses_hopper("bfloat16", 256, (9, 0), simulator=False)
-    assert registry.uses_hopper("bfloat16", 128, (9, 0), simulator=False)
+    assert [d for d in (64, 96, 128, 200, 256) if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False)] == [
+        64, 128]
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    assert registry.uses_hopper("bfloat16", 256, (9, 0), simulator=False)
-    assert not registry.uses_hopper("bfloat16", 96, (9, 0), simulator=False)
+    assert [d for d in (56, 64, 72, 100, 128, 248, 256, 264) if registry.uses_hopper("bfloat16", d, (9, 0),
+                                                                                   simulator=False)] == [
+        64, 72, 128, 248, 256]
 
 
 @pytest.mark.parametrize("opts", [{"causal": True}, {"window": (150, 0)}], ids=["causal", "window"])

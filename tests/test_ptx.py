@@ -238,6 +238,9 @@ KNOWN_SPILLS = {
              # item 62); the rest is the producer's
              "forward_wgmma/float16/d128/causal/async": 96,
              "forward_wgmma/bfloat16/d128/causal/async": 96,
+             # (the same kernel for d = 96: d = 128's on zero columns, its stores clipped)
+             "forward_wgmma/float16/d96/causal/async": 96,
+             "forward_wgmma/bfloat16/d96/causal/async": 96,
              # the same schedule at d = 64 in 128-row blocks (calls of at most
              # forward_wgmma.NARROW_CAUSAL_ROWS query rows: docs/performance.md item 63)
              "forward_wgmma/float16/d64/causal/async/rows128": 96,

@@ -95,10 +95,10 @@ BLOCK_ROWS = {64: 192, 128: 128}
 # bytes in the causal d = 128 kernel, at 40 56/172 (52/140 before the tail), none in the
 # loop over key tiles
 SCHEDULE_PRODUCER_REGS = 40
-HEAD_DIMS = (64, 128, 256)
-# The head dims the family takes by default on a compute capability 9.0 GPU; d = 256 runs on
-# it where forced (``NUMBA_FLASH_HOPPER=1``), the mma.sync family otherwise, until measured
-# against it on a GPU
+HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (:func:`padded`)
+# The head dims the family takes by default on a compute capability 9.0 GPU; the others
+# (:func:`takes`) run on it where forced (``NUMBA_FLASH_HOPPER=1``), on the mma.sync family
+# otherwise, until measured against it on a GPU
 DEFAULT_HEAD_DIMS = (64, 128)
 # Keys per tile at d = 256, where O takes 128 of a consumer's registers: S and P of 64 keys
 # beside it, in two ring stages beside one Q buffer (192 KiB). (80 keys, FlashAttention-3's
@@ -144,6 +144,19 @@ FIXED_MAX_SOFTCAP = True
 FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 
 
+def padded(d):
+    """The kernel's head dim (:data:`HEAD_DIMS`) for a call's ``d``: the columns between are
+    zeros (the TMA fills a box's columns past the rows' end with zeros, which add nothing to
+    Q Kᵀ and give O columns that are not stored)."""
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def takes(d):
+    """Whether the family takes head dim ``d``: a multiple of 8 (the TMA's 16-byte rows)
+    from 64 to 256, run by the kernel of :func:`padded`'s head dim."""
+    return d % 8 == 0 and 64 <= d <= 256
+
+
 def longest_first(scores):
     """Whether the kernel for ``scores`` deals its items longest first (``work_item``):
     where a mask makes rows see different numbers of keys (causal rows, a window, a block
@@ -164,8 +177,8 @@ def tiling(D, scores, rows=None):
     102.)"""
     narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
               or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
-    bm = BM if narrow else BLOCK_ROWS.get(D, BM)
-    return WgmmaTiling(BM=bm, BN=WIDE_HEAD_BN if D == 256 else BN, threads=threads_for(bm))
+    bm = BM if narrow else BLOCK_ROWS.get(padded(D), BM)
+    return WgmmaTiling(BM=bm, BN=WIDE_HEAD_BN if padded(D) == 256 else BN, threads=threads_for(bm))
 
 
 def threads_for(bm):
@@ -187,7 +200,7 @@ def paired(scores, bm, d=128):
     head dim ``d`` at most 128 (at 256 O holds 128 of a consumer's registers, and with the
     pairs' producer of 40 registers the consumers spilled: ptxas 13, 76/192 bytes)."""
     return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed and bm == BM
-                and d <= 128)
+                and padded(d) <= 128)
 
 
 def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
@@ -217,6 +230,7 @@ def buffers(D, bn=BN):
     fewer keys than ``BN`` (``bn``) take as many more stages, the same keys in flight
     (64 keys at d = 128: four stages, 225 KiB). At d = 256 a 128-row Q tile takes 64 KiB:
     one Q buffer, two stages."""
+    D = padded(D)
     if D == 256:
         return 1, 2
     qbuf, stages = (2, 2) if D > 64 else (2, 4)
@@ -224,7 +238,7 @@ def buffers(D, bn=BN):
 
 
 def _layout(D, qbuf, stages, bn=BN, bm=BM):
-    nsub = D // 64
+    nsub = padded(D) // 64
     sub_q, sub_k = bm * SUB, bn * SUB          # bytes of one 64-column sub-tile
     q_off = 0
     k_off = q_off + qbuf * nsub * sub_q
@@ -251,7 +265,7 @@ def overlaps(scores, bm, d):
     kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
     (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
     tiles (up to 300 bytes); so did packed rows at d = 256 (368/704 bytes, 60/212 without)."""
-    return bm // ROWS == 2 and scores.causal and (d == 64 or scores.packed and d <= 128)
+    return bm // ROWS == 2 and scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
 
 
 @functools.lru_cache(maxsize=None)
@@ -272,6 +286,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :func:`overlaps`); ``fixed_max``: under a softcap alone, each row's maximum taken as the
     cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
     BM = tiling(D, scores).BM if bm is None else bm
+    assert takes(D), D
+    D, COLS = padded(D), D                # the kernel's head dim; the output's columns
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
@@ -326,7 +342,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    store_rows = make_store_rows(dtype_name, D)
+    store_rows = make_store_rows(dtype_name, D, COLS)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None

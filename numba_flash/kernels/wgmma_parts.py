@@ -115,13 +115,14 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_rows(dtype_name: str, D: int):
+def make_store_rows(dtype_name: str, D: int, cols: int = None):
     """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
     a 64 × ``D`` accumulator (two halves ``o0, o1`` of :func:`half_columns` each; ``o1``
     unused at ``D = 64``)
     into rows ``row0`` (times ``inv0``) and ``row0 + 8`` (times ``inv1``) of ``out[b1,
     b2]``, a uint64 view of four 16-bit values per element (``_arrays.packed_view``), rows
-    from ``n_rows`` on left out. Every lane of the warp calls it (it shuffles).
+    from ``n_rows`` on left out, and columns from ``cols`` on where the output has fewer
+    than ``D`` (a multiple of 4). Every lane of the warp calls it (it shuffles).
 
     The accumulator gives a lane two adjacent columns of each 8-column block (lane
     ``tq4`` of a quad: columns ``2 tq4, 2 tq4 + 1``), so storing them as they are writes 16
@@ -132,6 +133,8 @@ def make_store_rows(dtype_name: str, D: int):
     row with one 8-byte store per lane. Short loops with constant bounds, so that every
     accumulator index is a constant (a rolled loop picked registers by branching: item 34)."""
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
+    QUADS = (D if cols is None else cols) // 4        # uint64 elements of an output row
+    CLIP = QUADS < D // 4
 
     @cuda.jit(device=True, inline=True)
     def store_half(out, b1, b2, row, ok, o, h, inv, odd, half, c0):
@@ -142,8 +145,9 @@ def make_store_rows(dtype_name: str, D: int):
             got = numba.uint32(warp.shfl_xor_sync(warp.FULL_MASK, numba.int32(a if odd else b), 1))
             lo = got if odd else a
             hi = b if odd else got
-            if ok:
-                out[b1, b2, row, c0 + 4 * u + 2 * odd + half] = numba.uint64(lo) | (numba.uint64(hi) << numba.uint64(32))
+            col = c0 + 4 * u + 2 * odd + half
+            if ok and (not CLIP or col < QUADS):
+                out[b1, b2, row, col] = numba.uint64(lo) | (numba.uint64(hi) << numba.uint64(32))
 
     @cuda.jit(device=True, inline=True)
     def store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
