@@ -158,7 +158,8 @@ def _check_row(r):
         if tanh == "exact" and r["tanh.approx.f32"] + r["rcp.approx.f32"]:
             bad.append("a float32 special-function tanh or reciprocal in a float64 kernel")
     # the Hopper forward's output written by straight-line stores (wgmma_parts.make_store_rows):
-    # per thread two rows of 4 column quads per 64 columns of d, and two lse values; a rolled
+    # per thread two rows of 4 column quads per 64 columns of d (of d's columns only where the
+    # kernel's head dim is padded: forward_wgmma.padded), and two lse values; a rolled
     # loop there picked the accumulator's registers by branching (docs/performance.md item 34)
     # (packed sequences: out and lse of any strides, stored through generic addresses); four
     # copies where an item's last P V overlaps the next item's start (forward_wgmma.overlaps:
@@ -170,7 +171,7 @@ def _check_row(r):
         stores = r["st.global"] + r["st.generic"]
         spec = SPECS[name]
         overlap = forward_wgmma.overlaps(spec.scores, spec.tiling.BM, d)
-        want = (8 * (d // 64) + 2) * 4 if overlap else 8 * (d // 64) + 2 * 2
+        want = (d // 8 + 2) * 4 if overlap else d // 8 + 2 * 2      # (d // 8: a row pair's stores of d columns)
         if stores != want:
             bad.append(f"{stores} stores, not {want}: the output stores are not unrolled")
     # exponentials on the FMA units (forward_wgmma.EXP2_FMA_SOFTCAP, measured slower) in
