@@ -68,7 +68,8 @@ def _families(cc):
         back = "backward_dkdv_mma + backward_dq_mma" if dt in registry.LOW_DTYPES else (
             "backward_dkdv_simt + backward_dq_simt")
         if dt in registry.LOW_DTYPES and registry.uses_hopper(dt, 128, cc, variant="backward_dkdv_wgmma"):
-            back = "backward_dkdv_wgmma + backward_dq_wgmma (d 64 and 128; others: backward_*_mma)"
+            back = ("backward_dkdv_wgmma + backward_dq_wgmma (d 64 and 128; multiples of 8 between where forced; "
+                    "others: backward_*_mma)")
         rows.append(f"{line}, backward {back}")
     return rows
 

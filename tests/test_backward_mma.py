@@ -315,10 +315,12 @@ HOPPER_CASES = [    # ragged against the family's 128-row blocks and 64-column t
     (BCase((1, 2), 130, 70, 64, "bfloat16", causal=True, magnitude=2.0, seed=41), 1),   # 2 query blocks; 2 -> 1 heads
     (BCase((1,), 40, 200, 128, "float16", scale=0.3, seed=42), 1),                      # the ring wraps
     (BCase((), 20, 30, 64, "bfloat16", seed=45), 1),                                    # q (N, d): no head axis
+    (BCase((1, 2), 90, 140, 96, "bfloat16", causal=True, seed=46), 2),     # d = 96: d = 128's kernels, clipped
 ]
 
 
-@pytest.mark.parametrize("case,hkv", HOPPER_CASES, ids=["causal-130x70-d64-gqa", "full-40x200-d128", "no-heads-20x30"])
+@pytest.mark.parametrize("case,hkv", HOPPER_CASES, ids=["causal-130x70-d64-gqa", "full-40x200-d128", "no-heads-20x30",
+                                                        "causal-90x140-d96-gqa"])
 def test_hopper_backward_through_the_api(case, hkv, monkeypatch):
     """The Hopper backward (``backward_wgmma``) forced on: in the simulator through
     ``ops_hopper``'s twins, on a GPU of cc 9.0; grouped heads summed into dk, dv."""

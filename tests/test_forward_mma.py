@@ -205,10 +205,14 @@ def test_hopper_other_head_dims_only_where_forced(monkeypatch):
     monkeypatch.setenv(registry.HOPPER_ENV, "auto")
     assert [d for d in (64, 96, 128, 200, 256) if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False)] == [
         64, 128]
+    assert [d for d in (64, 96, 128) if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False,
+                                                             variant="backward_dkdv_wgmma")] == [64, 128]
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
     assert [d for d in (56, 64, 72, 100, 128, 248, 256, 264) if registry.uses_hopper("bfloat16", d, (9, 0),
                                                                                    simulator=False)] == [
         64, 72, 128, 248, 256]
+    assert [d for d in (56, 64, 72, 128, 136, 256) if registry.uses_hopper(     # the backward: up to 128
+        "bfloat16", d, (9, 0), simulator=False, variant="backward_dkdv_wgmma")] == [64, 72, 128]
 
 
 @pytest.mark.parametrize("opts", [{"causal": True}, {"window": (150, 0)}], ids=["causal", "window"])

@@ -27,7 +27,8 @@ boxes) and ``CA, CB`` (``BC``-row boxes) over the ``(X, H, N, D)`` views, ``st (
 values in fours: dK and dV, or dQ twice), ``nq, nk, group``, ``scale_log2, scale`` and
 the score arguments of ``forward.make_forward``. Launch with ``grid = ceil(rows / BR) ·
 X · H / group`` (dK/dV; dQ: ``· Hq``), ``THREADS`` threads and ``kernel.smem_bytes`` of
-dynamic shared memory. Head dims 64 and 128.
+dynamic shared memory. Head dims 64 and 128, and the multiples of 8 between (:func:`takes`:
+the kernel of 128 on zero columns, its outputs' stores stopped at column d).
 """
 import dataclasses
 import functools
@@ -39,12 +40,15 @@ from .. import ops
 from .. import ops_hopper as H
 from ..scores import ScoreSpec
 from .backward import make_tile_rules
-from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_rows, wait_phase
+from .wgmma_parts import SUB, make_column_product, make_row_product, make_store_rows, padded, wait_phase
 
 KINDS = ("dkdv", "dq")
 BR, BC = 128, 64              # rows per block (64 per warpgroup), columns per streamed tile
 THREADS = 256
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128)         # the kernels' head dims (``wgmma_parts.padded``)
+# the head dims the family takes by default on a compute capability 9.0 GPU (the others of
+# :func:`takes` where forced, until measured; dK/dV at d = 256 would not fit the registers)
+DEFAULT_HEAD_DIMS = (64, 128)
 STAGES = 2
 ROWS = 64                     # rows per warpgroup (one wgmma M)
 
@@ -71,8 +75,13 @@ class WgmmaBwdTiling:
 TILING = WgmmaBwdTiling()
 
 
+def takes(d):
+    """Whether the family takes head dim ``d``: a multiple of 8 from 64 to 128."""
+    return d % 8 == 0 and 64 <= d <= 128
+
+
 def _layout(D):
-    nsub = D // 64
+    nsub = padded(D) // 64
     sub_r, sub_c = BR * SUB, BC * SUB          # bytes of one 64-column sub-tile
     ra = 0
     rb = ra + nsub * sub_r
@@ -95,7 +104,8 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
     dK/dV computes dS while dV's product runs (else after it: fewer registers). By default
     on for d = 64 only: on the H200 (bf16, kernels alone) it gained 1.2 % at d = 64 and lost
     3 % at d = 128 (3.744 against 3.632 ms at (4,16,4096,128); docs/performance.md)."""
-    assert kind in KINDS and D in HEAD_DIMS, (kind, D)
+    assert kind in KINDS and takes(D), (kind, D)
+    D, COLS = padded(D), D                # the kernel's head dim; the outputs' columns
     if dv_early is None:
         dv_early = D == 64
     DKDV = kind == "dkdv"
@@ -108,7 +118,7 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
     zeros = H.accumulator(64)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    store_rows = make_store_rows(dtype_name, D)
+    store_rows = make_store_rows(dtype_name, D, COLS)
     place, columns, probability, tile_needs_mask, block_tile, score_consts = make_tile_rules(
         DKDV, dtype_name, scores, BR, BC)
     # ALiBi (without user functions) is applied here rather than by the score rule: its bias

@@ -79,7 +79,7 @@ from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, bloc
 from . import wgmma_schedule
 from .forward import LN2
 from .wgmma_parts import (SUB, consumer_registers, half_columns, make_column_product, make_row_product,
-                          make_store_rows, wait_phase)
+                          make_store_rows, padded, wait_phase)
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
@@ -95,7 +95,7 @@ BLOCK_ROWS = {64: 192, 128: 128}
 # bytes in the causal d = 128 kernel, at 40 56/172 (52/140 before the tail), none in the
 # loop over key tiles
 SCHEDULE_PRODUCER_REGS = 40
-HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (:func:`padded`)
+HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padded``)
 # The head dims the family takes by default on a compute capability 9.0 GPU; the others
 # (:func:`takes`) run on it where forced (``NUMBA_FLASH_HOPPER=1``), on the mma.sync family
 # otherwise, until measured against it on a GPU
@@ -144,16 +144,9 @@ FIXED_MAX_SOFTCAP = True
 FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 
 
-def padded(d):
-    """The kernel's head dim (:data:`HEAD_DIMS`) for a call's ``d``: the columns between are
-    zeros (the TMA fills a box's columns past the rows' end with zeros, which add nothing to
-    Q Kᵀ and give O columns that are not stored)."""
-    return 64 if d <= 64 else 128 if d <= 128 else 256
-
-
 def takes(d):
     """Whether the family takes head dim ``d``: a multiple of 8 (the TMA's 16-byte rows)
-    from 64 to 256, run by the kernel of :func:`padded`'s head dim."""
+    from 64 to 256, run by the kernel of ``wgmma_parts.padded``'s head dim."""
     return d % 8 == 0 and 64 <= d <= 256
 
 

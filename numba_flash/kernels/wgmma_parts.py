@@ -21,6 +21,14 @@ DESC = H.smem_descriptor(16, 1024, 1)   # 128-byte swizzle, 8-row groups 1024 by
 WIDE_COLUMNS = True
 
 
+def padded(d):
+    """The kernels' head dim for a call's ``d``: 64, 128 or 256. The columns between are
+    zeros: the TMA fills a box's columns past the rows' end with zeros, which add nothing to
+    a product over d and give output columns that are not stored (``make_store_rows``'
+    ``cols``)."""
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
 def half_columns(D):
     """The columns of each of the two accumulators ``o0, o1`` that hold a 64 × ``D`` output
     (``o1`` unused at ``D = 64``): 64, or 128 at ``D = 256``."""
