@@ -47,7 +47,8 @@ OPTIONS = [
 ]
 # (Hq, Hkv, Nq, Nk, d): ragged against every tile size, Nq > Nk and Nq < Nk, GQA and MQA
 SHAPES = [(2, 2, 37, 53, 40), (4, 2, 70, 29, 64), (3, 1, 17, 131, 24)]
-HOPPER_SHAPES = [(4, 2, 130, 200, 64), (2, 1, 70, 29, 128), (2, 2, 200, 330, 128), (2, 1, 150, 170, 256)]
+HOPPER_SHAPES = [(4, 2, 130, 200, 64), (2, 1, 70, 29, 128), (2, 2, 200, 330, 128), (2, 1, 150, 170, 256),
+                 (2, 1, 90, 140, 96)]
 PAIRS_SHAPES = [(2, 2, 300, 260, 128), (2, 2, 300, 260, 64)]   # three query tiles, two heads of two batches
 DTYPES = (("float32", 1e-4), ("float64", 1e-10), ("float16", 2e-2), ("bfloat16", 8e-2))   # and tolerances
 
