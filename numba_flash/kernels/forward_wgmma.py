@@ -3,7 +3,8 @@
 The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A work item is
 ``BM`` query rows of one (batch, head) (128, or 192 at d = 64 where the rules allow:
 :func:`tiling`; head dims 64, 128 and 256, the last in 64-key tiles with one Q buffer:
-:data:`WIDE_HEAD_BN`); the grid is persistent (at most one block per
+:data:`WIDE_HEAD_BN`, and the multiples of 8 between on the next one's kernel: :func:`takes`);
+the grid is persistent (at most one block per
 multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
 order of ``work_item`` (for causal rows, where it pays, pairs of query tiles that see
 ``n_qt + 1`` key tiles together, head by head, then the rest heaviest first:

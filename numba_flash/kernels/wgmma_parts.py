@@ -101,7 +101,7 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
     instead of twice. At ``D = 256`` each k-step is one m64n256k16 over the four sub-tiles
     (``o0`` columns 0-127, ``o1`` 128-255, 64 registers each)."""
     mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
-    wide = H.wgmma(2 * half_columns(D) if D > 64 else 64, dtype_name, a_in_registers=True, trans_b=1)
+    wide = H.wgmma(D, dtype_name, a_in_registers=True, trans_b=1)      # (D = 64: unused)
     desc = DESC
     wide_desc = H.smem_descriptor(sub_b, 1024, 1)
     WIDE = D == 256 or D == 128 and WIDE_COLUMNS
