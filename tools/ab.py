@@ -19,7 +19,8 @@ causal, else ``(L, L)``), ``c=C``, a softcap ``C`` (e.g. ``1,16,16384,128,1,w=10
 ``4,16,4096,128,0,c=30``); ``--varlen`` adds the causal
 varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128),
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
-separated, ``L*n`` for ``n`` sequences of ``L`` rows); ``--decode`` adds the decoding
+separated, ``L*n`` for ``n`` sequences of ``L`` rows) and with ``--varlen-heads H,d``
+other heads and head dim; ``--decode`` adds the decoding
 rows of ``bench.py serving`` (one query per sequence, 16 sequences of 8192 keys, 32 query
 heads and 32 or 8 K/V heads, d = 128), the grouped row with 4 sequences and with one, and
 one sequence of the MHA row, each with SDPA's cuDNN backend timed beside it in
@@ -208,7 +209,8 @@ def worker(tree, args):
         given = parse_lens(args.lens)
         lens = torch.tensor(given)
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).numpy()
-        q, k, v = (torch.randn(int(cu[-1]), 16, 128, device="cuda", dtype=dt) for _ in range(3))
+        heads, d = (int(x) for x in args.varlen_heads.split(","))
+        q, k, v = (torch.randn(int(cu[-1]), heads, d, device="cuda", dtype=dt) for _ in range(3))
         call = lambda: numba_flash.attention_varlen(q, k, v, cu, cu, causal=True)  # noqa: E731
         s = next((i for i, n in enumerate(given) if n), None)         # a sequence with rows, checked
         rows = slice(int(cu[s]), int(cu[s + 1])) if s is not None else slice(0, 0)
@@ -216,6 +218,7 @@ def worker(tree, args):
         got = call()
         err = (_as_torch(got, torch)[rows].float() - ref.float()).abs().max().item() if s is not None else 0.0
         name = "16 x 256..4096" if given == VARLEN_LENS else f"{len(given)} x {min(given)}..{max(given)}"
+        name += "" if (heads, d) == (16, 128) else f", {heads} heads, d = {d}"
         records.append(dict(call=f"varlen {name} causal", ms=_time(call), err=err, bits=_digest([got], torch)))
     return records
 
@@ -267,6 +270,7 @@ def main(argv=None):
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
     p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16" or "100,3000"')
+    p.add_argument("--varlen-heads", default="16,128", help='with --varlen: "H,d", heads and head dim')
     p.add_argument("--decode", action="store_true", help="add bench.py serving's decoding rows (MHA, GQA)")
     p.add_argument("--backward", action="store_true", help="time the backward's kernels too")
     p.add_argument("--rounds", type=int, default=2)

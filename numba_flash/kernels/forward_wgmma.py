@@ -102,9 +102,13 @@ HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padd
 # otherwise, until measured against it on a GPU
 DEFAULT_HEAD_DIMS = (64, 128)
 # Keys per tile at d = 256, where O takes 128 of a consumer's registers: S and P of 64 keys
-# beside it, in two ring stages beside one Q buffer (192 KiB). (80 keys, FlashAttention-3's
-# choice, spilled under causal rows and windows: ptxas 13, 48-152 bytes; docs/hopper.md.)
+# beside it, in two ring stages beside one Q buffer (192 KiB). 80 keys, FlashAttention-3's
+# choice, where no rule masks or transforms a score (:data:`WIDE_HEAD_FULL_BN`): measured on
+# an H100 7% faster on full rows; under causal rows and windows 80 keys spilled (ptxas 13,
+# 48-152 bytes) and were 3-5% slower on short causal rows and a window, under a softcap
+# or ALiBi they spill 12-40 bytes (a softcap: level). docs/performance.md item 110.
 WIDE_HEAD_BN = 64
+WIDE_HEAD_FULL_BN = 80
 # With a softcap every score takes two special-function instructions (tanh, then exp2).
 # Moving half the exponentials to the FMA units (about ten instructions each: ops.exp2_fma)
 # was measured 10-15 % slower on an H200 (docs/performance.md item 32): none by default; the
@@ -172,7 +176,9 @@ def tiling(D, scores, rows=None):
     narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
               or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
     bm = BM if narrow else BLOCK_ROWS.get(padded(D), BM)
-    return WgmmaTiling(BM=bm, BN=WIDE_HEAD_BN if padded(D) == 256 else BN, threads=threads_for(bm))
+    plain = not (scores.masks_keys or scores.transforms or scores.packed)
+    bn = (WIDE_HEAD_FULL_BN if plain else WIDE_HEAD_BN) if padded(D) == 256 else BN
+    return WgmmaTiling(BM=bm, BN=bn, threads=threads_for(bm))
 
 
 def threads_for(bm):
