@@ -212,8 +212,8 @@ class Variant:
     signature: object       # (dtype, layout) -> numba signature string
     dtypes: tuple = DTYPES
     head_dims: object = lambda d: True   # d -> whether this variant supports it
-    # d -> whether a GPU of its ``arch`` takes it by default (None: ``head_dims``); the
-    # others only where forced (``hopper_choice``)
+    # (d, scores) -> whether a GPU of its ``arch`` takes it by default (None: ``head_dims``);
+    # the others only where forced (``hopper_choice``)
     default_dims: object = None
     direction: str = None   # "forward" / "backward": a family computing that direction (None: a helper)
     compact: object = None  # (dtype, d, simulator) -> Tiling for GPUs with less shared memory
@@ -339,7 +339,7 @@ VARIANTS = {v.name: v for v in (
             lambda d, t: forward_wgmma.smem_bytes(d, bn=t.BN, bm=t.BM) // 2, _sig_forward_wgmma, LOW_DTYPES,
             forward_wgmma.takes, direction="forward", async_only=True, arch="sm_90a", packed=True,
             rules_tiling=lambda dt, d, scores, rows: forward_wgmma.tiling(d, scores, rows),
-            default_dims=lambda d: d in forward_wgmma.DEFAULT_HEAD_DIMS),
+            default_dims=forward_wgmma.by_default),
     Variant("backward_dkdv_simt", "backward: dK, dV (a block per key tile)", backward_tiling,
             lambda s: make_backward("dkdv", s.dtype, s.d, s.tiling, s.scores, s.use_async),
             lambda d, t: bwd_smem_words(d, t, "dkdv"), _sig_backward, direction="backward"),
@@ -361,13 +361,13 @@ VARIANTS = {v.name: v for v in (
             lambda s: backward_wgmma.make_backward_wgmma("dkdv", s.dtype, s.d, s.scores),
             lambda d, t: backward_wgmma.smem_bytes(d) // 2, _sig_backward_wgmma, LOW_DTYPES,
             backward_wgmma.takes, direction="backward", async_only=True, arch="sm_90a",
-            default_dims=lambda d: d in backward_wgmma.DEFAULT_HEAD_DIMS, ptx_dims=backward_wgmma.HEAD_DIMS),
+            default_dims=backward_wgmma.by_default, ptx_dims=backward_wgmma.HEAD_DIMS),
     Variant("backward_dq_wgmma", "backward on Hopper (TMA, wgmma): dQ",
             lambda dt, d, sim: backward_wgmma.TILING,
             lambda s: backward_wgmma.make_backward_wgmma("dq", s.dtype, s.d, s.scores),
             lambda d, t: backward_wgmma.smem_bytes(d) // 2, _sig_backward_wgmma, LOW_DTYPES,
             backward_wgmma.takes, direction="backward", async_only=True, arch="sm_90a",
-            default_dims=lambda d: d in backward_wgmma.DEFAULT_HEAD_DIMS, ptx_dims=backward_wgmma.HEAD_DIMS),
+            default_dims=backward_wgmma.by_default, ptx_dims=backward_wgmma.HEAD_DIMS),
     Variant("backward_delta", "backward pre-pass: delta = rowsum(dO ∘ O)", lambda dt, d, sim: None,
             lambda s: make_delta(s.dtype), lambda d, t: 0, _sig_delta, DTYPES),
     Variant("backward_stats", "tensor-core backward pre-pass: delta and lse in log2 units, padded rows",
@@ -500,17 +500,17 @@ def hopper_choice():
     return value
 
 
-def uses_hopper(dtype_name, d, cc, simulator=SIMULATOR, variant="forward_wgmma"):
+def uses_hopper(dtype_name, d, cc, simulator=SIMULATOR, variant="forward_wgmma", scores=FULL):
     """Whether these inputs run on the Hopper family (``variant``: ``forward_wgmma``, or
     the backward's ``backward_dkdv_wgmma``): 16-bit inputs, a head dim it takes, and
-    ``hopper_choice()`` with the device's compute capability ``cc`` (by default only the
-    head dims of the variant's ``default_dims``)."""
+    ``hopper_choice()`` with the device's compute capability ``cc`` (by default only where
+    the variant's ``default_dims`` says so for ``d`` and the rules ``scores``)."""
     v = VARIANTS[variant]
     if dtype_name not in LOW_DTYPES or not v.head_dims(d):
         return False
     choice = hopper_choice()
     return choice == "1" or (choice == "auto" and not simulator and cc is not None and tuple(cc[:2]) == (9, 0)
-                             and (v.default_dims is None or v.default_dims(d)))
+                             and (v.default_dims is None or v.default_dims(d, scores)))
 
 
 def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR, smem_limit=None, cc=None,
@@ -522,7 +522,7 @@ def forward_specialisation(dtype_name, d, scores, use_async, simulator=SIMULATOR
     cp.async: the API gives them aligned rows), CUDA cores otherwise."""
     if dtype_name in LOW_DTYPES and rows is not None and rows <= SPLIT_ROWS:
         return specialisation("forward_mma_split", dtype_name, d, scores, True, simulator)
-    if not scores.paged and uses_hopper(dtype_name, d, cc, simulator):
+    if not scores.paged and uses_hopper(dtype_name, d, cc, simulator, scores=scores):
         return specialisation("forward_wgmma", dtype_name, d, scores, True, simulator, rows=rows)
     if dtype_name in LOW_DTYPES:
         return specialisation("forward_mma", dtype_name, d, scores, True, simulator)

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 import numba_flash  # before numba: it decides whether the simulator is needed
 from numba_flash import registry
 from numba_flash.kernels.forward_mma import MmaTiling
+from numba_flash.scores import CAUSAL, PACKED
 from numba_flash.testing import check_forward_low
 from conftest import ON_GPU, Case, bits, host
 
@@ -199,18 +200,26 @@ def test_hopper_head_dims_beyond_64_and_128_score_rules(d, monkeypatch):
 
 
 def test_hopper_other_head_dims_only_where_forced(monkeypatch):
-    """On a compute capability 9.0 GPU the Hopper family takes d = 64 and 128 by default,
-    the other multiples of 8 from 64 to 256 only where forced
-    (``forward_wgmma.DEFAULT_HEAD_DIMS``), and never the rest."""
+    """On a compute capability 9.0 GPU the Hopper forward takes every multiple of 8 from
+    64 to 256 by default, packed sequences only up to d = 128 (the rest of them where
+    forced: ``forward_wgmma.by_default``); its backward d = 64 and 128 by default, the
+    multiples of 8 between where forced; neither ever the rest."""
     monkeypatch.setenv(registry.HOPPER_ENV, "auto")
-    assert [d for d in (64, 96, 128, 200, 256) if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False)] == [
-        64, 128]
+    assert [d for d in (56, 64, 96, 128, 200, 256, 264)
+            if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False)] == [64, 96, 128, 200, 256]
+    assert [d for d in (64, 96, 128, 136, 256)
+            if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False, scores=PACKED)] == [64, 96, 128]
+    assert [registry.forward_specialisation("float16", d, spec, True, simulator=False, cc=(9, 0)).variant
+            for d, spec in ((256, CAUSAL), (256, PACKED), (128, PACKED))] == [
+        "forward_wgmma", "forward_mma", "forward_wgmma"]
+    assert not registry.uses_hopper("bfloat16", 128, (8, 0), simulator=False)
     assert [d for d in (64, 96, 128) if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False,
                                                              variant="backward_dkdv_wgmma")] == [64, 128]
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
     assert [d for d in (56, 64, 72, 100, 128, 248, 256, 264) if registry.uses_hopper("bfloat16", d, (9, 0),
                                                                                    simulator=False)] == [
         64, 72, 128, 248, 256]
+    assert registry.uses_hopper("bfloat16", 256, (9, 0), simulator=False, scores=PACKED)
     assert [d for d in (56, 64, 72, 128, 136, 256) if registry.uses_hopper(     # the backward: up to 128
         "bfloat16", d, (9, 0), simulator=False, variant="backward_dkdv_wgmma")] == [64, 72, 128]
 

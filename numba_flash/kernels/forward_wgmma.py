@@ -51,7 +51,8 @@ arguments of ``forward.make_forward`` and ``sched`` (int64, :func:`schedule`: th
 schedule's argument for causal rows that take it, −1 or 0 for the longest-first deal's
 rounds). Launch with
 ``grid <= ceil(Nq / BM) · B1 · B2`` (any count: ``grid_size``), ``kernel.threads`` threads and
-``kernel.smem_bytes`` of dynamic shared memory. Head dims 64 and 128.
+``kernel.smem_bytes`` of dynamic shared memory. Head dims 64, 128 and 256 (the multiples of 8
+between on the next one's kernel, on tensor maps of the real ``d``).
 
 Packed sequences (``scores.packed``: varlen batches, the rows of every sequence in one
 ``(B1, B2, tokens, d)`` view, back to back): in place of ``sched`` a last argument ``seqs
@@ -97,15 +98,20 @@ BLOCK_ROWS = {64: 192, 128: 128}
 # loop over key tiles
 SCHEDULE_PRODUCER_REGS = 40
 HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padded``)
-# The head dims the family takes by default on a compute capability 9.0 GPU; the others
-# (:func:`takes`) run on it where forced (``NUMBA_FLASH_HOPPER=1``), on the mma.sync family
-# otherwise, until measured against it on a GPU
-DEFAULT_HEAD_DIMS = (64, 128)
+# The head dims the family takes by default on a compute capability 9.0 GPU: every one it
+# takes (:func:`takes`). Measured on an H100 at d = 96 and 256 1.8-3.0x the mma.sync
+# family's speed on full and causal rows, a window and a softcap (docs/performance.md item
+# 110); the others run the same two kernels on zero columns. Packed sequences (varlen
+# batches, KV caches) by default only up to :data:`PACKED_DEFAULT_MAX_D`: their d = 256
+# kernel spills (60/212 bytes, ptxas 13) and is not yet measured. The rest run on the
+# mma.sync family unless forced (``NUMBA_FLASH_HOPPER=1``): :func:`by_default`.
+DEFAULT_HEAD_DIMS = tuple(range(64, 257, 8))
+PACKED_DEFAULT_MAX_D = 128
 # Keys per tile at d = 256, where O takes 128 of a consumer's registers: S and P of 64 keys
 # beside it, in two ring stages beside one Q buffer (192 KiB). 80 keys, FlashAttention-3's
 # choice, where no rule masks or transforms a score (:data:`WIDE_HEAD_FULL_BN`): measured on
 # an H100 7% faster on full rows; under causal rows and windows 80 keys spilled (ptxas 13,
-# 48-152 bytes) and were 3-5% slower on short causal rows and a window, under a softcap
+# 48-152 bytes) and were 2-4% slower on short causal rows and a window, under a softcap
 # or ALiBi they spill 12-40 bytes (a softcap: level). docs/performance.md item 110.
 WIDE_HEAD_BN = 64
 WIDE_HEAD_FULL_BN = 80
@@ -153,6 +159,12 @@ def takes(d):
     """Whether the family takes head dim ``d``: a multiple of 8 (the TMA's 16-byte rows)
     from 64 to 256, run by the kernel of ``wgmma_parts.padded``'s head dim."""
     return d % 8 == 0 and 64 <= d <= 256
+
+
+def by_default(d, scores):
+    """Whether a compute capability 9.0 GPU runs head dim ``d`` under the rules ``scores``
+    on this family unless told otherwise (:data:`DEFAULT_HEAD_DIMS`)."""
+    return d in DEFAULT_HEAD_DIMS and (not scores.packed or d <= PACKED_DEFAULT_MAX_D)
 
 
 def longest_first(scores):
