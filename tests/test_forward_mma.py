@@ -199,6 +199,40 @@ def test_hopper_head_dims_beyond_64_and_128_score_rules(d, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
+@pytest.mark.parametrize("d", [64, 256])
+def test_hopper_lazy_maxima(d, monkeypatch):
+    """Lazy maxima (the factory's ``slack``, ``forward_wgmma.RESCALE_SLACK``, here 8): rows
+    whose maxima rise from key tile to key tile by less than the slack (the old maximum
+    kept, P's values above 1, O not rescaled) and by more (raised, O rescaled), in the same
+    tiles; without the rescale the output is wrong by about 0.5. Each key tile's keys
+    lie along the query rows' shared direction with a length growing tile by tile, and
+    the query rows' lengths spread the rises over both sides of the slack."""
+    from numba_flash.kernels import forward_wgmma
+    _force_hopper(monkeypatch, cache=False)
+    plain = forward_wgmma.make_forward_wgmma
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma", lambda dt, d, scores, **kw: plain(dt, d, scores, slack=8.0,
+                                                                                                **kw))
+    bn = forward_wgmma.tiling(d, registry.FULL).BN
+    nq, nk = 90, 3 * bn + bn // 2                      # three whole key tiles and a ragged one
+    rng = np.random.default_rng(30 + d)
+    u = rng.standard_normal(d)
+    u /= np.linalg.norm(u)
+    scale = 1 / math.sqrt(d)
+    # a query row of length a and a key of length b along u score about a·b·scale·log2(e)
+    # in log2 units; the key tiles' lengths step by `step`, the rows' a in [0.2, 2.6] make
+    # the rises per tile 0.2·6 to 2.6·6 log2 units: below and above the slack of 8
+    a = np.linspace(0.2, 2.6, nq)
+    step = 6.0 / (scale * math.log2(math.e))
+    b = step * (np.arange(nk) // bn + rng.uniform(0, 0.3, nk))
+    q = a[:, None] * u + 0.05 * rng.standard_normal((nq, d))
+    k = b[:, None] * u + 0.05 * rng.standard_normal((nk, d))
+    v = rng.standard_normal((nk, d))
+    q, k, v = (x[None].astype(ml_dtypes.bfloat16) for x in (q, k, v))
+    _assert_hopper_launch(q, k, v)
+    out, lse = numba_flash.attention_fwd(q, k, v)
+    check_forward_low(out, lse, q, k, v, False, None)
+
+
 def test_hopper_other_head_dims_only_where_forced(monkeypatch):
     """On a compute capability 9.0 GPU the Hopper forward takes every multiple of 8 from
     64 to 256 by default, packed sequences only up to d = 128 (the rest of them where

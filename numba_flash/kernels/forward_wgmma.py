@@ -154,6 +154,17 @@ NARROW_CAUSAL_ROWS = 4096
 FIXED_MAX_SOFTCAP = True
 FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 
+# Rows' maxima raised lazily: a row keeps its running maximum until a tile's maximum passes
+# it by more than this (log2 units: a factor 2^8), so P's values reach at most 2^8 (well
+# inside float32's, bfloat16's and float16's range, at their full relative precision: the
+# sums and O divide it out exactly) and O is rescaled only where a row's maximum moved: a
+# thread skips its rescale (64 multiplications a tile at d = 128, 128 at d = 256) where
+# neither of its rows did, which after an item's first tiles is nearly always (the
+# threshold of FlashAttention-4's softmax). A negative value: every rise of a maximum
+# rescales. Built with 8 and tested in the simulator, not yet measured on a GPU: off
+# (docs/performance.md item 111).
+RESCALE_SLACK = -1.0
+
 
 def takes(d):
     """Whether the family takes head dim ``d``: a multiple of 8 (the TMA's 16-byte rows)
@@ -283,7 +294,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, fixed_max: bool = None):
+                       overlap: bool = None, fixed_max: bool = None, slack: float = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -296,7 +307,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     warpgroup (default :func:`tiling`'s; launch with :func:`threads_for` threads);
     ``overlap``: an item's last P V issued with the next item's first Q Kᵀ (default:
     :func:`overlaps`); ``fixed_max``: under a softcap alone, each row's maximum taken as the
-    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`)."""
+    cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`); ``slack``:
+    how far a tile's maximum may pass a row's before the row's is raised and O rescaled
+    (default :data:`RESCALE_SLACK`; negative: at every rise)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -332,6 +345,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     SCALED = RAW or TANH_RAW          # s holds the scores over a positive factor, sl
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
+    # the rows' maxima raised lazily (RESCALE_SLACK): O rescaled only where one moved
+    SLACK = RESCALE_SLACK if slack is None else slack
+    LAZY = SLACK >= 0
     # ALiBi's distances in float32 arithmetic: positions passed to the score rule as floats
     # (exact below 2**24) rather than one 64-bit integer-to-float conversion per score, a
     # slow instruction on the multi-function unit the exponentials need (user functions
@@ -363,6 +379,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     block_rows, block_tile = block_row_rules(scores)
     F32 = numba.float32
     ZERO, ONE, NEG_INF, LN2_T = F32(0), F32(1), F32(-math.inf), F32(LN2)
+    SLACK_T = F32(max(SLACK, 0.0))
     FIXED_LIMIT = F32(FIXED_MAX_LIMIT.get(dtype_name, 0.0))
     TILE_BYTES = NSUB * SUB_K             # K or V of one stage
 
@@ -523,9 +540,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             if FLOAT_POS:
                 mx0, mx1 = mx0 + add0, mx1 + add1
             mn0, mn1 = max(m0, mx0), max(m1, mx1)
+            if LAZY:                     # the old maxima kept within the slack (false for -inf)
+                keep0, keep1 = mn0 - m0 <= SLACK_T, mn1 - m1 <= SLACK_T
+                mn0, mn1 = m0 if keep0 else mn0, m1 if keep1 else mn1
             mu0 = ZERO if mn0 == NEG_INF else mn0     # a row with no visible key yet: against 0
             mu1 = ZERO if mn1 == NEG_INF else mn1
             alpha0, alpha1 = ops.exp2_approx(m0 - mu0), ops.exp2_approx(m1 - mu1)
+            if LAZY:
+                alpha0, alpha1 = ONE if keep0 else alpha0, ONE if keep1 else alpha1
         if FLOAT_POS:
             mu0, mu1 = mu0 - add0, mu1 - add1      # against s, which lacks the rows' parts
         rs0, rs1 = ZERO, ZERO
@@ -836,7 +858,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             m0, m1, l0, l1, alpha0, alpha1, o0, o1, ring = next_tile(
                 s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
                 m0, m1, l0, l1)
-            if not frozen(sc):               # (a fixed maximum: O is never rescaled)
+            # (a fixed maximum: O is never rescaled; lazy maxima: only where one moved)
+            if not frozen(sc) and (not LAZY or alpha0 != ONE or alpha1 != ONE):
                 o0 = H.scale_rows(o0, alpha0, alpha1)
                 o1 = H.scale_rows(o1, alpha0, alpha1)
             pack_p(s, p)
