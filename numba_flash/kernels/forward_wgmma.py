@@ -161,8 +161,9 @@ FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 # thread skips its rescale (64 multiplications a tile at d = 128, 128 at d = 256) where
 # neither of its rows did, which after an item's first tiles is nearly always (the
 # threshold of FlashAttention-4's softmax). A negative value: every rise of a maximum
-# rescales. Built with 8 and tested in the simulator, not yet measured on a GPU: off
-# (docs/performance.md item 111).
+# rescales. At d = 64 and 128 (with a warp vote) measured level to 5% slower on an H200
+# (docs/performance.md item 86); rebuilt for d = 256, whose rescale is twice d = 128's,
+# without the vote, and not yet measured: off (item 111).
 RESCALE_SLACK = -1.0
 
 
