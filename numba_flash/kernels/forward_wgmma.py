@@ -2,7 +2,7 @@
 
 The design of FlashAttention-3, written with ``ops_hopper``'s instructions. A work item is
 ``BM`` query rows of one (batch, head) (128, or 192 at d = 64 where the rules allow:
-:func:`tiling`; head dims 64, 128 and 256, the last in 64-key tiles with one Q buffer:
+:func:`tiling`; head dims 64, 128 and 256, the last in 64- or 80-key tiles with one Q buffer:
 :data:`WIDE_HEAD_BN`, and the multiples of 8 between on the next one's kernel: :func:`takes`);
 the grid is persistent (at most one block per
 multiprocessor), each block taking items ``blockIdx.x, blockIdx.x + gridDim.x, ...`` in the
