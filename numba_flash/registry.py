@@ -429,8 +429,10 @@ class Specialisation:
 
     @property
     def name(self):
+        key_warps = getattr(self.tiling, "KEY_WARPS", 1)
         return (f"{self.variant}/{self.dtype}/d{self.d}/{self.scores.tag}"
-                f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}{self.rows_tag}")
+                f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}{self.rows_tag}"
+                + (f"/keywarps{key_warps}" if key_warps > 1 else ""))
 
     @property
     def smem_bytes(self):
@@ -571,6 +573,24 @@ def forward_splits(blocks: int, n_key_tiles: int, slots: int, causal: bool = Fal
     return best
 
 
+# The one-warp kernel's key splits as the warps of one block, merged in its shared memory
+# (``forward_mma.MmaTiling.KEY_WARPS``: no partial results in memory, no merge launch,
+# whose 3-6 µs item 67 measured in grouped-query decoding), where the block's shared memory
+# holds the call's splits (five at most at d = 128). Built and simulator-tested, not yet
+# measured on a GPU: off (docs/performance.md item 113).
+BLOCK_SPLITS = False
+
+
+def block_splits(z: int, smem_bytes: int, smem_limit) -> int:
+    """The key warps of a block for a launch of ``z`` key splits of the one-warp kernel
+    (``smem_bytes`` of shared memory each, ``smem_limit`` a block's most, None: unknown):
+    ``z`` where :data:`BLOCK_SPLITS` is on and ``z`` warps' memory fits, else 1 (a block
+    per split, and the merge kernel)."""
+    if BLOCK_SPLITS and 2 <= z <= 32 and (smem_limit is None or z * smem_bytes <= smem_limit):
+        return z
+    return 1
+
+
 MMA_FAST_DIMS = (64, 128)   # the tensor-core fast paths, checked one by one
 
 
@@ -629,3 +649,9 @@ def specialisations(simulator: bool = False):
                 rules = RULE_SPECS if v.ptx_rules else ()
                 for scores in rules + (PACKED_SPECS if v.packed else ()) + (PAGED_SPECS if v.paged else ()):
                     yield specialisation(variant, dt, RULE_SPEC_D, scores, True, simulator)
+    # the one-warp kernel's key splits as one block's warps (BLOCK_SPLITS), as many as a
+    # compute capability 9.0 block's shared memory holds
+    one = specialisation("forward_mma_split", RULE_LOW_DTYPE, RULE_SPEC_D, FULL, True, simulator)
+    if one.tiling is not None:
+        warps = min(forward_wgmma.SMEM_LIMIT // one.smem_bytes, 32)
+        yield dataclasses.replace(one, tiling=dataclasses.replace(one.tiling, KEY_WARPS=warps))

@@ -23,6 +23,11 @@ if not SIMULATOR:
     shfl_xor_sync = cuda.shfl_xor_sync
     shfl_down_sync = cuda.shfl_down_sync
 
+    @cuda.jit(device=True, inline=True)
+    def syncwarp():
+        """The warp's lanes meet (``bar.warp.sync``: memory ordered among them)."""
+        cuda.syncwarp()
+
 else:
     # A guard against a hang (a lane named in the mask that exited or took another branch),
     # not a time budget: lanes of a busy 2-core machine reach a shuffle seconds apart at most.
@@ -84,3 +89,6 @@ else:
         lane, values = _exchange(mask, value)
         src = lane + int(delta)
         return values[src] if src < 32 else value
+
+    def syncwarp():
+        _exchange(FULL_MASK, None)

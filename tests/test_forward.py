@@ -292,6 +292,28 @@ def test_more_key_splits_than_sixteen(dtype):
     (check_forward if dtype == "float32" else check_forward_low)(out, lse, q, k, v, True, None)
 
 
+@pytest.mark.parametrize("z, dtype, hq, hkv, nq, nk, d, causal", [
+    (3, "bfloat16", 8, 2, 1, 100, 32, False),      # grouped decoding: 4 query heads as rows; a ragged last split
+    (5, "float16", 2, 2, 3, 150, 24, True),        # Nq < Nk causal: rows that see no key of some splits; zero columns
+    (4, "bfloat16", 2, 1, 16, 60, 40, False),      # a block of 16 rows, splits of one tile (the last ragged)
+], ids=["gqa-decode-z3", "causal-z5", "rows16-z4"])
+def test_key_splits_as_one_blocks_warps(z, dtype, hq, hkv, nq, nk, d, causal, monkeypatch):
+    """``registry.BLOCK_SPLITS``: the one-warp kernel's key splits as the warps of one
+    block, merged in its shared memory: one launch of ``32 z`` threads a block, no merge
+    launch, the oracle's answer (every output written: the outputs start as NaN)."""
+    import ml_dtypes
+    monkeypatch.setattr(registry, "BLOCK_SPLITS", True)
+    rng = np.random.default_rng()
+    npdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+    q = rng.standard_normal((2, hq, nq, d)).astype(npdt)
+    k, v = (rng.standard_normal((2, hkv, nk, d)).astype(npdt) for _ in range(2))
+    plan = api.plan_forward(q, k, v, causal=causal, splits=z)
+    assert [(launch[2], launch[0].py_func.__module__) for launch in plan[1]] == [
+        (32 * z, "numba_flash.kernels.forward_mma")], plan[1]
+    out, lse = api._run(plan)
+    check_forward_low(host(out), host(lse), q, k, v, causal, None)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_merge_takes_the_most_splits(dtype):
     """The merge kernel folds ``MAX_SPLITS`` key splits (in the simulator more than it has

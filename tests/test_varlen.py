@@ -553,6 +553,37 @@ def test_key_splits_of_one_query_tile_are_costed_whole(dtype, monkeypatch):
     assert told == [(False, least)]
 
 
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_key_splits_in_one_block(paged, monkeypatch):
+    """``registry.BLOCK_SPLITS``: decoding from a KV cache (contiguous, or paged: pages of
+    16 rows, shuffled) with three key splits as the warps of one block, merged in its shared
+    memory, grouped query heads and a sequence of length 0 included: the oracle's answer."""
+    monkeypatch.setattr(registry, "forward_splits", lambda *args: 3)
+    monkeypatch.setattr(registry, "BLOCK_SPLITS", True)
+    chosen = []
+    plain = registry.block_splits
+    monkeypatch.setattr(registry, "block_splits", lambda *args: chosen.append(plain(*args)) or chosen[-1])
+    rng = np.random.default_rng(80 + paged)
+    dt = np_dtype("bfloat16")
+    b, hq, hkv, d, page, max_pages = 3, 4, 2, 16, 16, 6
+    lens = np.array([90, 0, 37], np.int32)
+    q = rng.standard_normal((b, 1, hq, d)).astype(dt)
+    if paged:
+        table = rng.permutation(b * max_pages).reshape(b, max_pages).astype(np.int32)
+        kc, vc = (rng.standard_normal((b * max_pages, page, hkv, d)).astype(dt) for _ in range(2))
+        flat_k, flat_v = ([np.concatenate([c[p] for p in table[i]]) for i in range(b)] for c in (kc, vc))
+        extra = dict(block_table=table)
+    else:
+        kc, vc = (rng.standard_normal((b, page * max_pages, hkv, d)).astype(dt) for _ in range(2))
+        flat_k, flat_v, extra = kc, vc, {}
+    out, lse = numba_flash.attention_with_kvcache(q, kc, vc, lens, return_lse=True, **extra)
+    out, lse = _host(out), _host(lse)
+    assert chosen == [3]
+    for i in range(b):
+        _check("bfloat16", _heads_first(out[i]), np.ascontiguousarray(lse[i].T), _heads_first(q[i]),
+               _heads_first(flat_k[i][:lens[i]]), _heads_first(flat_v[i][:lens[i]]), dict(causal=False))
+
+
 @pytest.mark.parametrize("dtype,page,nq,n_new,device,d", [
     ("bfloat16", 5, 1, 2, False, 16), ("float16", 16, 3, 0, True, 16), ("bfloat16", 3, 20, 4, True, 16),
     ("bfloat16", 4, 1, 1, False, 64), ("float16", 16, 1, 0, True, 64), ("bfloat16", 32, 2, 3, False, 64),

@@ -50,6 +50,9 @@ class MmaTiling:
     BN: int           # keys per K/V tile (multiple of 16)
     Q_IN_REGS: bool   # keep Q's A fragments in registers (else re-read them per tile)
     MT: int = 1       # 16-row blocks per warp: each K/V fragment read from shared memory feeds MT mma
+    # key splits (``split`` kernels, one warp each) run as the warps of one block and merged
+    # in its shared memory: a region of its own per warp (``make_forward_mma``)
+    KEY_WARPS: int = 1
 
     @property
     def BM(self):
@@ -57,7 +60,7 @@ class MmaTiling:
 
     @property
     def threads(self):
-        return 32 * self.WARPS
+        return 32 * self.WARPS * self.KEY_WARPS
 
     # the launch helpers size the grid with these (as for the CUDA-core ``Tiling``)
     @property
@@ -66,8 +69,9 @@ class MmaTiling:
 
 
 def smem_elements(d, t: MmaTiling):
-    """Q tile plus two K and two V slots, rows of ``DP + ROW_PAD`` 16-bit elements."""
-    return (t.BM + 4 * t.BN) * (padded_dim(d) + ROW_PAD)
+    """Q tile plus two K and two V slots, rows of ``DP + ROW_PAD`` 16-bit elements (one such
+    region per key warp)."""
+    return (t.BM + 4 * t.BN) * (padded_dim(d) + ROW_PAD) * t.KEY_WARPS
 
 
 @functools.lru_cache(maxsize=None)
@@ -98,7 +102,13 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     with ``Z`` times the blocks on grid axis x. With one split (``Z = 1``: ``parts`` of
     ``B1`` on its first axis, any size on the others) the kernel writes the final ``out``
     and ``lse`` itself, as the kernel without ``split`` does, and writes neither ``parts``
-    nor ``parts_ml``: no merge to launch.
+    nor ``parts_ml``: no merge to launch. With ``t.KEY_WARPS = Z > 1`` the ``Z`` splits of
+    a query tile are the warps of one block (launch with the blocks of one split and
+    ``t.threads`` threads): warp ``w`` computes split ``w`` as a one-warp block would, in a
+    shared-memory region of its own, then the warps leave their partial rows (O, row maxima
+    and sums, unnormalised) in their regions and, after one block barrier, merge them as
+    the merge kernel does, each warp a share of the columns, and write the final ``out``
+    and ``lse``; ``parts`` and ``parts_ml`` are then not read (no merge to launch).
     """
     assert D % 8 == 0
     mma, pack = operand_kinds(dtype_name)
@@ -114,9 +124,15 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     K_OFF = BM * RS                    # Q tile first, then the two K slots, then the two V slots
     V_OFF = K_OFF + 2 * BN * RS
     SLOT = BN * RS
-    assert V_OFF + 2 * SLOT == smem_elements(D, t)
     Q_IN_REGS = t.Q_IN_REGS
     SPLIT = split
+    KW = t.KEY_WARPS                   # key splits merged in the block (one warp each)
+    assert KW == 1 or (split and t.WARPS == 1), (KW, split, t.WARPS)
+    REGION = V_OFF + 2 * SLOT          # a warp's shared memory (all of it where KW = 1), 16-bit elements
+    assert KW * REGION == smem_elements(D, t)
+    NE = MT * ND * 4                   # O accumulators per lane
+    assert KW == 1 or 64 * (NE + 2 * H) <= REGION, (D, t)     # a warp's partial rows fit its region
+    NC = 32 * t.WARPS                  # threads copying a tile (key warps: each its own tiles)
     ZERO, NEG_INF, LN2_T = numba.float32(0), numba.float32(-math.inf), numba.float32(LN2)
     ALIGN = None if SIMULATOR else 16
     JIT = {} if SIMULATOR else {"launch_bounds": (NT, 1)}
@@ -127,12 +143,64 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     block_rows, block_tile = block_row_rules(scores)
     sequence = device_sequence(scores)
 
-    copy_q = make_copy_rows(D, NT, BM)
-    copy_kv = make_copy_rows(D, NT, BN)
-    copy_kv_paged = make_copy_rows(D, NT, BN, paged=True)
+    copy_q = make_copy_rows(D, NC, BM)
+    copy_kv = make_copy_rows(D, NC, BN)
+    copy_kv_paged = make_copy_rows(D, NC, BN, paged=True)
     PAGED = scores.paged
     mma_pair = make_mma_pair(mma)
     a_frag, b_frag, bt_frag = make_fragments(RS)
+
+    @device
+    def merge_warps(o, m, l, w, lane, g, tq, q0, Nq, q_start, b1, b2, fout, flse):
+        """Key warps' epilogue: each warp's O, row maxima and sums (unnormalised) into its
+        region, lane-major (float32 word ``32 i + lane`` of its ``i``-th value); one block
+        barrier; then per row the maximum over the warps ``mu``, the factors ``2^(m_u − mu)``
+        and the merged sum, and per column the merged O / sum, the columns of 8-column block
+        ``n`` by warp ``n % KW``; lse by warp 0. A warp without a visible key has ``m =
+        −inf``: factor 0 (a row no warp saw: 0, lse −inf)."""
+        smem_f = cuda.shared.array(0, numba.float32, alignment=ALIGN)      # the kernel's shared memory
+        fb = (w * REGION) >> 1
+        warp.syncwarp()                # every lane's last reads of the region done
+        for mt in range(MT):
+            for n in range(ND):
+                for e in range(4):
+                    smem_f[fb + 32 * ((mt * ND + n) * 4 + e) + lane] = o[mt, n, e]
+        for h in range(H):
+            lh = l[h]
+            for off in (1, 2):
+                lh += warp.shfl_xor_sync(warp.FULL_MASK, lh, off)
+            smem_f[fb + 32 * (NE + h) + lane] = m[h]
+            smem_f[fb + 32 * (NE + H + h) + lane] = lh
+        cuda.syncthreads()
+        fac = cuda.local.array(KW, numba.float32)
+        for h in range(H):
+            mt = h >> 1
+            e0 = 2 * (h & 1)
+            row = q0 + 16 * mt + g + 8 * (h & 1)
+            mx = NEG_INF
+            for u in range(KW):
+                mx = max(mx, smem_f[((u * REGION) >> 1) + 32 * (NE + h) + lane])
+            mu_h = ZERO if mx == NEG_INF else mx
+            lt = ZERO
+            for u in range(KW):
+                at = ((u * REGION) >> 1) + lane
+                fac[u] = ops.exp2_approx(smem_f[at + 32 * (NE + h)] - mu_h)
+                lt += smem_f[at + 32 * (NE + H + h)] * fac[u]
+            inv = ZERO if lt == ZERO else numba.float32(1) / lt
+            if row < Nq:
+                for n in range(ND):
+                    col = 8 * n + 2 * tq
+                    if n % KW == w and col < D:
+                        a0, a1 = ZERO, ZERO
+                        for u in range(KW):
+                            at = ((u * REGION) >> 1) + 32 * ((mt * ND + n) * 4 + e0) + lane
+                            a0 += smem_f[at] * fac[u]
+                            a1 += smem_f[at + 32] * fac[u]
+                        bits = pack(a0 * inv, a1 * inv)
+                        fout[b1, b2, q_start + row, col] = numba.uint16(bits & 0xFFFF)
+                        fout[b1, b2, q_start + row, col + 1] = numba.uint16(bits >> 16)
+                if tq == 0 and w == 0:
+                    flse[b1, b2, q_start + row] = NEG_INF if lt == ZERO else (mx + math.log2(lt)) * LN2_T
 
     @device
     def forward_body(q, k, v, out, lse, fout, flse, scale_log2, split_keys, left, right, cap_in, cap_out, slopes,
@@ -146,7 +214,11 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
         n_qt = (Nq + BM - 1) // BM
         B2 = q.shape[1]
         B = q.shape[0] * B2
-        if SPLIT:                      # block x = (query tile, leading index, key split)
+        if KW > 1:                     # block x = (query tile, leading index), warp = key split
+            Z = KW
+            zb = cuda.blockIdx.x
+            zs = w
+        elif SPLIT:                    # block x = (query tile, leading index, key split)
             Z = out.shape[0] // q.shape[0]
             zb = cuda.blockIdx.x // Z
             zs = cuda.blockIdx.x - zb * Z
@@ -165,6 +237,12 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
         geo = (Nk, diag, left, right)
         sc = score_consts(scale_log2, cap_in, cap_out, slopes, b1, b2)
         warp_row = WR * w              # this warp's first row in the tile
+        sb = 0                         # where this warp's shared memory starts
+        ct = tid                       # a thread's place among the copying threads
+        if KW > 1:                     # (key warps: each its own rows 0.., memory and copies)
+            warp_row = 0
+            sb = w * REGION
+            ct = lane
         # This lane's rows: q0 + warp_row + 16·mt + g + 8·half, indexed h = 2·mt + half;
         # in the accumulators, half 0 is elements 0, 1 and half 1 is elements 2, 3.
 
@@ -196,14 +274,14 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
             j0 = zs * (split_keys // BN)
             n_j = min(n_j, j0 + split_keys // BN)
 
-        copy_q(smem, 0, q, b1, b2, q_start + q0, q_start + Nq, tid)
+        copy_q(smem, sb, q, b1, b2, q_start + q0, q_start + Nq, ct)
         k_end = k_start + Nk           # rows past this one are zero-filled
         kf = key_tile_at(slopes, b1, b2, qt, n_all, kt0, j0) * BN       # the first tile's first key
         if n_j > j0 and PAGED:         # a paged cache's rows, through the page table
-            copy_kv_paged(smem, K_OFF, k, V_OFF, v, b1, b2, kf, Nk, tid, pages, cuda.blockIdx.z, page_size)
+            copy_kv_paged(smem, sb + K_OFF, k, sb + V_OFF, v, b1, b2, kf, Nk, ct, pages, cuda.blockIdx.z, page_size)
         elif n_j > j0:
-            copy_kv(smem, K_OFF, k, b1, b2, k_start + kf, k_end, tid)
-            copy_kv(smem, V_OFF, v, b1, b2, k_start + kf, k_end, tid)
+            copy_kv(smem, sb + K_OFF, k, b1, b2, k_start + kf, k_end, ct)
+            copy_kv(smem, sb + V_OFF, v, b1, b2, k_start + kf, k_end, ct)
         ops.cp_async_commit()
 
         for jj in range(j0, n_j):
@@ -211,21 +289,24 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
             sct = key_tile_consts(slopes, b1, b2, qt, n_all, jj, sc)      # (a full tile: no mask_mod)
             slot = ((jj - j0) & 1) * SLOT
             ops.cp_async_wait(0)
-            cuda.syncthreads()          # tile jj landed for all; every warp is done with jj - 1
+            if KW > 1:                  # (each warp its own tiles, as many as its split has)
+                warp.syncwarp()
+            else:
+                cuda.syncthreads()      # tile jj landed for all; every warp is done with jj - 1
             if jj + 1 < n_j:            # the other slot held tile jj - 1: refill it
                 kn = key_tile_at(slopes, b1, b2, qt, n_all, kt0, jj + 1) * BN
                 if PAGED:
-                    copy_kv_paged(smem, K_OFF + SLOT - slot, k, V_OFF + SLOT - slot, v, b1, b2, kn, Nk, tid, pages,
-                                  cuda.blockIdx.z, page_size)
+                    copy_kv_paged(smem, sb + K_OFF + SLOT - slot, k, sb + V_OFF + SLOT - slot, v, b1, b2, kn, Nk,
+                                  ct, pages, cuda.blockIdx.z, page_size)
                 else:
-                    copy_kv(smem, K_OFF + SLOT - slot, k, b1, b2, k_start + kn, k_end, tid)
-                    copy_kv(smem, V_OFF + SLOT - slot, v, b1, b2, k_start + kn, k_end, tid)
+                    copy_kv(smem, sb + K_OFF + SLOT - slot, k, b1, b2, k_start + kn, k_end, ct)
+                    copy_kv(smem, sb + V_OFF + SLOT - slot, v, b1, b2, k_start + kn, k_end, ct)
                 ops.cp_async_commit()
             if Q_IN_REGS and jj == j0:
                 for mt in range(MT):
                     for kc in range(KC):
                         qf[mt, kc, 0], qf[mt, kc, 1], qf[mt, kc, 2], qf[mt, kc, 3] = a_frag(
-                            smem, (warp_row + 16 * mt) * RS + 16 * kc, lane)
+                            smem, sb + (warp_row + 16 * mt) * RS + 16 * kc, lane)
 
             # ---- S = Q Kᵀ: each K fragment feeds MT row blocks --------------------------------
             for mt in range(MT):
@@ -239,10 +320,10 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
                             qa[mt, e] = qf[mt, kc, e]
                     else:
                         qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3] = a_frag(
-                            smem, (warp_row + 16 * mt) * RS + 16 * kc, lane)
+                            smem, sb + (warp_row + 16 * mt) * RS + 16 * kc, lane)
                 for n2 in range(NB // 2):
                     # keys 16·n2 … +15 of the tile, head-dim columns 16·kc … +15
-                    kb0, kb1, kb2, kb3 = b_frag(smem, K_OFF + slot + 16 * n2 * RS + 16 * kc, lane)
+                    kb0, kb1, kb2, kb3 = b_frag(smem, sb + K_OFF + slot + 16 * n2 * RS + 16 * kc, lane)
                     for mt in range(MT):
                         mma_pair(s, mt, 2 * n2, qa[mt, 0], qa[mt, 1], qa[mt, 2], qa[mt, 3], kb0, kb1, kb2, kb3)
 
@@ -298,11 +379,15 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
                     pa[mt, 3] = pack(s[mt, n + 1, 2], s[mt, n + 1, 3])
                 for d2 in range(ND // 2):
                     # keys 16·kc … +15, head-dim columns 16·d2 … +15, transposed
-                    vb0, vb1, vb2, vb3 = bt_frag(smem, V_OFF + slot + 16 * kc * RS + 16 * d2, lane)
+                    vb0, vb1, vb2, vb3 = bt_frag(smem, sb + V_OFF + slot + 16 * kc * RS + 16 * d2, lane)
                     for mt in range(MT):
                         mma_pair(o, mt, 2 * d2, pa[mt, 0], pa[mt, 1], pa[mt, 2], pa[mt, 3], vb0, vb1, vb2, vb3)
 
         ops.cp_async_wait(0)            # nothing left in flight when the loop had no iteration
+
+        if KW > 1:
+            merge_warps(o, m, l, w, lane, g, tq, q0, Nq, q_start, b1, b2, fout, flse)
+            return
 
         # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------------
         for h in range(H):
