@@ -34,9 +34,10 @@ TOKENS, HIDDEN = 16384, 2048  # anchors: B·N = 16k tokens per batch, H·d = 204
 SHAPE_SETS = {
     "anchors": [Shape(TOKENS // n, HIDDEN // d, n, n, d) for d in (64, 128) for n in (1024, 4096, 16384)],
     "seed": [Shape(1, 1, 1024, 1024, 1024)],   # the project's seed problem: one head, d = 1024
-    # head dims the Hopper family runs on a padded kernel (96) or its widest (256), to time
-    # it forced (NUMBA_FLASH_HOPPER=1) against the mma.sync family (the default there)
-    "head_dims": [Shape(TOKENS // n, HIDDEN // d, n, n, d) for d in (96, 256) for n in (1024, 4096)],
+    # head dims the Hopper family runs on a padded kernel (72 and 136, the most padded of
+    # its d = 128 and 256 kernels, and 96) or its widest (256), to time it against the
+    # mma.sync family (NUMBA_FLASH_HOPPER=0) and the peers
+    "head_dims": [Shape(TOKENS // n, HIDDEN // d, n, n, d) for d in (72, 96, 136, 256) for n in (1024, 4096)],
     # Simulator-sized; with the simulator's tiling (BM = 16, BN = 8, DK = DO = 16) these cross
     # ragged query/key tile edges, head-dim chunks (d = 24) and output slices.
     "tiny": [Shape(1, 2, 19, 19, 16), Shape(2, 1, 11, 11, 24)],
