@@ -27,6 +27,8 @@ shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs``
 of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), at shapes
 with an odd count of query tiles and rows that see no key, d = 128 and d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``); forward only.
+``--block-splits`` (with ``--serving``): the decoding kernel's key splits as the warps of
+one block, merged in its shared memory (``registry.BLOCK_SPLITS``).
 """
 import os
 import sys
@@ -213,6 +215,9 @@ def _few_blocks(blocks=3):
 
 def main():
     rng = np.random.default_rng(0)
+    if "--block-splits" in sys.argv:
+        from numba_flash import registry
+        registry.BLOCK_SPLITS = True
     if "--serving" in sys.argv:
         if "--hopper" in sys.argv:
             os.environ["NUMBA_FLASH_HOPPER"] = "1"
