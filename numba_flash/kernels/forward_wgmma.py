@@ -102,11 +102,12 @@ HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padd
 # takes (:func:`takes`). Measured on an H100 at d = 96 and 256 1.8-3.0x the mma.sync
 # family's speed on full and causal rows, a window and a softcap (docs/performance.md item
 # 110); the others run the same two kernels on zero columns. Packed sequences (varlen
-# batches, KV caches) by default only up to :data:`PACKED_DEFAULT_MAX_D`: their d = 256
-# kernel spills (60/212 bytes, ptxas 13) and is not yet measured. The rest run on the
-# mma.sync family unless forced (``NUMBA_FLASH_HOPPER=1``): :func:`by_default`.
+# batches, KV caches) by default only at :data:`PACKED_DEFAULT_HEAD_DIMS`, as before: their
+# d = 256 kernel spills (60/212 bytes, ptxas 13), and neither it nor the packed kernels on
+# zero columns have run on a GPU yet. The rest run on the mma.sync family unless forced
+# (``NUMBA_FLASH_HOPPER=1``): :func:`by_default`.
 DEFAULT_HEAD_DIMS = tuple(range(64, 257, 8))
-PACKED_DEFAULT_MAX_D = 128
+PACKED_DEFAULT_HEAD_DIMS = (64, 128)
 # Keys per tile at d = 256, where O takes 128 of a consumer's registers: S and P of 64 keys
 # beside it, in two ring stages beside one Q buffer (192 KiB). 80 keys, FlashAttention-3's
 # choice, where no rule masks or transforms a score (:data:`WIDE_HEAD_FULL_BN`): measured on
@@ -176,7 +177,7 @@ def takes(d):
 def by_default(d, scores):
     """Whether a compute capability 9.0 GPU runs head dim ``d`` under the rules ``scores``
     on this family unless told otherwise (:data:`DEFAULT_HEAD_DIMS`)."""
-    return d in DEFAULT_HEAD_DIMS and (not scores.packed or d <= PACKED_DEFAULT_MAX_D)
+    return d in (PACKED_DEFAULT_HEAD_DIMS if scores.packed else DEFAULT_HEAD_DIMS)
 
 
 def longest_first(scores):
