@@ -652,6 +652,5 @@ def specialisations(simulator: bool = False):
     # the one-warp kernel's key splits as one block's warps (BLOCK_SPLITS), as many as a
     # compute capability 9.0 block's shared memory holds
     one = specialisation("forward_mma_split", RULE_LOW_DTYPE, RULE_SPEC_D, FULL, True, simulator)
-    if one.tiling is not None:
-        warps = min(forward_wgmma.SMEM_LIMIT // one.smem_bytes, 32)
-        yield dataclasses.replace(one, tiling=dataclasses.replace(one.tiling, KEY_WARPS=warps))
+    warps = min(forward_wgmma.SMEM_LIMIT // one.smem_bytes, 32)
+    yield dataclasses.replace(one, tiling=dataclasses.replace(one.tiling, KEY_WARPS=warps))

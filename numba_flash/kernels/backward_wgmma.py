@@ -49,14 +49,14 @@ HEAD_DIMS = (64, 128)         # the kernels' head dims (``wgmma_parts.padded``)
 # the head dims the family takes by default on a compute capability 9.0 GPU (the others of
 # :func:`takes` where forced, until measured; dK/dV at d = 256 would not fit the registers)
 DEFAULT_HEAD_DIMS = (64, 128)
+STAGES = 2
+ROWS = 64                     # rows per warpgroup (one wgmma M)
 
 
 def by_default(d, scores):
     """Whether a compute capability 9.0 GPU runs head dim ``d`` on this family unless
     told otherwise (:data:`DEFAULT_HEAD_DIMS`; the rules ``scores`` do not matter)."""
     return d in DEFAULT_HEAD_DIMS
-STAGES = 2
-ROWS = 64                     # rows per warpgroup (one wgmma M)
 
 
 @dataclasses.dataclass(frozen=True)
