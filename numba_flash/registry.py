@@ -576,9 +576,10 @@ def forward_splits(blocks: int, n_key_tiles: int, slots: int, causal: bool = Fal
 # The one-warp kernel's key splits as the warps of one block, merged in its shared memory
 # (``forward_mma.MmaTiling.KEY_WARPS``: no partial results in memory, no merge launch,
 # whose 3-6 µs item 67 measured in grouped-query decoding), where the block's shared memory
-# holds the call's splits (five at most at d = 128). Built and simulator-tested, not yet
-# measured on a GPU: off (docs/performance.md item 113).
-BLOCK_SPLITS = False
+# holds the call's splits (five at most at d = 128). Measured on an H100 2.9% faster in
+# grouped-query decoding (16, 32/8, 8192, 128), level elsewhere (docs/performance.md items
+# 113, 114).
+BLOCK_SPLITS = True
 
 
 def block_splits(z: int, smem_bytes: int, smem_limit) -> int:

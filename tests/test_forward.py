@@ -293,9 +293,9 @@ def test_more_key_splits_than_sixteen(dtype):
 
 
 @pytest.mark.parametrize("z, dtype, hq, hkv, nq, nk, d, causal", [
-    (3, "bfloat16", 8, 2, 1, 100, 32, False),      # grouped decoding: 4 query heads as rows; a ragged last split
-    (5, "float16", 2, 2, 3, 150, 24, True),        # Nq < Nk causal: rows that see no key of some splits; zero columns
-    (4, "bfloat16", 2, 1, 16, 60, 40, False),      # a block of 16 rows, splits of one tile (the last ragged)
+    (3, "bfloat16", 8, 2, 1, 150, 32, False),      # grouped decoding: 4 query heads as rows; a ragged last split
+    (5, "float16", 2, 2, 3, 300, 24, True),        # Nq < Nk causal: rows that see no key of some splits; zero columns
+    (4, "bfloat16", 2, 1, 16, 200, 40, False),     # a block of 16 rows, a ragged last tile
 ], ids=["gqa-decode-z3", "causal-z5", "rows16-z4"])
 def test_key_splits_as_one_blocks_warps(z, dtype, hq, hkv, nq, nk, d, causal, monkeypatch):
     """``registry.BLOCK_SPLITS``: the one-warp kernel's key splits as the warps of one
@@ -303,6 +303,8 @@ def test_key_splits_as_one_blocks_warps(z, dtype, hq, hkv, nq, nk, d, causal, mo
     launch, the oracle's answer (every output written: the outputs start as NaN)."""
     import ml_dtypes
     monkeypatch.setattr(registry, "BLOCK_SPLITS", True)
+    tiles = -(-nk // registry.mma_split_tiling(dtype, d).BN)     # the shapes take z splits of whole tiles
+    assert -(-tiles // -(-tiles // z)) == z, (tiles, z)
     rng = np.random.default_rng()
     npdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     q = rng.standard_normal((2, hq, nq, d)).astype(npdt)

@@ -235,17 +235,17 @@ def test_hopper_lazy_maxima(d, monkeypatch):
 
 def test_hopper_other_head_dims_only_where_forced(monkeypatch):
     """On a compute capability 9.0 GPU the Hopper forward takes every multiple of 8 from
-    64 to 256 by default, packed sequences only at d = 64 and 128 (the rest of them where
-    forced: ``forward_wgmma.by_default``); its backward d = 64 and 128 by default, the
-    multiples of 8 between where forced; neither ever the rest."""
+    64 to 256 by default, packed sequences too (``forward_wgmma.by_default``); its backward
+    d = 64 and 128 by default, the multiples of 8 between where forced; neither ever the
+    rest."""
     monkeypatch.setenv(registry.HOPPER_ENV, "auto")
     assert [d for d in (56, 64, 96, 128, 200, 256, 264)
             if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False)] == [64, 96, 128, 200, 256]
     assert [d for d in (64, 96, 128, 136, 256)
-            if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False, scores=PACKED)] == [64, 128]
+            if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False, scores=PACKED)] == [64, 96, 128, 136, 256]
     assert [registry.forward_specialisation("float16", d, spec, True, simulator=False, cc=(9, 0)).variant
-            for d, spec in ((256, CAUSAL), (256, PACKED), (128, PACKED))] == [
-        "forward_wgmma", "forward_mma", "forward_wgmma"]
+            for d, spec in ((256, CAUSAL), (256, PACKED), (56, PACKED))] == [
+        "forward_wgmma", "forward_wgmma", "forward_mma"]
     assert not registry.uses_hopper("bfloat16", 128, (8, 0), simulator=False)
     assert [d for d in (64, 96, 128) if registry.uses_hopper("bfloat16", d, (9, 0), simulator=False,
                                                              variant="backward_dkdv_wgmma")] == [64, 128]

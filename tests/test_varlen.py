@@ -500,10 +500,12 @@ def test_packed_specialisations_are_registered():
 @pytest.mark.parametrize("splits", [1, 3])
 def test_key_splits_of_few_query_rows(dtype, packed, splits, monkeypatch):
     """At most ``registry.SPLIT_ROWS`` query rows: the one-warp tensor-core kernel with key
-    splits (forced to 3, as a GPU with idle SMs would choose) and their merge, or with
-    one split writing its final results itself (no merge launched), plain and packed (a
-    KV cache), causal and with a window, against the oracle."""
+    splits (forced to 3, as a GPU with idle SMs would choose) in blocks of their own and
+    their merge (``registry.BLOCK_SPLITS`` off: as where a block's memory does not hold
+    them), or with one split writing its final results itself (no merge launched), plain
+    and packed (a KV cache), causal and with a window, against the oracle."""
     monkeypatch.setattr(registry, "forward_splits", lambda *args: splits)
+    monkeypatch.setattr(registry, "BLOCK_SPLITS", False)
     rng = np.random.default_rng(6)
     dt = np_dtype(dtype)
     assert registry.forward_specialisation(dtype, 16, registry.FULL, True, rows=2).variant == "forward_mma_split"
@@ -565,8 +567,8 @@ def test_kvcache_key_splits_in_one_block(paged, monkeypatch):
     monkeypatch.setattr(registry, "block_splits", lambda *args: chosen.append(plain(*args)) or chosen[-1])
     rng = np.random.default_rng(80 + paged)
     dt = np_dtype("bfloat16")
-    b, hq, hkv, d, page, max_pages = 3, 4, 2, 16, 16, 6
-    lens = np.array([90, 0, 37], np.int32)
+    b, hq, hkv, d, page, max_pages = 3, 4, 2, 16, 16, 10
+    lens = np.array([150, 0, 37], np.int32)      # three splits of whole tiles of 16, 32 or 64 keys
     q = rng.standard_normal((b, 1, hq, d)).astype(dt)
     if paged:
         table = rng.permutation(b * max_pages).reshape(b, max_pages).astype(np.int32)

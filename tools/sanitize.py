@@ -13,7 +13,7 @@ kernels); ``--serving``: the packed-row kernels instead (a varlen batch forward 
 backward, contiguous and paged KV caches with appends, the one-warp decoding kernel with
 key splits forced, grouped query heads, merge_attention), every dtype they take (with
 ``--low``: float16 and bfloat16; with ``--hopper``: the varlen batch alone, on the Hopper
-forward);
+forward, at d = 64 or ``--d D``);
 ``--hopper``: the Hopper family forced (``NUMBA_FLASH_HOPPER=1``; on a cc 9.0 GPU), forward
 and backward, at ragged shapes of the head dims it takes, float16 and bfloat16, the
 forward on a grid of three persistent blocks (each takes several work items; ``--quick``: the first shape only),
@@ -65,13 +65,13 @@ def _heads_first(x):
     return np.swapaxes(np.asarray(x, np.float64), 0, 1)
 
 
-def serving(rng, hopper=False, low=False):
+def serving(rng, hopper=False, low=False, head_dim=64):
     """The packed-row kernels at ragged shapes, each result against the oracle; ``hopper``:
     the varlen batch alone on the Hopper forward (d = 64, sequences across its 128-row
     tiles, three persistent blocks; causal, whose kernel issues an item's last P V with
     the next item's first product, and full rows, whose kernel does not: both clear the V
     rows of the next sequence in a tile that crosses a sequence's end), float16 and
-    bfloat16; ``low``: float16 and bfloat16 only."""
+    bfloat16; ``head_dim``: its head dim there; ``low``: float16 and bfloat16 only."""
     from numba_flash import registry
     bad = 0
     lens_q, lens_k = ([5, 0, 140, 1], [9, 3, 200, 0]) if hopper else ([5, 0, 37, 1], [9, 3, 70, 0])
@@ -79,7 +79,7 @@ def serving(rng, hopper=False, low=False):
     splits = registry.forward_splits
     for dt, tol in DTYPES[2:] if hopper or low else DTYPES:
         npdt = ml_dtypes.bfloat16 if dt == "bfloat16" else np.dtype(dt)
-        d = 64 if hopper else 40
+        d = head_dim if hopper else 40
         for causal in (True, False) if hopper else (True,):
             q = rng.standard_normal((cu_q[-1], 4, d))
             k, v = (rng.standard_normal((cu_k[-1], 2, d)) for _ in range(2))
@@ -222,7 +222,8 @@ def main():
         if "--hopper" in sys.argv:
             os.environ["NUMBA_FLASH_HOPPER"] = "1"
             _few_blocks()
-        return 1 if serving(rng, "--hopper" in sys.argv, "--low" in sys.argv) else 0
+        head_dim = int(sys.argv[sys.argv.index("--d") + 1]) if "--d" in sys.argv else 64
+        return 1 if serving(rng, "--hopper" in sys.argv, "--low" in sys.argv, head_dim) else 0
     bad = 0
     shapes, options, dtypes = SHAPES, OPTIONS, DTYPES
     if "--transforms" in sys.argv:

@@ -102,12 +102,11 @@ HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padd
 # takes (:func:`takes`). Measured on an H100 at d = 96 and 256 1.8-3.0x the mma.sync
 # family's speed on full and causal rows, a window and a softcap (docs/performance.md item
 # 110); the others run the same two kernels on zero columns. Packed sequences (varlen
-# batches, KV caches) by default only at :data:`PACKED_DEFAULT_HEAD_DIMS`, as before: their
-# d = 256 kernel spills (60/212 bytes, ptxas 13), and neither it nor the packed kernels on
-# zero columns have run on a GPU yet. The rest run on the mma.sync family unless forced
-# (``NUMBA_FLASH_HOPPER=1``): :func:`by_default`.
+# batches, KV caches) too: a causal varlen batch at d = 256 2.2x, at d = 96 1.8x (item 114;
+# the packed d = 256 kernel spills 60/212 bytes, ptxas item 112, and is still the faster).
+# The rest run on the mma.sync family unless forced (``NUMBA_FLASH_HOPPER=1``):
+# :func:`by_default`.
 DEFAULT_HEAD_DIMS = tuple(range(64, 257, 8))
-PACKED_DEFAULT_HEAD_DIMS = (64, 128)
 # Keys per tile at d = 256, where O takes 128 of a consumer's registers: S and P of 64 keys
 # beside it, in two ring stages beside one Q buffer (192 KiB). 80 keys, FlashAttention-3's
 # choice, where no rule masks or transforms a score (:data:`WIDE_HEAD_FULL_BN`): measured on
@@ -162,10 +161,11 @@ FIXED_MAX_LIMIT = {"bfloat16": 60.0, "float16": 6.0}
 # thread skips its rescale (64 multiplications a tile at d = 128, 128 at d = 256) where
 # neither of its rows did, which after an item's first tiles is nearly always (the
 # threshold of FlashAttention-4's softmax). A negative value: every rise of a maximum
-# rescales. At d = 64 and 128 (with a warp vote) measured level to 5% slower on an H200
-# (docs/performance.md item 86); rebuilt for d = 256, whose rescale is twice d = 128's,
-# without the vote, and not yet measured: off (item 111).
-RESCALE_SLACK = -1.0
+# rescales. With a warp vote measured level to 5% slower at d = 64 and 128 on an H200
+# (docs/performance.md item 86); rebuilt without the vote (item 111), measured on an H100
+# 6.4% faster at d = 256 on full rows, 4.6% on causal rows, 1.4% at d = 64 and level at
+# d = 128 (item 114): on at every head dim.
+RESCALE_SLACK = 8.0
 
 
 def takes(d):
@@ -176,8 +176,9 @@ def takes(d):
 
 def by_default(d, scores):
     """Whether a compute capability 9.0 GPU runs head dim ``d`` under the rules ``scores``
-    on this family unless told otherwise (:data:`DEFAULT_HEAD_DIMS`)."""
-    return d in (PACKED_DEFAULT_HEAD_DIMS if scores.packed else DEFAULT_HEAD_DIMS)
+    on this family unless told otherwise (:data:`DEFAULT_HEAD_DIMS`; the rules ``scores``
+    do not matter)."""
+    return d in DEFAULT_HEAD_DIMS
 
 
 def longest_first(scores):
