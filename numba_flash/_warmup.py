@@ -28,7 +28,8 @@ def warmup(shapes, dtypes=("float32",), causal=(False,), backward=False):
     the causal flag, whether a sequence has at most ``registry.SPLIT_ROWS`` query rows
     (16-bit decoding runs its own kernel) and the device, not on the batch, the heads or
     the key count. CUDA-core dtypes (float32, float64) and 16-bit decoding also run with
-    key splits, so the merge kernel that large-grid-starved calls need is compiled too.
+    key splits, so the merge kernel that large-grid-starved calls need is compiled too
+    (16-bit decoding: also the kernel of key splits as one block's warps).
 
     Args:
         shapes: shapes of ``q``, ``(..., Nq, d)`` each, e.g. ``[(B, H, N, d)]``
@@ -71,17 +72,20 @@ def _warm(name, dtype, nq, d, causal, backward):
     _, smem_limit, cc = api._device_facts()
     rules = _scores.ScoreSpec(causal=causal)
     spec = registry.forward_specialisation(name, d, rules, True, smem_limit=smem_limit, cc=cc, rows=rows)
-    keys = 2 * spec.tiling.BN       # two key tiles: enough for a key split
+    # key splits: two (16-bit decoding: as two warps of one block, registry.BLOCK_SPLITS),
+    # and for 16-bit decoding more than a block holds (blocks of their own and the merge)
+    splits = (2, registry.MAX_KEY_WARPS + 1) if spec.variant == "forward_mma_split" else (None,) if low else (2,)
+    keys = max(2, *(z or 0 for z in splits)) * spec.tiling.BN      # a key tile per split
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, 1, rows, d)).astype(dtype)
     k, v = (rng.standard_normal((1, 1, keys, d)).astype(dtype) for _ in range(2))
     ran = set()
-    split = not low or spec.variant == "forward_mma_split"
-    result, launches = api.plan_forward(q, k, v, causal, splits=2 if split else None)
-    for args in launches:
-        launch(*args)
-        ran.add(_kernel_cache.kernel_name(args[0]))
-    out, lse = result()
+    for z in splits:
+        result, launches = api.plan_forward(q, k, v, causal, splits=z)
+        for args in launches:
+            launch(*args)
+            ran.add(_kernel_cache.kernel_name(args[0]))
+        out, lse = result()
     if backward:
         dout = rng.standard_normal(out.shape).astype(dtype)
         result, launches = api.plan_backward(dout, q, k, v, out, lse, causal)

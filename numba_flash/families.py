@@ -407,9 +407,11 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
     b1, b2 = q4.shape[0], q4.shape[1]
     one_warp = spec.variant != "forward_simt"     # (which takes the final results too)
     key_warps = registry.block_splits(z, spec.smem_bytes, smem_limit) if one_warp else 1
+    threads, smem_bytes = spec.tiling.threads, spec.smem_bytes
     if key_warps > 1:   # the splits as one block's warps, merged there: the final results
-        spec = dataclasses.replace(spec, tiling=dataclasses.replace(t, KEY_WARPS=key_warps))
+        spec = registry.key_warps_specialisation(spec)
         kern, z = spec.kernel(), 1
+        threads, smem_bytes = 32 * key_warps, key_warps * smem_bytes    # (the one-warp kernel's, each)
     if z == 1:          # the one-warp kernel's partial results are final: only their split count is read
         parts = inp.empty_like((b1, 1, 1, 1), inp.acc_dtype)
         parts_ml = inp.empty_like((2 * b1, 1, 1), inp.acc_dtype)
@@ -417,7 +419,7 @@ def _split_launches(inp, spec, kern, g, arrays, scale_log2, tail, splits, sm_cou
         parts = inp.empty_like((z * b1, b2, inp.nq, inp.d), inp.acc_dtype)
         parts_ml = inp.empty_like((2 * z * b1, b2, inp.nq), inp.acc_dtype)   # row maxima, then row sums
     scratch += (parts, parts_ml)
-    forward = (kern, (g[0] * z,) + g[1:], spec.tiling.threads, spec.smem_bytes,
+    forward = (kern, (g[0] * z,) + g[1:], threads, smem_bytes,
                (q4, k4, v4, parts, parts_ml) + ((o4, l3) if one_warp else ()) + (scale_log2, split_keys, *tail),
                inp.stream)
     if z == 1:

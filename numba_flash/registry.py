@@ -432,7 +432,7 @@ class Specialisation:
         key_warps = getattr(self.tiling, "KEY_WARPS", 1)
         return (f"{self.variant}/{self.dtype}/d{self.d}/{self.scores.tag}"
                 f"/{'async' if self.use_async else 'plain'}{'/compact' if self.compact else ''}{self.rows_tag}"
-                + (f"/keywarps{key_warps}" if key_warps > 1 else ""))
+                + ("/keywarps" if key_warps > 1 else ""))
 
     @property
     def smem_bytes(self):
@@ -582,12 +582,17 @@ def forward_splits(blocks: int, n_key_tiles: int, slots: int, causal: bool = Fal
 BLOCK_SPLITS = True
 
 
+# The most key warps of a block: the key-warps kernel's launch bound (256 threads leave a
+# thread its 255 registers), one kernel for every count up to it
+MAX_KEY_WARPS = 8
+
+
 def block_splits(z: int, smem_bytes: int, smem_limit) -> int:
     """The key warps of a block for a launch of ``z`` key splits of the one-warp kernel
     (``smem_bytes`` of shared memory each, ``smem_limit`` a block's most, None: unknown):
-    ``z`` where :data:`BLOCK_SPLITS` is on and ``z`` warps' memory fits, else 1 (a block
-    per split, and the merge kernel)."""
-    if BLOCK_SPLITS and 2 <= z <= 32 and (smem_limit is None or z * smem_bytes <= smem_limit):
+    ``z`` where :data:`BLOCK_SPLITS` is on, ``z <=`` :data:`MAX_KEY_WARPS` and ``z``
+    warps' memory fits, else 1 (a block per split, and the merge kernel)."""
+    if BLOCK_SPLITS and 2 <= z <= MAX_KEY_WARPS and (smem_limit is None or z * smem_bytes <= smem_limit):
         return z
     return 1
 
@@ -650,8 +655,12 @@ def specialisations(simulator: bool = False):
                 rules = RULE_SPECS if v.ptx_rules else ()
                 for scores in rules + (PACKED_SPECS if v.packed else ()) + (PAGED_SPECS if v.paged else ()):
                     yield specialisation(variant, dt, RULE_SPEC_D, scores, True, simulator)
-    # the one-warp kernel's key splits as one block's warps (BLOCK_SPLITS), as many as a
-    # compute capability 9.0 block's shared memory holds
-    one = specialisation("forward_mma_split", RULE_LOW_DTYPE, RULE_SPEC_D, FULL, True, simulator)
-    warps = min(forward_wgmma.SMEM_LIMIT // one.smem_bytes, 32)
-    yield dataclasses.replace(one, tiling=dataclasses.replace(one.tiling, KEY_WARPS=warps))
+    # the one-warp kernel's key splits as one block's warps (BLOCK_SPLITS)
+    yield key_warps_specialisation(specialisation("forward_mma_split", RULE_LOW_DTYPE, RULE_SPEC_D, FULL, True,
+                                                  simulator))
+
+
+def key_warps_specialisation(one: Specialisation) -> Specialisation:
+    """The one-warp split kernel ``one`` as the kernel of a block of key warps, up to
+    :data:`MAX_KEY_WARPS` (:func:`block_splits`)."""
+    return dataclasses.replace(one, tiling=dataclasses.replace(one.tiling, KEY_WARPS=MAX_KEY_WARPS))

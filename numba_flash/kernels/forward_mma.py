@@ -51,7 +51,9 @@ class MmaTiling:
     Q_IN_REGS: bool   # keep Q's A fragments in registers (else re-read them per tile)
     MT: int = 1       # 16-row blocks per warp: each K/V fragment read from shared memory feeds MT mma
     # key splits (``split`` kernels, one warp each) run as the warps of one block and merged
-    # in its shared memory: a region of its own per warp (``make_forward_mma``)
+    # in its shared memory, a region of its own per warp (``make_forward_mma``): at most this
+    # many (the kernel's launch bound; a launch's count is its threads / 32, its shared
+    # memory that many one-warp blocks' worth); 1: none
     KEY_WARPS: int = 1
 
     @property
@@ -70,7 +72,7 @@ class MmaTiling:
 
 def smem_elements(d, t: MmaTiling):
     """Q tile plus two K and two V slots, rows of ``DP + ROW_PAD`` 16-bit elements (one such
-    region per key warp)."""
+    region per key warp, as many as ``t.KEY_WARPS``)."""
     return (t.BM + 4 * t.BN) * (padded_dim(d) + ROW_PAD) * t.KEY_WARPS
 
 
@@ -102,13 +104,14 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     with ``Z`` times the blocks on grid axis x. With one split (``Z = 1``: ``parts`` of
     ``B1`` on its first axis, any size on the others) the kernel writes the final ``out``
     and ``lse`` itself, as the kernel without ``split`` does, and writes neither ``parts``
-    nor ``parts_ml``: no merge to launch. With ``t.KEY_WARPS = Z > 1`` the ``Z`` splits of
-    a query tile are the warps of one block (launch with the blocks of one split and
-    ``t.threads`` threads): warp ``w`` computes split ``w`` as a one-warp block would, in a
-    shared-memory region of its own, then the warps leave their partial rows (O, row maxima
-    and sums, unnormalised) in their regions and, after one block barrier, merge them as
-    the merge kernel does, each warp a share of the columns, and write the final ``out``
-    and ``lse``; ``parts`` and ``parts_ml`` are then not read (no merge to launch).
+    nor ``parts_ml``: no merge to launch. With ``t.KEY_WARPS > 1`` the ``Z`` splits of a
+    query tile (2 <= ``Z`` <= ``t.KEY_WARPS``) are the warps of one block (launch with the
+    blocks of one split, ``32 Z`` threads and ``Z`` one-warp blocks' shared memory): warp
+    ``w`` computes split ``w`` as a one-warp block would, in a shared-memory region of its
+    own, then the warps leave their partial rows (O, row maxima and sums, unnormalised) in
+    their regions and, after one block barrier, merge them as the merge kernel does, each
+    warp a share of the columns, and write the final ``out`` and ``lse``; ``parts`` and
+    ``parts_ml`` are then not read (no merge to launch).
     """
     assert D % 8 == 0
     mma, pack = operand_kinds(dtype_name)
@@ -126,7 +129,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     SLOT = BN * RS
     Q_IN_REGS = t.Q_IN_REGS
     SPLIT = split
-    KW = t.KEY_WARPS                   # key splits merged in the block (one warp each)
+    KW = t.KEY_WARPS                   # the most key splits merged in a block (one warp each)
     assert KW == 1 or (split and t.WARPS == 1), (KW, split, t.WARPS)
     REGION = V_OFF + 2 * SLOT          # a warp's shared memory (all of it where KW = 1), 16-bit elements
     assert KW * REGION == smem_elements(D, t)
@@ -151,13 +154,14 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
     a_frag, b_frag, bt_frag = make_fragments(RS)
 
     @device
-    def merge_warps(o, m, l, w, lane, g, tq, q0, Nq, q_start, b1, b2, fout, flse):
-        """Key warps' epilogue: each warp's O, row maxima and sums (unnormalised) into its
-        region, lane-major (float32 word ``32 i + lane`` of its ``i``-th value); one block
-        barrier; then per row the maximum over the warps ``mu``, the factors ``2^(m_u − mu)``
-        and the merged sum, and per column the merged O / sum, the columns of 8-column block
-        ``n`` by warp ``n % KW``; lse by warp 0. A warp without a visible key has ``m =
-        −inf``: factor 0 (a row no warp saw: 0, lse −inf)."""
+    def merge_warps(o, m, l, w, nw, lane, g, tq, q0, Nq, q_start, b1, b2, fout, flse):
+        """Key warps' epilogue (``nw`` of them): each warp's O, row maxima and sums
+        (unnormalised) into its region, lane-major (float32 word ``32 i + lane`` of its
+        ``i``-th value); one block barrier; then per row the maximum over the warps ``mu``,
+        the merged sum of the factors ``2^(m_u − mu)``, and per column the merged O / sum
+        (the factors taken again: no array indexed by the launch's warp count), the columns
+        of 8-column block ``n`` by warp ``n % nw``; lse by warp 0. A warp without a visible
+        key has ``m = −inf``: factor 0 (a row no warp saw: 0, lse −inf)."""
         smem_f = cuda.shared.array(0, numba.float32, alignment=ALIGN)      # the kernel's shared memory
         fb = (w * REGION) >> 1
         warp.syncwarp()                # every lane's last reads of the region done
@@ -172,30 +176,29 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
             smem_f[fb + 32 * (NE + h) + lane] = m[h]
             smem_f[fb + 32 * (NE + H + h) + lane] = lh
         cuda.syncthreads()
-        fac = cuda.local.array(KW, numba.float32)
         for h in range(H):
             mt = h >> 1
             e0 = 2 * (h & 1)
             row = q0 + 16 * mt + g + 8 * (h & 1)
             mx = NEG_INF
-            for u in range(KW):
+            for u in range(nw):
                 mx = max(mx, smem_f[((u * REGION) >> 1) + 32 * (NE + h) + lane])
             mu_h = ZERO if mx == NEG_INF else mx
             lt = ZERO
-            for u in range(KW):
+            for u in range(nw):
                 at = ((u * REGION) >> 1) + lane
-                fac[u] = ops.exp2_approx(smem_f[at + 32 * (NE + h)] - mu_h)
-                lt += smem_f[at + 32 * (NE + H + h)] * fac[u]
+                lt += smem_f[at + 32 * (NE + H + h)] * ops.exp2_approx(smem_f[at + 32 * (NE + h)] - mu_h)
             inv = ZERO if lt == ZERO else numba.float32(1) / lt
             if row < Nq:
                 for n in range(ND):
                     col = 8 * n + 2 * tq
-                    if n % KW == w and col < D:
+                    if n % nw == w and col < D:
                         a0, a1 = ZERO, ZERO
-                        for u in range(KW):
+                        for u in range(nw):
+                            fac = ops.exp2_approx(smem_f[((u * REGION) >> 1) + 32 * (NE + h) + lane] - mu_h)
                             at = ((u * REGION) >> 1) + 32 * ((mt * ND + n) * 4 + e0) + lane
-                            a0 += smem_f[at] * fac[u]
-                            a1 += smem_f[at + 32] * fac[u]
+                            a0 += smem_f[at] * fac
+                            a1 += smem_f[at + 32] * fac
                         bits = pack(a0 * inv, a1 * inv)
                         fout[b1, b2, q_start + row, col] = numba.uint16(bits & 0xFFFF)
                         fout[b1, b2, q_start + row, col + 1] = numba.uint16(bits >> 16)
@@ -215,7 +218,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
         B2 = q.shape[1]
         B = q.shape[0] * B2
         if KW > 1:                     # block x = (query tile, leading index), warp = key split
-            Z = KW
+            Z = cuda.blockDim.x >> 5
             zb = cuda.blockIdx.x
             zs = w
         elif SPLIT:                    # block x = (query tile, leading index, key split)
@@ -386,7 +389,7 @@ def make_forward_mma(dtype_name: str, D: int, t: MmaTiling, scores: ScoreSpec, s
         ops.cp_async_wait(0)            # nothing left in flight when the loop had no iteration
 
         if KW > 1:
-            merge_warps(o, m, l, w, lane, g, tq, q0, Nq, q_start, b1, b2, fout, flse)
+            merge_warps(o, m, l, w, Z, lane, g, tq, q0, Nq, q_start, b1, b2, fout, flse)
             return
 
         # ---- epilogue: O /= l, lse = (m + log2 l) ln 2 ---------------------------------------
