@@ -287,6 +287,32 @@ def test_hopper_schedules_through_the_api(opts, monkeypatch):
         wgmma_schedule.paired_places.cache_clear()       # (its answers under the forced constants)
 
 
+def test_hopper_pairs_at_head_dim_256(monkeypatch):
+    """``forward_wgmma.PAIRS_HEAD_DIM`` 256: causal rows at d = 256 on the pairs schedule
+    (forced where the model would weigh L2), on three persistent blocks: three heads of
+    three query tiles (the last ragged), a pair each in one whole round, the middle tiles in
+    the tail; the oracle's answer on NaN-poisoned outputs, and the pairs' ``sched``."""
+    if ON_GPU:
+        pytest.skip("the simulator's multiprocessor count is set here")
+    from numba_flash import api
+    from numba_flash.kernels import forward_wgmma, wgmma_schedule
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
+    monkeypatch.setattr(wgmma_schedule, "L2_KV_BYTES", 0)
+    monkeypatch.setattr(wgmma_schedule, "PAIRS_SLACK", float("inf"))
+    monkeypatch.setattr(forward_wgmma, "PAIRS_HEAD_DIM", 256)
+    wgmma_schedule.paired_places.cache_clear()
+    try:
+        rng = np.random.default_rng()
+        q, k, v = (rng.standard_normal((1, 3, 300, 256)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        _, launches = api.plan_forward(q, k, v, causal=True)
+        assert launches[-1][1] == 3 and launches[-1][4][-1] > 0 and launches[-1][4][-1] >> 2 == 3, launches[-1][4][-1]
+        out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
+        check_forward_low(out, lse, q, k, v, {"causal": True}, None)
+    finally:
+        wgmma_schedule.paired_places.cache_clear()
+
+
 @pytest.mark.parametrize("direction", ["forward", "backward"])
 def test_hopper_plan_keeps_the_inputs_its_maps_read(direction, monkeypatch):
     """The Hopper family's launches read q, k, v (and dO) through TMA tensor maps, which

@@ -25,8 +25,9 @@ oracle; no block masks), with the other flags' shapes and dtypes. ``--d D``: onl
 shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs`` (with
 ``--hopper``): the Hopper forward's pairs schedule of causal rows forced wherever a grid
 of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), at shapes
-with an odd count of query tiles and rows that see no key, d = 128 and d = 64 (whose
-calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``); forward only.
+with an odd count of query tiles and rows that see no key, d = 128, d = 64 (whose
+calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``) and d = 256
+(``forward_wgmma.PAIRS_HEAD_DIM`` raised to it); forward only.
 ``--block-splits`` (with ``--serving``): the decoding kernel's key splits as the warps of
 one block, merged in its shared memory (``registry.BLOCK_SPLITS``).
 """
@@ -51,7 +52,7 @@ OPTIONS = [
 SHAPES = [(2, 2, 37, 53, 40), (4, 2, 70, 29, 64), (3, 1, 17, 131, 24)]
 HOPPER_SHAPES = [(4, 2, 130, 200, 64), (2, 1, 70, 29, 128), (2, 2, 200, 330, 128), (2, 1, 150, 170, 256),
                  (2, 1, 90, 140, 96)]
-PAIRS_SHAPES = [(2, 2, 300, 260, 128), (2, 2, 300, 260, 64)]   # three query tiles, two heads of two batches
+PAIRS_SHAPES = [(2, 2, 300, 260, 128), (2, 2, 300, 260, 64), (2, 2, 300, 260, 256)]   # three query tiles, two heads of two batches
 DTYPES = (("float32", 1e-4), ("float64", 1e-10), ("float16", 2e-2), ("bfloat16", 8e-2))   # and tolerances
 
 
@@ -234,8 +235,9 @@ def main():
         _few_blocks()
     pairs = "--pairs" in sys.argv
     if pairs:
-        from numba_flash.kernels import wgmma_schedule
+        from numba_flash.kernels import forward_wgmma, wgmma_schedule
         wgmma_schedule.L2_KV_BYTES, wgmma_schedule.PAIRS_SLACK = 0, float("inf")
+        forward_wgmma.PAIRS_HEAD_DIM = 256
         wgmma_schedule.paired_places.cache_clear()
         shapes, options = PAIRS_SHAPES, [o for o in options if o.get("causal") and "window" not in o]
     if "--d" in sys.argv:

@@ -219,14 +219,24 @@ def grid_size(nq, b, sm_count, bm=BM):
     return max(min(-(-nq // bm) * b, sm_count), 1)
 
 
+# The largest (padded) head dim whose causal kernel takes the pairs schedule (:func:`paired`).
+# At 256 O holds 128 of a consumer's registers, and with the pairs' producer of 40 registers
+# the consumers spill 76/192 bytes (ptxas 13), none of it in the loop over key tiles (per
+# item: SASS); without the pairs the longest-first deal's first round takes the longest
+# query tile of every head at once, whose K and V overflow L2 where the pairs' heads share
+# them (the causal (16, 8, 1024, 256) bf16 call took longer than full rows on an H100: 0.297
+# against 0.246 ms). Built and tested at 256, not yet measured: 128 (docs/performance.md
+# item 115).
+PAIRS_HEAD_DIM = 128
+
+
 def paired(scores, bm, d=128):
     """Whether the kernel for ``scores`` at ``bm`` rows takes the pairs schedule where its
     launch asks for it: causal rows without a window, user functions or packed sequences,
     at 128 rows (at 192 the pairs are few and coarse: 22 query tiles per head at N = 4096),
-    head dim ``d`` at most 128 (at 256 O holds 128 of a consumer's registers, and with the
-    pairs' producer of 40 registers the consumers spilled: ptxas 13, 76/192 bytes)."""
+    head dim ``d`` at most :data:`PAIRS_HEAD_DIM` (padded)."""
     return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed and bm == BM
-                and padded(d) <= 128)
+                and padded(d) <= PAIRS_HEAD_DIM)
 
 
 def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
