@@ -199,6 +199,39 @@ def test_hopper_head_dims_beyond_64_and_128_score_rules(d, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
+@pytest.mark.parametrize("d", [72, 136])
+def test_hopper_skips_the_zero_columns_k_steps(d, monkeypatch):
+    """At a head dim between the kernels' (the columns past ``d`` zeros that the TMA
+    fills), S = Q Kᵀ issues only the k-steps of 16 columns that reach below ``d``
+    (``wgmma_parts.make_row_product``'s ``cols``: 5 of 8 at d = 72, 9 of 16 at 136, a
+    sub-tile of one step): the same bits as the kernel that issues them all (a zero
+    product adds exactly 0), and the oracle's answer."""
+    from numba_flash import api, scores
+    from numba_flash.kernels import forward_wgmma, wgmma_parts
+    from numba_flash.launch import launch
+    _force_hopper(monkeypatch, cache=False)
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((1, 2, 150, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    outs = []
+    for every in (False, True):
+        result, launches = api.plan_forward(q, k, v, causal=True)
+        if every:          # the same kernel with every k-step issued
+            spec = registry.forward_specialisation("bfloat16", d, scores.ScoreSpec(causal=True), True, rows=150,
+                                                   cc=(9, 0))
+            assert spec.variant == "forward_wgmma", spec
+            steps = wgmma_parts.make_row_product
+            monkeypatch.setattr(forward_wgmma, "make_row_product", lambda *a, cols=None: steps(*a))
+            kern = forward_wgmma.make_forward_wgmma.__wrapped__(
+                spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
+                fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP)
+            launches[-1] = (kern,) + tuple(launches[-1][1:])
+        for args in launches:
+            launch(*args)
+        outs.append([host(x) for x in result()])
+    assert bits(outs[0][0]) == bits(outs[1][0]) and bits(outs[0][1]) == bits(outs[1][1])
+    check_forward_low(outs[0][0], outs[0][1], q, k, v, {"causal": True}, None)
+
+
 @pytest.mark.parametrize("d", [64, 256])
 def test_hopper_lazy_maxima(d, monkeypatch):
     """Lazy maxima (the factory's ``slack``, ``forward_wgmma.RESCALE_SLACK``, here 8): rows

@@ -373,7 +373,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
-    qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K)        # S = Q Kᵀ of one key tile
+    qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K, COLS)  # S = Q Kᵀ of one key tile (k-steps to d)
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
     zeros_o = H.accumulator(half_columns(D))
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the

@@ -55,32 +55,41 @@ def wait_phase(bar, parity):
 
 
 @functools.lru_cache(maxsize=None)
-def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int):
+def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int, cols: int = None):
     """``product(a_at, b_at)``: issue the 64 × ``n`` float32 accumulator of ``A Bᵀ`` over the
     head dim ``D`` (64, 128 or 256): A's 64 rows at shared address ``a_at``, B's ``n`` rows at
     ``b_at``, their later sub-tiles (``D >= 128``) every ``sub_a`` and ``sub_b`` bytes on. Both
-    operands are K-major (rows along d): S = Q Kᵀ, dP = dO Vᵀ and their transposes."""
+    operands are K-major (rows along d): S = Q Kᵀ, dP = dO Vᵀ and their transposes. With
+    ``cols`` (the operands' columns past it zeros, as the TMA fills them) only the k-steps of
+    16 columns that reach below ``cols``: the same sums (a zero product adds exactly 0)."""
     mma = H.wgmma(n, dtype_name)
     zeros = H.accumulator(n)
     desc = DESC
+    STEPS = D // 16 if cols is None else -(-min(cols, D) // 16)      # k-steps of 16 columns issued
+    S0, S1, S2, S3 = (min(max(STEPS - 4 * s, 0), 4) for s in range(4))   # those of each sub-tile
 
     @cuda.jit(device=True, inline=True)
-    def sub_tile(acc, a_at, b_at, accumulate):
-        """The four k-steps of one sub-tile, written out: a loop of these large
-        instructions is not unrolled."""
+    def sub_tile(acc, a_at, b_at, accumulate, steps):
+        """The first ``steps`` (1-4, a constant) k-steps of one sub-tile, written out: a
+        loop of these large instructions is not unrolled."""
         acc = mma(acc, desc(a_at), desc(b_at), accumulate)
-        acc = mma(acc, desc(a_at + 32), desc(b_at + 32), 1)
-        acc = mma(acc, desc(a_at + 64), desc(b_at + 64), 1)
-        return mma(acc, desc(a_at + 96), desc(b_at + 96), 1)
+        if steps >= 2:
+            acc = mma(acc, desc(a_at + 32), desc(b_at + 32), 1)
+        if steps >= 3:
+            acc = mma(acc, desc(a_at + 64), desc(b_at + 64), 1)
+        if steps >= 4:
+            acc = mma(acc, desc(a_at + 96), desc(b_at + 96), 1)
+        return acc
 
     @cuda.jit(device=True, inline=True)
     def product(a_at, b_at):
-        acc = sub_tile(zeros(), a_at, b_at, 0)
-        if D >= 128:
-            acc = sub_tile(acc, a_at + sub_a, b_at + sub_b, 1)
-        if D == 256:
-            acc = sub_tile(acc, a_at + 2 * sub_a, b_at + 2 * sub_b, 1)
-            acc = sub_tile(acc, a_at + 3 * sub_a, b_at + 3 * sub_b, 1)
+        acc = sub_tile(zeros(), a_at, b_at, 0, S0)
+        if S1 > 0:
+            acc = sub_tile(acc, a_at + sub_a, b_at + sub_b, 1, S1)
+        if S2 > 0:
+            acc = sub_tile(acc, a_at + 2 * sub_a, b_at + 2 * sub_b, 1, S2)
+        if S3 > 0:
+            acc = sub_tile(acc, a_at + 3 * sub_a, b_at + 3 * sub_b, 1, S3)
         return acc
     return product
 
