@@ -119,7 +119,7 @@ def make_backward_wgmma(kind: str, dtype_name: str, D: int, scores: ScoreSpec, d
     ROW_BYTES, COL_BYTES = 2 * NSUB * SUB_R, 2 * NSUB * SUB_C     # what each barrier's loads bring
     NS = BC // 2                         # S (and dP) accumulator elements per thread
     NP = NS // 2                         # the same, packed in 16-bit pairs
-    row_product = make_row_product(dtype_name, D, BC, SUB_R, SUB_C)     # S = RA CAᵀ, dP = RB CBᵀ
+    row_product = make_row_product(dtype_name, D, BC, SUB_R, SUB_C, COLS)   # S = RA CAᵀ, dP = RB CBᵀ (k-steps to d)
     column_product = make_column_product(dtype_name, D, BC, SUB_C)      # acc += P CB, dS CA
     zeros = H.accumulator(64)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
