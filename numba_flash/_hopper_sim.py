@@ -40,9 +40,14 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
-           "encode_tensor_map_4d"]
+           "encode_tensor_map_4d", "clock64"]
 
 _TIMEOUT_S = 600.0
+
+
+def clock64():
+    """The cycle counter's twin: nanoseconds of the host's monotonic clock."""
+    return time.perf_counter_ns()
 # A slow warpgroup, for tests: ``(warpgroup, seconds)`` makes that warpgroup's threads pause
 # (``_simulator.pause``: sleep, or give way to every runnable thread in the cooperative mode)
 # before every named-barrier sync or arrival, so that the others run ahead of it, an order

@@ -161,6 +161,12 @@ def kernel_name(kern):
     return None if found is None else found[0]
 
 
+def kernel_identity(kern):
+    """The identity :func:`tag` gave ``kern`` (the registry's ``Specialisation``), or None."""
+    found = getattr(kern, _TAG, None)
+    return None if found is None else found[1]
+
+
 def kernel_key(kern):
     """``kern``'s identity with its function's fingerprint, or None for an untagged kernel."""
     key = getattr(kern, _KEY, None)

@@ -112,6 +112,16 @@ def mbarrier_try_wait(typingctx, addr, parity):
     return U32(addr, parity), codegen
 
 
+@intrinsic
+def clock64(typingctx):
+    """The multiprocessor's cycle counter (``%clock64``, uint64): the same clock for every
+    thread of a block; read where it stands (volatile, memory clobbered). For traces
+    (``forward_wgmma``'s ``trace``)."""
+    def codegen(ctx, builder, sig, args):
+        return _asm(builder, I64, [], "mov.u64 $0, %clock64;", "=l,~{memory}")
+    return U64(), codegen
+
+
 # --------------------------------------------------------------------------- addresses
 @intrinsic
 def shared_address(typingctx, ary):

@@ -648,3 +648,55 @@ def _as_torch(out, torch):
     if isinstance(out, torch.Tensor):       # torch inputs give torch outputs
         return out.view(torch.int16)
     return torch.as_tensor(out.view(np.int16), device="cuda")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_hopper_traced_kernel(causal, monkeypatch):
+    """``make_forward_wgmma(trace=True)`` (``tools/trace_items.py``): the kernel of the
+    call's plan, traced, on three persistent blocks, writes the same bits as the untraced
+    kernel and stamps every item it took: each warpgroup's phases in order, the producer's
+    Q load before the item's Q landed, its key tiles (two query tiles of two heads, 130 x
+    130 at d = 128: two key tiles each, or under the causal mask one for the first)."""
+    from numba import cuda
+    from numba_flash import api
+    from numba_flash.kernels import forward_wgmma
+    from numba_flash.launch import launch
+    if ON_GPU:
+        pytest.skip("the simulator's multiprocessor count is set here")
+    _force_hopper(monkeypatch, cache=False)
+    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((1, 2, 130, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    outs = []
+    for traced in (False, True):
+        result, launches = api.plan_forward(q, k, v, causal=causal)
+        kern, grid, threads, smem, args, stream = launches[-1]
+        assert "forward_wgmma" in kern.py_func.__module__ and not kern.overlap
+        if traced:
+            spec = registry.forward_specialisation("bfloat16", 128, CAUSAL if causal else registry.FULL, True,
+                                                   rows=130, cc=(9, 0))
+            kern = forward_wgmma.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN,
+                                                    bm=spec.tiling.BM, fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP,
+                                                    trace=True)
+            per_block = -(-2 * 2 // grid)
+            trace = cuda.to_device(np.zeros((grid, per_block, forward_wgmma.TRACE_EVENTS), np.int64))
+            args = tuple(args) + (trace,)
+        for a in launches[:-1]:
+            launch(*a)
+        launch(kern, grid, threads, smem, args, stream)
+        outs.append([host(x) for x in result()])
+    assert bits(outs[0][0]) == bits(outs[1][0]) and bits(outs[0][1]) == bits(outs[1][1])
+    stamps = trace.copy_to_host()
+    tiles = sorted(int(t) for t in stamps[:, :, forward_wgmma.TRACE_TILES].ravel() if t)
+    # per head: query tile 0 (rows 0-127) and 1 (128-129) against 130 keys in 128-key tiles
+    assert tiles == ([1, 1, 2, 2] if causal else [2, 2, 2, 2]), tiles
+    for blk in range(grid):
+        for item in range(per_block):
+            row = stamps[blk, item]
+            if not row[forward_wgmma.TRACE_TILES]:
+                continue
+            for wg in range(2):
+                phases = row[6 * wg:6 * wg + 6]
+                assert (np.diff(phases) >= 0).all() and phases[0] > 0, (blk, item, wg, phases)
+                assert row[forward_wgmma.TRACE_PRODUCER] <= phases[1], (blk, item, row)
+            assert row[forward_wgmma.TRACE_PRODUCER + 1] >= row[forward_wgmma.TRACE_PRODUCER] > 0

@@ -191,3 +191,26 @@ def test_first_call_offline_times_a_kernels_compile(tmp_path):
     assert rec["kernel"] == "forward_simt/float32/d32/full/plain" and rec["seconds"] > 0
     with pytest.raises(RuntimeError, match="matched no kernel"):
         first_call.offline(["no_such_kernel"], 1)
+
+
+def test_trace_items_in_the_simulator(monkeypatch):
+    """``tools/trace_items.py``: a call's Hopper forward traced (three persistent blocks,
+    two heads of 130 x 130 causal rows at d = 128: four items of one or two key tiles), its
+    summary's items and phases."""
+    import ml_dtypes
+    import numpy as np
+    from numba_flash import api, registry
+    from conftest import ON_GPU
+    trace_items = _load("trace_items")
+    if ON_GPU:
+        pytest.skip("the simulator's multiprocessor count is set here")
+    monkeypatch.setenv(registry.HOPPER_ENV, "1")
+    monkeypatch.setenv("NUMBA_FLASH_CACHE", "0")
+    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
+    rng = np.random.default_rng()
+    q, k, v = (rng.standard_normal((1, 2, 130, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
+    result, launches = api.plan_forward(q, k, v, causal=True)
+    stamps, nwg, plain_ms, traced_ms = trace_items.trace_call(launches, [130], 2, repeats=1)
+    assert nwg == 2 and stamps.shape[:2] == (3, 2)
+    s = trace_items.summarise(stamps, nwg)
+    assert s["items"] == 2 * 4 and s["first"] > 0 and s["tile"] > 0 and s["busy_max"] >= s["busy_mean"] > 0, s

@@ -121,6 +121,14 @@ WIDE_HEAD_FULL_BN = 80
 # factory's ``exp2_fma`` keeps the option, tested.
 EXP2_FMA_SOFTCAP = 0
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
+# A traced kernel's stamps per item (``make_forward_wgmma``'s ``trace``): cycle counts at
+# these phases of consumer warpgroup ``w``'s item in slots ``6 w ..`` (its start, Q landed,
+# the first tile's softmax done, the later tiles done, the last P V and the rows' sums done,
+# O stored), then the producer's (slot 18: the item's Q load issued, after its buffer was
+# free; 19: its last V load issued) and the item's key tiles (20); 0 where a phase did not
+# happen (an item without key tiles)
+TRACE_PHASES = ("start", "q", "first", "loop", "last", "stored")
+TRACE_PRODUCER, TRACE_TILES, TRACE_EVENTS = 18, 20, 24
 SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
 
@@ -307,7 +315,7 @@ def overlaps(scores, bm, d):
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, fixed_max: bool = None, slack: float = None):
+                       overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -322,14 +330,18 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :func:`overlaps`); ``fixed_max``: under a softcap alone, each row's maximum taken as the
     cap where :data:`FIXED_MAX_LIMIT` allows (default :data:`FIXED_MAX_SOFTCAP`); ``slack``:
     how far a tile's maximum may pass a row's before the row's is raised and O rescaled
-    (default :data:`RESCALE_SLACK`; negative: at every rise)."""
+    (default :data:`RESCALE_SLACK`; negative: at every rise); ``trace``: the kernel takes a
+    last argument ``trace`` (int64, ``(G, items per block, TRACE_EVENTS)``) and stamps each
+    item's phases there with the multiprocessor's cycle counter (:data:`TRACE_PHASES`; the
+    item overlap off: ``tools/trace_items.py``)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
     NWG = BM // ROWS                      # consumer warpgroups
-    OVERLAP = overlaps(scores, BM, D) if overlap is None else overlap
+    TRACE = trace
+    OVERLAP = False if TRACE else overlaps(scores, BM, D) if overlap is None else overlap
     THREADS = threads_for(BM)
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns,
     CLEAR = TURN0 + NWG                   # then the consumers' meeting over a cleared V tile (packed)
@@ -581,6 +593,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 rs0 += e
             s[i] = e
         return mn0, mn1, l0 * alpha0 + rs0, l1 * alpha1 + rs1, alpha0, alpha1
+
+    @cuda.jit(device=True, inline=True)
+    def mark(trace, i, G, slot):
+        """A traced kernel's stamp (``trace``): the cycle counter into ``slot`` of the block's
+        item at place ``i``, by every thread that gets here (a warpgroup's: the last of its
+        warps to arrive leaves its count; no branch, which would keep the products in flight
+        around it from running asynchronously)."""
+        trace[cuda.blockIdx.x, (i - cuda.blockIdx.x) // G, slot] = H.clock64()
 
     @cuda.jit(device=True, inline=True)
     def work_item(i, G, n_qt, B, sched):
@@ -904,7 +924,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             p[k] = pack(s[2 * k], s[2 * k + 1])
 
     @cuda.jit(device=True, inline=True)
-    def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, sched):
+    def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, sched,
+                     trace):
         Nq = out.shape[2]
         B2 = out.shape[1]
         B = out.shape[0] * B2
@@ -944,10 +965,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 n_q = 0                  # Q tiles loaded so far
                 for i in range(cuda.blockIdx.x, n_items, G):
                     b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                    if TRACE:
+                        trace[cuda.blockIdx.x, (i - cuda.blockIdx.x) // G, TRACE_TILES] = tiles
                     if tiles > 0:
                         buf = n_q % QBUF
                         if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
                             wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
+                        if TRACE:
+                            mark(trace, i, G, TRACE_PRODUCER)
                         H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
                         for sub in range(NSUB):
                             H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
@@ -964,6 +989,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                       cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
                         cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
                                   cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
+                        if TRACE:
+                            mark(trace, i, G, TRACE_PRODUCER + 1)
             return
 
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
@@ -1027,6 +1054,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
         else:
             for i in range(cuda.blockIdx.x, n_items, G):
+                if TRACE:
+                    mark(trace, i, G, 6 * wg)
                 b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                 r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes,
                                                     b1, b2)
@@ -1036,28 +1065,49 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, NEG_INF, NEG_INF, ZERO, ZERO, tq4)
                 else:
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
+                    if TRACE:
+                        mark(trace, i, G, 6 * wg + 1)
                     n_q += 1
                     m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4,
                                                               r0, sc, slopes, b1, b2)
+                    if TRACE:
+                        mark(trace, i, G, 6 * wg + 2)
                     m0, m1, l0, l1, o0, o1, ring = later_tiles(s, o0, o1, p, q_at, ring, base, buf, ct, wg, tiles,
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0, m1,
                                                                l0, l1)
+                    if TRACE:
+                        mark(trace, i, G, 6 * wg + 3)
                     clear_tail(smf, sm_at, ring, base, ct, tail_rows(q0, kt0, tiles, geo, slopes, b1, b2))
                     o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq,
                                                          m0, m1, l0, l1, tq4)
+                    if TRACE:
+                        mark(trace, i, G, 6 * wg + 4)
                 store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
+                if TRACE:
+                    mark(trace, i, G, 6 * wg + 5)
         if wg == 0:
             my_turn(wg)          # the last warpgroup's last turn: no barrier is left half-arrived
 
-    if PACKED:
+    if PACKED and TRACE:
+        @cuda.jit(launch_bounds=(THREADS, 1))
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, trace):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0,
+                         trace)
+    elif PACKED:
         @cuda.jit(launch_bounds=(THREADS, 1))
         def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
-            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0)
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0,
+                         slopes)
+    elif TRACE:
+        @cuda.jit(launch_bounds=(THREADS, 1))
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, sched, trace):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
+                         sched, trace)
     else:
         @cuda.jit(launch_bounds=(THREADS, 1))
         def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, sched):
             forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
-                         sched)
+                         sched, slopes)
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
