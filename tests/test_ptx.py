@@ -288,6 +288,36 @@ def test_no_write_races_a_wgmma_operand(ptx_runs):
     assert not [(r["name"], r["wgmma_operand_writes"]) for r in rows if r["wgmma_operand_writes"]]
 
 
+TRACED_PROBE = '''
+import json
+from numba_flash import ptx, registry
+from numba_flash.kernels import forward_wgmma as F
+from numba_flash.scores import ScoreSpec
+cc, rows = (9, 0, "a"), []
+for d, packed in ((128, False), (64, True)):
+    spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(causal=True, packed=packed), True,
+                                   simulator=False)
+    kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
+                                fixed_max=F.FIXED_MAX_SOFTCAP, trace=True)
+    code = ptx.compile_ptx(kern.py_func, spec.signature()[:-1] + ", int64[:, :, ::1])", [cc], (kern.threads, 1))[cc]
+    ptxas = ptx.find_ptxas()
+    serial = ptx.assemble(code, cc, ptxas, None)["wgmma_serialized"] if ptxas else None
+    rows.append([d, packed, code.count("%clock64"), code.count("wgmma.mma_async"), serial])
+print(json.dumps(rows))
+'''
+
+
+def test_traced_hopper_forward_compiles():
+    """``make_forward_wgmma(trace=True)`` (``tools/trace_items.py``) compiles for sm_90a
+    (causal rows at d = 128, a packed causal kernel at d = 64) with its eight cycle-counter
+    stamps and its products; where ptxas is found, they stay asynchronous (a stamp under a
+    branch serialised the packed kernel's)."""
+    from conftest import run_compile_probe
+    rows = json.loads(run_compile_probe(TRACED_PROBE).strip().splitlines()[-1])
+    assert [(r[0], r[1]) for r in rows] == [(128, False), (64, True)]
+    assert all(r[2] == 8 and r[3] >= 4 and r[4] is not True for r in rows), rows
+
+
 def test_assemble_reads_wgmma_serialization(monkeypatch):
     """``ptx.assemble`` reports ptxas's C7513 (its words as ptxas 13.0 prints them) for
     kernels with warpgroup products, and only for those."""
