@@ -291,40 +291,17 @@ def test_hopper_other_head_dims_only_where_forced(monkeypatch):
         "bfloat16", d, (9, 0), simulator=False, variant="backward_dkdv_wgmma")] == [64, 72, 128]
 
 
-@pytest.mark.parametrize("opts", [{"causal": True}, {"window": (150, 0)}], ids=["causal", "window"])
-def test_hopper_schedules_through_the_api(opts, monkeypatch):
+@pytest.mark.parametrize("opts, shape, sched", [
+    ({"causal": True}, (1, 2, 640, 128), 15), ({"window": (150, 0)}, (1, 2, 640, 128), -1),
+    ({"causal": True}, (1, 3, 300, 256), 13)], ids=["causal", "window", "causal-d256"])
+def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     """The launch's schedule (``forward_wgmma.schedule``) on three persistent blocks, as a
     GPU of three multiprocessors would have it: causal rows on the pairs (forced where the
     model would weigh L2: ``L2_KV_BYTES`` 0, ``PAIRS_SLACK`` unbounded) with a tail, and a
-    window whose rounds go the other way; the launch's ``sched`` is the model's, the result
-    within the oracle's tolerance (every tile once: NaN-poisoned outputs)."""
-    if ON_GPU:
-        pytest.skip("the simulator's multiprocessor count is set here")
-    from numba_flash import api
-    from numba_flash.kernels import wgmma_schedule
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
-    monkeypatch.setattr(wgmma_schedule, "L2_KV_BYTES", 0)
-    monkeypatch.setattr(wgmma_schedule, "PAIRS_SLACK", float("inf"))
-    wgmma_schedule.paired_places.cache_clear()
-    try:
-        rng = np.random.default_rng(51)
-        # five query tiles of two heads: the pairs leave one pair and the middle tiles to the
-        # tail (sched 4 · 3 + 2 + 1), the window's rounds go the even way (-1)
-        q, k, v = (rng.standard_normal((1, 2, 640, 128)).astype(ml_dtypes.bfloat16) for _ in range(3))
-        _, launches = api.plan_forward(q, k, v, **opts)
-        assert launches[-1][1] == 3 and launches[-1][4][-1] == (15 if "causal" in opts else -1), launches[-1][4][-1]
-        out, lse = numba_flash.attention_fwd(q, k, v, **opts)
-        check_forward_low(out, lse, q, k, v, opts, None)
-    finally:
-        wgmma_schedule.paired_places.cache_clear()       # (its answers under the forced constants)
-
-
-def test_hopper_pairs_at_head_dim_256(monkeypatch):
-    """``forward_wgmma.PAIRS_HEAD_DIM`` 256: causal rows at d = 256 on the pairs schedule
-    (forced where the model would weigh L2), on three persistent blocks: three heads of
-    three query tiles (the last ragged), a pair each in one whole round, the middle tiles in
-    the tail; the oracle's answer on NaN-poisoned outputs, and the pairs' ``sched``."""
+    window whose rounds go the other way; at d = 256 with ``forward_wgmma.PAIRS_HEAD_DIM``
+    256, three heads of three query tiles (the last ragged), a pair each in one whole round,
+    the middle tiles in the tail. The launch's ``sched`` is the model's, the result within
+    the oracle's tolerance (every tile once: NaN-poisoned outputs)."""
     if ON_GPU:
         pytest.skip("the simulator's multiprocessor count is set here")
     from numba_flash import api
@@ -336,14 +313,17 @@ def test_hopper_pairs_at_head_dim_256(monkeypatch):
     monkeypatch.setattr(forward_wgmma, "PAIRS_HEAD_DIM", 256)
     wgmma_schedule.paired_places.cache_clear()
     try:
-        rng = np.random.default_rng()
-        q, k, v = (rng.standard_normal((1, 3, 300, 256)).astype(ml_dtypes.bfloat16) for _ in range(3))
-        _, launches = api.plan_forward(q, k, v, causal=True)
-        assert launches[-1][1] == 3 and launches[-1][4][-1] > 0 and launches[-1][4][-1] >> 2 == 3, launches[-1][4][-1]
-        out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
-        check_forward_low(out, lse, q, k, v, {"causal": True}, None)
+        rng = np.random.default_rng(51)
+        # d = 128: five query tiles of two heads: the pairs leave one pair and the middle
+        # tiles to the tail (sched 4 · 3 + 2 + 1), the window's rounds go the even way (-1);
+        # d = 256: three pairs in the whole round, the middle tiles in the tail (4 · 3 + 1)
+        q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for _ in range(3))
+        _, launches = api.plan_forward(q, k, v, **opts)
+        assert launches[-1][1] == 3 and launches[-1][4][-1] == sched, launches[-1][4][-1]
+        out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+        check_forward_low(out, lse, q, k, v, opts, None)
     finally:
-        wgmma_schedule.paired_places.cache_clear()
+        wgmma_schedule.paired_places.cache_clear()       # (its answers under the forced constants)
 
 
 @pytest.mark.parametrize("direction", ["forward", "backward"])
