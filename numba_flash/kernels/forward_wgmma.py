@@ -102,7 +102,8 @@ HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padd
 # takes (:func:`takes`). Measured on an H100 at d = 96 and 256 1.8-3.0x the mma.sync
 # family's speed on full and causal rows, a window and a softcap (docs/performance.md item
 # 110); the others run the same two kernels on zero columns. Packed sequences (varlen
-# batches, KV caches) too: a causal varlen batch at d = 256 2.2x, at d = 96 1.8x (item 114;
+# batches; KV caches, whose unused rows a TMA box would read, stay on mma.sync) too: a
+# causal varlen batch at d = 256 2.2x, at d = 96 1.8x (item 114;
 # the packed d = 256 kernel spills 60/212 bytes, ptxas item 112, and is still the faster).
 # The rest run on the mma.sync family unless forced (``NUMBA_FLASH_HOPPER=1``):
 # :func:`by_default`.
