@@ -28,8 +28,10 @@ of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), a
 with an odd count of query tiles and rows that see no key, d = 128, d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``) and d = 256
 (``forward_wgmma.PAIRS_HEAD_DIM`` raised to it); forward only.
-``--block-splits`` (with ``--serving``): the decoding kernel's key splits as the warps of
-one block, merged in its shared memory (``registry.BLOCK_SPLITS``).
+``--no-block-splits`` (with ``--serving``): the decoding kernel's key splits in blocks of
+their own and the merge kernel, as where a block's shared memory does not hold them
+(``registry.BLOCK_SPLITS`` off; on, the default, a few splits are the warps of one block,
+merged in its shared memory).
 """
 import os
 import sys
@@ -216,9 +218,9 @@ def _few_blocks(blocks=3):
 
 def main():
     rng = np.random.default_rng(0)
-    if "--block-splits" in sys.argv:
+    if "--no-block-splits" in sys.argv:
         from numba_flash import registry
-        registry.BLOCK_SPLITS = True
+        registry.BLOCK_SPLITS = False
     if "--serving" in sys.argv:
         if "--hopper" in sys.argv:
             os.environ["NUMBA_FLASH_HOPPER"] = "1"
