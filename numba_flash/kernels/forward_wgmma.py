@@ -389,9 +389,12 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K, COLS)  # S = Q Kᵀ of one key tile (k-steps to d)
     pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
     zeros_o = H.accumulator(half_columns(D))
-    # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more), and the
-    # consumers' share of the rest of the block's pool (wgmma_parts.consumer_registers)
-    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PACKED or PAIRED else 24
+    # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more: the
+    # pairs, and packed rows' key ranges, but at d = 256, where 24 leave the consumers the 240
+    # their O of 128 needs: ptxas 13, causal packed rows' spill 60/212 -> 24/56 bytes, the
+    # general rules' 168/372 -> 132/320, none in the producer; docs/performance.md items 112,
+    # 118), and the consumers' share of the rest of the block's pool (consumer_registers)
+    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
