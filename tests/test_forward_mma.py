@@ -199,13 +199,15 @@ def test_hopper_head_dims_beyond_64_and_128_score_rules(d, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
-@pytest.mark.parametrize("d", [72, 136])
+@pytest.mark.parametrize("d", [72, 136, 192])
 def test_hopper_skips_the_zero_columns_k_steps(d, monkeypatch):
     """At a head dim between the kernels' (the columns past ``d`` zeros that the TMA
     fills), S = Q Kᵀ issues only the k-steps of 16 columns that reach below ``d``
     (``wgmma_parts.make_row_product``'s ``cols``: 5 of 8 at d = 72, 9 of 16 at 136, a
-    sub-tile of one step): the same bits as the kernel that issues them all (a zero
-    product adds exactly 0), and the oracle's answer."""
+    sub-tile of one step), and up to 192 columns the d = 256 kernel's P V takes three
+    64-column atoms (``wgmma_parts.o_columns``: O's second half of 64 columns): the same
+    bits as the kernel that issues every step over all 256 columns (a zero product adds
+    exactly 0; O's columns are independent), and the oracle's answer."""
     from numba_flash import api, scores
     from numba_flash.kernels import forward_wgmma, wgmma_parts
     from numba_flash.launch import launch
@@ -215,15 +217,24 @@ def test_hopper_skips_the_zero_columns_k_steps(d, monkeypatch):
     outs = []
     for every in (False, True):
         result, launches = api.plan_forward(q, k, v, causal=True)
-        if every:          # the same kernel with every k-step issued
+        if every:          # the same kernel with every k-step issued, and O of all D columns
             spec = registry.forward_specialisation("bfloat16", d, scores.ScoreSpec(causal=True), True, rows=150,
                                                    cc=(9, 0))
             assert spec.variant == "forward_wgmma", spec
             steps = wgmma_parts.make_row_product
             monkeypatch.setattr(forward_wgmma, "make_row_product", lambda *a, cols=None: steps(*a))
-            kern = forward_wgmma.make_forward_wgmma.__wrapped__(
-                spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
-                fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP)
+            wide = wgmma_parts.o_columns
+            monkeypatch.setattr(wgmma_parts, "o_columns", lambda D, cols=None: wide(D))
+            monkeypatch.setattr(forward_wgmma, "o_columns", lambda D, cols=None: wide(D))
+            for made in (wgmma_parts.make_column_product, wgmma_parts.make_store_rows):
+                made.cache_clear()
+            try:
+                kern = forward_wgmma.make_forward_wgmma.__wrapped__(
+                    spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
+                    fixed_max=forward_wgmma.FIXED_MAX_SOFTCAP)
+            finally:
+                for made in (wgmma_parts.make_column_product, wgmma_parts.make_store_rows):
+                    made.cache_clear()          # (built under the patch)
             launches[-1] = (kern,) + tuple(launches[-1][1:])
         for args in launches:
             launch(*args)

@@ -80,7 +80,7 @@ from .. import ops_hopper as H
 from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, block_rules, device_rules, mask_rule
 from . import wgmma_schedule
 from .forward import LN2
-from .wgmma_parts import (SUB, consumer_registers, half_columns, make_column_product, make_row_product,
+from .wgmma_parts import (SUB, consumer_registers, make_column_product, make_row_product, o_columns,
                           make_store_rows, padded, wait_phase)
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
@@ -387,8 +387,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K, COLS)  # S = Q Kᵀ of one key tile (k-steps to d)
-    pv = make_column_product(dtype_name, D, BN, SUB_K)            # O += P V of one key tile
-    zeros_o = H.accumulator(half_columns(D))
+    pv = make_column_product(dtype_name, D, BN, SUB_K, COLS)      # O += P V of one key tile (N to d's atoms)
+    zeros_o = H.accumulator(o_columns(D, COLS)[0])                  # O's halves (o1: 64 columns at d <= 192
+    zeros_o1 = H.accumulator(o_columns(D, COLS)[1])                 # in the d = 256 kernel)
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more: the
     # pairs, and packed rows' key ranges, but at d = 256, where 24 leave the consumers the 240
     # their O of 128 needs: ptxas 13, causal packed rows' spill 60/212 -> 24/56 bytes, the
@@ -778,7 +779,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             b1, b2, q0, kt0, tiles, qs, _, nq, gi = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
             if tiles > 0:
                 return i, b1, b2, q0, kt0, tiles, qs, nq, gi
-            finish(out, lse, b1, b2, qs, q0 + ROWS * wg + 16 * w + g, nq, zeros_o(), zeros_o(),
+            finish(out, lse, b1, b2, qs, q0 + ROWS * wg + 16 * w + g, nq, zeros_o(), zeros_o1(),
                    NEG_INF, NEG_INF, ZERO, ZERO, tq4)
             i += G
         return i, 0, 0, 0, 0, 0, 0, 0, geo
@@ -833,7 +834,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                        ZERO, ZERO, geo, geo[1], consts_at(q0, 0, geo, slopes, b1, b2, sc), slopes,
                                        b1, b2)
         pack_p(s, p)
-        return m0, m1, l0, l1, zeros_o(), zeros_o(), (ak, bk, av, bv)
+        return m0, m1, l0, l1, zeros_o(), zeros_o1(), (ak, bk, av, bv)
 
     @cuda.jit(device=True, inline=True)
     def next_tile(s, o0, o1, p, q_at, ring, base, ct, wg, j, q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2,
@@ -1049,7 +1050,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                              sc, slopes, b1, b2, NEG_INF, NEG_INF, ZERO, ZERO)
                     store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
                     o0 = zeros_o()
-                    o1 = zeros_o()
+                    o1 = zeros_o1()
                     m0, m1, l0, l1 = n0, n1, k0l, k1l
                     pack_p(s, p)
                 clear_tail(smf, sm_at, ring, base, ct, fvalid)
@@ -1064,7 +1065,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes,
                                                     b1, b2)
                 o0 = zeros_o()
-                o1 = zeros_o()
+                o1 = zeros_o1()
                 if tiles == 0:                          # no key tile: 0 and -inf
                     inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, NEG_INF, NEG_INF, ZERO, ZERO, tq4)
                 else:

@@ -35,6 +35,16 @@ def half_columns(D):
     return 128 if D == 256 else 64
 
 
+def o_columns(D, cols=None):
+    """The columns of ``o0`` and ``o1`` for an output of ``cols`` columns (None: ``D``) in
+    the kernel of head dim ``D``: :func:`half_columns` each, but at ``D = 256`` with at most
+    192 columns, 128 and 64 (P V then one m64n192k16 a k-step over three whole 64-column
+    atoms: the fourth holds only zero columns, whose products are not stored)."""
+    if D == 256 and cols is not None and cols <= 192:
+        return 128, 64
+    return half_columns(D), half_columns(D)
+
+
 def consumer_registers(producer, threads, producer_threads=128):
     """The registers per thread that a block's consumer warpgroups can take
     (``setmaxnreg.inc``) once its producer warpgroup (``producer_threads`` threads) keeps
@@ -95,7 +105,7 @@ def make_row_product(dtype_name: str, D: int, n: int, sub_a: int, sub_b: int, co
 
 
 @functools.lru_cache(maxsize=None)
-def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
+def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int, cols: int = None):
     """``product(o0, o1, p, b_at)``: issue ``O += P B`` for a 64 × ``D`` accumulator held as
     two halves ``o0, o1`` (:func:`half_columns` each; ``o1`` unused at ``D = 64``): ``P`` (64 × ``n_k``) in
     packed registers, ``p[4 t] .. p[4 t + 3]`` the A operand of k-step ``t`` (an
@@ -108,13 +118,15 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int):
     along N, here the two sub-tiles, so one product reads both; its accumulator is ``o0``'s
     32 registers then ``o1``'s (columns 0-63, then 64-127). A is read once per k-step
     instead of twice. At ``D = 256`` each k-step is one m64n256k16 over the four sub-tiles
-    (``o0`` columns 0-127, ``o1`` 128-255, 64 registers each)."""
+    (``o0`` columns 0-127, ``o1`` 128-255, 64 registers each), or with ``cols`` at most 192
+    one m64n192k16 (``o1`` columns 128-191, 32 registers: :func:`o_columns`)."""
+    C0, C1 = o_columns(D, cols)
     mma = H.wgmma(64, dtype_name, a_in_registers=True, trans_b=1)
-    wide = H.wgmma(D, dtype_name, a_in_registers=True, trans_b=1)      # (D = 64: unused)
+    wide = H.wgmma(C0 + C1 if D == 256 else D, dtype_name, a_in_registers=True, trans_b=1)   # (D = 64: unused)
     desc = DESC
     wide_desc = H.smem_descriptor(sub_b, 1024, 1)
     WIDE = D == 256 or D == 128 and WIDE_COLUMNS
-    HALF = half_columns(D) // 2           # accumulator registers of a half
+    HALF = C0 // 2                        # accumulator registers of o0
 
     @cuda.jit(device=True, inline=True)
     def product(o0, o1, p, b_at):
@@ -152,6 +164,7 @@ def make_store_rows(dtype_name: str, D: int, cols: int = None):
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     QUADS = (D if cols is None else cols) // 4        # uint64 elements of an output row
     CLIP = QUADS < D // 4
+    O1_WIDE = o_columns(D, cols)[1] == 128            # (D = 256: o1 of 64 registers)
 
     @cuda.jit(device=True, inline=True)
     def store_half(out, b1, b2, row, ok, o, h, inv, odd, half, c0):
@@ -177,7 +190,8 @@ def make_store_rows(dtype_name: str, D: int, cols: int = None):
 
     @cuda.jit(device=True, inline=True)
     def store_rows_256(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
-        """``D = 256``: each half's 64 registers as two 64-column blocks of 32."""
+        """``D = 256``: each half's 64 registers as two 64-column blocks of 32 (``o1``'s
+        second block only where it has one: :func:`o_columns`)."""
         odd, half = tq4 & 1, tq4 >> 1
         ok0, ok1 = row0 < n_rows, row0 + 8 < n_rows
         store_half(out, b1, b2, row0, ok0, o0[:32], 0, inv0, odd, half, 0)
@@ -186,6 +200,7 @@ def make_store_rows(dtype_name: str, D: int, cols: int = None):
         store_half(out, b1, b2, row0 + 8, ok1, o0[32:], 1, inv1, odd, half, 16)
         store_half(out, b1, b2, row0, ok0, o1[:32], 0, inv0, odd, half, 32)
         store_half(out, b1, b2, row0 + 8, ok1, o1[:32], 1, inv1, odd, half, 32)
-        store_half(out, b1, b2, row0, ok0, o1[32:], 0, inv0, odd, half, 48)
-        store_half(out, b1, b2, row0 + 8, ok1, o1[32:], 1, inv1, odd, half, 48)
+        if O1_WIDE:
+            store_half(out, b1, b2, row0, ok0, o1[32:], 0, inv0, odd, half, 48)
+            store_half(out, b1, b2, row0 + 8, ok1, o1[32:], 1, inv1, odd, half, 48)
     return store_rows_256 if D == 256 else store_rows
