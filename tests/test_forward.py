@@ -300,20 +300,26 @@ def test_more_key_splits_than_sixteen(dtype):
 def test_key_splits_as_one_blocks_warps(z, dtype, hq, hkv, nq, nk, d, causal, monkeypatch):
     """``registry.BLOCK_SPLITS``: the one-warp kernel's key splits as the warps of one
     block, merged in its shared memory: one launch of ``32 z`` threads a block, no merge
-    launch, the oracle's answer (every output written: the outputs start as NaN)."""
+    launch, the oracle's answer (every output written: the outputs start as NaN); two
+    splits first, then ``z``, through the same kernel (its shared memory grows with the
+    warps: on a GPU the launch opts in to more)."""
     import ml_dtypes
     monkeypatch.setattr(registry, "BLOCK_SPLITS", True)
-    tiles = -(-nk // registry.mma_split_tiling(dtype, d).BN)     # the shapes take z splits of whole tiles
-    assert -(-tiles // -(-tiles // z)) == z, (tiles, z)
     rng = np.random.default_rng()
     npdt = ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
     q = rng.standard_normal((2, hq, nq, d)).astype(npdt)
     k, v = (rng.standard_normal((2, hkv, nk, d)).astype(npdt) for _ in range(2))
-    plan = api.plan_forward(q, k, v, causal=causal, splits=z)
-    assert [(launch[2], launch[0].py_func.__module__) for launch in plan[1]] == [
-        (32 * z, "numba_flash.kernels.forward_mma")], plan[1]
-    out, lse = api._run(plan)
-    check_forward_low(host(out), host(lse), q, k, v, causal, None)
+    kernels = set()
+    for warps in (2, z):
+        tiles = -(-nk // registry.mma_split_tiling(dtype, d).BN)    # the shapes take these splits of whole tiles
+        assert -(-tiles // -(-tiles // warps)) == warps, (tiles, warps)
+        plan = api.plan_forward(q, k, v, causal=causal, splits=warps)
+        assert [(launch[2], launch[0].py_func.__module__) for launch in plan[1]] == [
+            (32 * warps, "numba_flash.kernels.forward_mma")], plan[1]
+        kernels.add(plan[1][0][0])
+        out, lse = api._run(plan)
+        check_forward_low(host(out), host(lse), q, k, v, causal, None)
+    assert len(kernels) == 1
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
