@@ -61,8 +61,7 @@ def _families(cc):
         fwd = registry.forward_specialisation(dt, 128 if dt in registry.LOW_DTYPES else 64, FULL, True, cc=cc)
         line = f"  {dt:9s} forward {fwd.variant}"
         if fwd.variant == "forward_wgmma":
-            line += (" (multiples of 8 from 64 to 256; packed sequences at d other than 64 and 128 where "
-                     "forced; other d: forward_mma)")
+            line += " (multiples of 8 from 64 to 256; other d: forward_mma)"
         if dt in registry.LOW_DTYPES:
             dec = registry.forward_specialisation(dt, 128, FULL, True, cc=cc, rows=1)
             line += f", decoding (<= {registry.SPLIT_ROWS} query rows) {dec.variant}"

@@ -12,7 +12,6 @@ Every attention kernel's arguments end with the score arguments of
 ``numba_flash.scores`` (``inp.score_args``): window sides, softcap factors, ALiBi slopes.
 """
 import copy
-import dataclasses
 import math
 
 from . import _arrays, registry, scores

@@ -48,7 +48,7 @@ def summarise(stamps, nwg):
     items = []
     for blk in stamps:
         starts, ends = [], []
-        rows = [r for r in blk if r[6 * 0] > 0]
+        rows = [r for r in blk if r[0] > 0]        # the items the block took (warpgroup 0 started them)
         for n, r in enumerate(rows):
             tiles = int(r[TRACE_TILES])
             for w in range(nwg):

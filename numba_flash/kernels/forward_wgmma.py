@@ -388,8 +388,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NP = NS // 2                          # the same, packed in 16-bit pairs
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K, COLS)  # S = Q Kᵀ of one key tile (k-steps to d)
     pv = make_column_product(dtype_name, D, BN, SUB_K, COLS)      # O += P V of one key tile (N to d's atoms)
-    zeros_o = H.accumulator(o_columns(D, COLS)[0])                  # O's halves (o1: 64 columns at d <= 192
-    zeros_o1 = H.accumulator(o_columns(D, COLS)[1])                 # in the d = 256 kernel)
+    C0, C1 = o_columns(D, COLS)           # O's halves' columns (o1: 64 at d <= 192 in the d = 256 kernel)
+    zeros_o, zeros_o1 = H.accumulator(C0), H.accumulator(C1)
     # the producer's registers (SCHEDULE_PRODUCER_REGS where its work items take more: the
     # pairs, and packed rows' key ranges, but at d = 256, where 24 leave the consumers the 240
     # their O of 128 needs: ptxas 13, causal packed rows' spill 60/212 -> 24/56 bytes, the
