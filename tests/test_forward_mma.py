@@ -423,7 +423,8 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
 
 def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option, forced):
     """A Hopper forward call (``rules`` "packed": a causal varlen batch of sequences
-    ``lens``; else ``nq`` query and ``nk`` key rows, causal for "causal") with the
+    ``lens``; else ``nq`` query and ``nk`` key rows, causal for "causal", a band of 60 keys
+    for "window") with the
     registry's kernel, checked against the oracle, then with ``make_forward_wgmma``'s
     ``option`` forced to ``forced(default kernel)``: asserts the kernel took it and the
     same bits. (In the simulator one persistent block takes every item, so every
@@ -437,11 +438,11 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
         q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
         call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
     else:
-        causal = rules == "causal"
+        opts = {"window": (60, 0)} if rules == "window" else {"causal": rules == "causal"}
         q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
         k, v = (rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
-        _assert_hopper_launch(q, k, v, causal=causal)
-        call = lambda: numba_flash.attention_fwd(q, k, v, causal=causal)  # noqa: E731
+        _assert_hopper_launch(q, k, v, **opts)
+        call = lambda: numba_flash.attention_fwd(q, k, v, **opts)  # noqa: E731
     built = []
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
@@ -452,7 +453,7 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
             check_forward_low(np.swapaxes(default[0][rows], 0, 1)[None], None,
                               *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
-        check_forward_low(default[0], default[1], q, k, v, causal, None)
+        check_forward_low(default[0], default[1], q, k, v, opts, None)
     value = forced(built[-1])
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, **{**kw, option: value}))
@@ -462,15 +463,16 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
     assert [bits(x) for x in result] == [bits(x) for x in default], (option, value)
 
 
-@pytest.mark.parametrize("rules", ["causal", "full", "packed"])
+@pytest.mark.parametrize("rules", ["causal", "full", "packed", "window"])
 def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
     ``overlap``; by default for causal rows with two consumer warpgroups at d = 64 and for
-    packed rows) changes when the products are issued, not what is computed: forced away
-    from what the registry's kernel resolves (d = 128, two consumers: on for the packed
-    batch, off otherwise), the kernel's bits, within the tolerance of the float64 oracle.
-    Causal rows with Nq > Nk, so that query tiles with no key lie between tiles with keys;
-    full rows; a varlen batch with an empty sequence."""
+    packed rows, for windows with ``OVERLAP_WINDOWS``) changes when the products are issued,
+    not what is computed: forced away from what the registry's kernel resolves (d = 128, two
+    consumers), the kernel's bits, within the tolerance of the float64 oracle. Causal rows
+    with Nq > Nk, so that query tiles with no key lie between tiles with keys; full rows; a
+    varlen batch with an empty sequence; a band of 60 keys over 300 query and 150 key rows
+    (its first query tile sees no key)."""
     _forced_option_keeps_bits(monkeypatch, rules, 128, 300, 90 if rules == "causal" else 150, np.array([150, 0, 70]),
                               41, "overlap", lambda kernel: not kernel.overlap)
 

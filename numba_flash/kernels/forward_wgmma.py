@@ -299,18 +299,28 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
     return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
+# Windows' items of about nine key tiles (a band of 1024 keys) pay an item's fixed cost
+# often, as short causal rows do: their kernels at d = 64 and 128 take the overlap where
+# this is on (built and tested, not yet measured: off; docs/performance.md item 120)
+OVERLAP_WINDOWS = False
+
+
 def overlaps(scores, bm, d):
     """Whether the kernel for ``scores`` at head dim ``d`` in blocks of ``bm`` query rows
     issues an item's last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s
     ``overlap``): for causal rows with two consumer warpgroups, at d = 64 and for packed
-    rows (varlen batches). Measured on an H200 2-3% faster for a causal varlen batch (d =
+    rows (varlen batches); windows at d = 64 and 128 where :data:`OVERLAP_WINDOWS`. Measured on an H200 2-3% faster for a causal varlen batch (d =
     128) and causal rows at d = 64, level for causal rows at d = 128, 1-3% slower for full
     rows (docs/performance.md item 72), so unpacked causal rows at d = 128 keep the
     per-item schedule: the overlap's code takes Numba's front end 5.7 s longer for that
     kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
     (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
     tiles (up to 300 bytes); so did packed rows at d = 256 (368/704 bytes, 60/212 without)."""
-    return bm // ROWS == 2 and scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
+    if bm // ROWS != 2:
+        return False
+    if scores.window and OVERLAP_WINDOWS and padded(d) <= 128:
+        return True
+    return scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
 
 
 @functools.lru_cache(maxsize=None)
