@@ -309,8 +309,8 @@ def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     """The launch's schedule (``forward_wgmma.schedule``) on three persistent blocks, as a
     GPU of three multiprocessors would have it: causal rows on the pairs (forced where the
     model would weigh L2: ``L2_KV_BYTES`` 0, ``PAIRS_SLACK`` unbounded) with a tail, and a
-    window whose rounds go the other way; at d = 256 with ``forward_wgmma.PAIRS_HEAD_DIM``
-    256, three heads of three query tiles (the last ragged), a pair each in one whole round,
+    window whose rounds go the other way; at d = 256 (``forward_wgmma.PAIRS_HEAD_DIM``),
+    three heads of three query tiles (the last ragged), a pair each in one whole round,
     the middle tiles in the tail. The launch's ``sched`` is the model's, the result within
     the oracle's tolerance (every tile once: NaN-poisoned outputs)."""
     if ON_GPU:
@@ -321,7 +321,6 @@ def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
     monkeypatch.setattr(wgmma_schedule, "L2_KV_BYTES", 0)
     monkeypatch.setattr(wgmma_schedule, "PAIRS_SLACK", float("inf"))
-    monkeypatch.setattr(forward_wgmma, "PAIRS_HEAD_DIM", 256)
     wgmma_schedule.paired_places.cache_clear()
     try:
         rng = np.random.default_rng(51)
@@ -467,7 +466,7 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
 def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
     ``overlap``; by default for causal rows with two consumer warpgroups at d = 64 and for
-    packed rows, for windows with ``OVERLAP_WINDOWS``) changes when the products are issued,
+    packed rows, for windows at d = 64) changes when the products are issued,
     not what is computed: forced away from what the registry's kernel resolves (d = 128, two
     consumers), the kernel's bits, within the tolerance of the float64 oracle. Causal rows
     with Nq > Nk, so that query tiles with no key lie between tiles with keys; full rows; a

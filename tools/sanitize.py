@@ -27,7 +27,7 @@ shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs``
 of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), at shapes
 with an odd count of query tiles and rows that see no key, d = 128, d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``) and d = 256
-(``forward_wgmma.PAIRS_HEAD_DIM`` raised to it); forward only.
+(``forward_wgmma.PAIRS_HEAD_DIM``); forward only.
 ``--no-block-splits`` (with ``--serving``): the decoding kernel's key splits in blocks of
 their own and the merge kernel, as where a block's shared memory does not hold them
 (``registry.BLOCK_SPLITS`` off; on, the default, a few splits are the warps of one block,
@@ -237,9 +237,8 @@ def main():
         _few_blocks()
     pairs = "--pairs" in sys.argv
     if pairs:
-        from numba_flash.kernels import forward_wgmma, wgmma_schedule
+        from numba_flash.kernels import wgmma_schedule
         wgmma_schedule.L2_KV_BYTES, wgmma_schedule.PAIRS_SLACK = 0, float("inf")
-        forward_wgmma.PAIRS_HEAD_DIM = 256
         wgmma_schedule.paired_places.cache_clear()
         shapes, options = PAIRS_SHAPES, [o for o in options if o.get("causal") and "window" not in o]
     if "--d" in sys.argv:

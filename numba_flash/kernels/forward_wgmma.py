@@ -234,9 +234,9 @@ def grid_size(nq, b, sm_count, bm=BM):
 # item: SASS); without the pairs the longest-first deal's first round takes the longest
 # query tile of every head at once, whose K and V overflow L2 where the pairs' heads share
 # them (the causal (16, 8, 1024, 256) bf16 call took longer than full rows on an H100: 0.297
-# against 0.246 ms). Built and tested at 256, not yet measured: 128 (docs/performance.md
-# item 115).
-PAIRS_HEAD_DIM = 128
+# against 0.246 ms). With the pairs at 256, measured on an H100: (16, 8, 1024, 256) causal
+# 30% faster, (4, 8, 4096, 256) causal 5% (docs/performance.md items 115, 121).
+PAIRS_HEAD_DIM = 256
 
 
 def paired(scores, bm, d=128):
@@ -299,18 +299,20 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
     return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
 
 
-# Windows' items of about nine key tiles (a band of 1024 keys) pay an item's fixed cost
-# often, as short causal rows do: their kernels at d = 64 and 128 take the overlap where
-# this is on (built and tested, not yet measured: off; docs/performance.md item 120)
-OVERLAP_WINDOWS = False
+# The largest (padded) head dim at which windows take the item overlap (:func:`overlaps`):
+# a window's items of about nine key tiles (a band of 1024 keys) pay an item's fixed cost
+# often, as short causal rows do. Measured on an H100 (window 1024 at N = 16384): d = 64
+# 3.8% faster, d = 128 level (+0.3%), where the overlap's longer compile is not worth it
+# (docs/performance.md items 120, 121)
+OVERLAP_WINDOW_HEAD_DIM = 64
 
 
 def overlaps(scores, bm, d):
     """Whether the kernel for ``scores`` at head dim ``d`` in blocks of ``bm`` query rows
     issues an item's last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s
     ``overlap``): for causal rows with two consumer warpgroups, at d = 64 and for packed
-    rows (varlen batches); windows at d = 64 and 128 where :data:`OVERLAP_WINDOWS`. Measured on an H200 2-3% faster for a causal varlen batch (d =
-    128) and causal rows at d = 64, level for causal rows at d = 128, 1-3% slower for full
+    rows (varlen batches), and for windows up to :data:`OVERLAP_WINDOW_HEAD_DIM`. Measured on
+    an H200 2-3% faster for a causal varlen batch (d = 128) and causal rows at d = 64, level for causal rows at d = 128, 1-3% slower for full
     rows (docs/performance.md item 72), so unpacked causal rows at d = 128 keep the
     per-item schedule: the overlap's code takes Numba's front end 5.7 s longer for that
     kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
@@ -318,7 +320,7 @@ def overlaps(scores, bm, d):
     tiles (up to 300 bytes); so did packed rows at d = 256 (368/704 bytes, 60/212 without)."""
     if bm // ROWS != 2:
         return False
-    if scores.window and OVERLAP_WINDOWS and padded(d) <= 128:
+    if scores.window and padded(d) <= OVERLAP_WINDOW_HEAD_DIM:
         return True
     return scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
 
