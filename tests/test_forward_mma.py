@@ -476,6 +476,19 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
                               41, "overlap", lambda kernel: not kernel.overlap)
 
 
+@pytest.mark.parametrize("rules, nk, lens", [("full", 400, None), ("causal", 90, None), ("window", 150, None),
+                                             ("packed", None, [150, 0, 400, 70])])
+def test_hopper_q_ahead_changes_no_bit(rules, nk, lens, monkeypatch):
+    """The next item's Q issued one item early by the producer (``make_forward_wgmma``'s
+    ``q_ahead``, off by default) changes when Q lands, not what is computed: forced on, the
+    default kernel's bits, within the oracle's tolerance. Items of more key tiles than ring
+    stages (full rows over 400 keys; the packed batch's 400-row sequence) take it after K_2's
+    load, shorter ones after their last load; causal rows with query tiles that see no key
+    between tiles that do (Nq > Nk), a band, and a varlen batch with an empty sequence."""
+    _forced_option_keeps_bits(monkeypatch, rules, 128, 300, nk, np.array(lens or [0]), 43, "q_ahead",
+                              lambda kernel: not kernel.q_ahead)
+
+
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):

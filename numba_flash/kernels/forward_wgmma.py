@@ -325,10 +325,28 @@ def overlaps(scores, bm, d):
     return scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
 
 
+# The producer issues the block's next item's Q one item early: once the current item's
+# K_STAGES has loaded (its stage was freed by the item's S_0, so the consumers are past the
+# item before, whose Q buffer the next Q takes), or after its last load for items of fewer
+# tiles; else after the current item's last load, two or so key tiles before the consumers
+# need it. The trace of the Hopper forward (tools/trace_items.py, H100) had consumers wait
+# for Q at every item start: 1.8 key tiles' worth an item for a window of 1024 keys, 1.1
+# for the varlen batch, 2.0 at d = 256 causal (one Q buffer there: the look-ahead needs two).
+# Two consumer warpgroups only (with three, at d = 64, the consumers' 160 registers leave
+# the producer none to spare: ptxas 13, 84-408 bytes of spill). The look-ahead's place
+# arithmetic, beside the item's own, takes the producer AHEAD_PRODUCER_REGS more registers
+# (ptxas 13, bf16 d = 128: window 340/628 bytes of spill at 24, 60/228 at 56; causal rows
+# 136/520 at 40, none at 72; full rows and the packed batch none). Built and tested, not
+# yet measured: off (docs/performance.md item 122).
+Q_AHEAD = False
+AHEAD_PRODUCER_REGS = 32
+
+
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
-                       overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False):
+                       overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
+                       q_ahead: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -346,7 +364,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     (default :data:`RESCALE_SLACK`; negative: at every rise); ``trace``: the kernel takes a
     last argument ``trace`` (int64, ``(G, items per block, TRACE_EVENTS)``) and stamps each
     item's phases there with the multiprocessor's cycle counter (:data:`TRACE_PHASES`; the
-    item overlap off: ``tools/trace_items.py``)."""
+    item overlap off: ``tools/trace_items.py``); ``q_ahead``: the producer issues the next
+    item's Q one item early (default :data:`Q_AHEAD`; with two Q buffers and two consumer
+    warpgroups only)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -359,6 +379,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns,
     CLEAR = TURN0 + NWG                   # then the consumers' meeting over a cleared V tile (packed)
     QBUF, STAGES = buffers(D, bn) if qbuf is None else (qbuf, stages)
+    AHEAD = (Q_AHEAD if q_ahead is None else q_ahead) and QBUF >= 2 and NWG == 2
     PINGPONG = pingpong
     mods = scores.mods
     PACKED = scores.packed                # packed sequences: a table gives each item's rows
@@ -407,7 +428,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # their O of 128 needs: ptxas 13, causal packed rows' spill 60/212 -> 24/56 bytes, the
     # general rules' 168/372 -> 132/320, none in the producer; docs/performance.md items 112,
     # 118), and the consumers' share of the rest of the block's pool (consumer_registers)
-    PRODUCER_REGS = SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24
+    PRODUCER_REGS = ((SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24)
+                     + (AHEAD_PRODUCER_REGS if AHEAD else 0))
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
@@ -688,6 +710,35 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         for sub in range(NSUB):
             H.tma_load_4d(ring + (st * NSUB + sub) * SUB_K, tmap, 64 * sub, k0, b2k, b1, full0 + 8 * st)
         return count + 1
+
+    @cuda.jit(device=True, inline=True)
+    def load_q(tmap, n_q, base, row, b2, b1, trace, i, G):
+        """The producer's load of the block's ``n_q``-th Q tile (rows ``row ..`` of
+        ``(b1, b2)``, place ``i``) into its buffer once both consumers are done with the
+        buffer's last one; returns ``n_q + 1``."""
+        q_full, q_empty, _, _, _, _ = barriers(base)
+        buf = n_q % QBUF
+        if n_q >= QBUF:
+            wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
+        if TRACE:
+            mark(trace, i, G, TRACE_PRODUCER)
+        H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
+        for sub in range(NSUB):
+            H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, tmap, 64 * sub, row, b2, b1, q_full + 8 * buf)
+        return n_q + 1
+
+    @cuda.jit(device=True, inline=True)
+    def q_ahead(tmap, n_q, base, i, G, n_qt, B, B2, sched, geo, slopes, seqs, trace):
+        """``AHEAD``: the Q of the block's first item after place ``i`` with a key tile,
+        loaded (:func:`load_q`). Returns ``(its place, n_q)``, the place past the items
+        where none is left."""
+        k = i + G
+        while k < n_qt * B:
+            b1, b2, q0, _, tiles, qs, _, _, _ = place(k, G, n_qt, B, B2, sched, geo, slopes, seqs)
+            if tiles > 0:
+                return k, load_q(tmap, n_q, base, qs + q0, b2, b1, trace, k, G)
+            k += G
+        return k, n_q
 
     @cuda.jit(device=True, inline=True)
     def advance(st, phase):
@@ -980,21 +1031,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.tensormap_acquire(H.global_address(tv))
                 ck, cv = 0, 0            # K and V tiles loaded (all items)
                 n_q = 0                  # Q tiles loaded so far
+                ahead = -1               # the place whose Q went out ahead (AHEAD)
                 for i in range(cuda.blockIdx.x, n_items, G):
                     b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                     if TRACE:
                         trace[cuda.blockIdx.x, (i - cuda.blockIdx.x) // G, TRACE_TILES] = tiles
                     if tiles > 0:
-                        buf = n_q % QBUF
-                        if n_q >= QBUF:  # both consumers are done with the buffer's previous Q
-                            wait_phase(q_empty + 8 * buf, ((n_q // QBUF) - 1) & 1)
-                        if TRACE:
-                            mark(trace, i, G, TRACE_PRODUCER)
-                        H.mbarrier_arrive_expect_tx(q_full + 8 * buf, NSUB * SUB_Q)
-                        for sub in range(NSUB):
-                            H.tma_load_4d(base + Q_OFF + (buf * NSUB + sub) * SUB_Q, H.global_address(tq),
-                                          64 * sub, qs + q0, b2, b1, q_full + 8 * buf)
-                        n_q += 1
+                        if not AHEAD or i != ahead:
+                            n_q = load_q(H.global_address(tq), n_q, base, qs + q0, b2, b1, trace, i, G)
                         b2k = b2 // group
                         # K_0, then K_j with V_{j-1}: the order the consumers use them in
                         ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
@@ -1004,8 +1048,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                       ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
                             cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
                                       cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
+                            if AHEAD and j == STAGES:    # (K_j's stage was S_0's: the item before is done)
+                                ahead, n_q = q_ahead(H.global_address(tq), n_q, base, i, G, n_qt, B, B2, sched,
+                                                     geo, slopes, seqs, trace)
                         cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
                                   cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
+                        if AHEAD and tiles <= STAGES:
+                            ahead, n_q = q_ahead(H.global_address(tq), n_q, base, i, G, n_qt, B, B2, sched, geo,
+                                                 slopes, seqs, trace)
                         if TRACE:
                             mark(trace, i, G, TRACE_PRODUCER + 1)
             return
@@ -1128,5 +1178,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
+    forward.q_ahead = AHEAD
     forward.threads = THREADS
     return forward
