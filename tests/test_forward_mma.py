@@ -316,7 +316,7 @@ def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     if ON_GPU:
         pytest.skip("the simulator's multiprocessor count is set here")
     from numba_flash import api
-    from numba_flash.kernels import forward_wgmma, wgmma_schedule
+    from numba_flash.kernels import wgmma_schedule
     monkeypatch.setenv(registry.HOPPER_ENV, "1")
     monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
     monkeypatch.setattr(wgmma_schedule, "L2_KV_BYTES", 0)

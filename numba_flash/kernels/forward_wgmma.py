@@ -301,9 +301,9 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
 
 # The largest (padded) head dim at which windows take the item overlap (:func:`overlaps`):
 # a window's items of about nine key tiles (a band of 1024 keys) pay an item's fixed cost
-# often, as short causal rows do. Measured on an H100 (window 1024 at N = 16384): d = 64
-# 3.8% faster, d = 128 level (+0.3%), where the overlap's longer compile is not worth it
-# (docs/performance.md items 120, 121)
+# often, as short causal rows do. Measured (window 1024 at N = 16384): d = 64 3.8% faster
+# on an H100, 1.3% on an H200; d = 128 level on both (+0.3%, +0.4%), where the overlap's
+# longer compile is not worth it (docs/performance.md items 86, 120, 121)
 OVERLAP_WINDOW_HEAD_DIM = 64
 
 
@@ -312,8 +312,9 @@ def overlaps(scores, bm, d):
     issues an item's last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s
     ``overlap``): for causal rows with two consumer warpgroups, at d = 64 and for packed
     rows (varlen batches), and for windows up to :data:`OVERLAP_WINDOW_HEAD_DIM`. Measured on
-    an H200 2-3% faster for a causal varlen batch (d = 128) and causal rows at d = 64, level for causal rows at d = 128, 1-3% slower for full
-    rows (docs/performance.md item 72), so unpacked causal rows at d = 128 keep the
+    an H200 2-3% faster for a causal varlen batch (d = 128) and causal rows at d = 64, level
+    for causal rows at d = 128, 1-3% slower for full rows (docs/performance.md item 72), so
+    unpacked causal rows at d = 128 keep the
     per-item schedule: the overlap's code takes Numba's front end 5.7 s longer for that
     kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first call pays
     (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
