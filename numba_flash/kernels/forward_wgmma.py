@@ -316,9 +316,9 @@ def overlaps(scores, bm, d):
     for causal rows at d = 128, 1-3% slower for full rows (docs/performance.md item 72), so
     unpacked causal rows at d = 128 keep the per-item schedule: the overlap's code takes
     Numba's front end 5.7 s longer for that kernel (13.2 against 7.5 s, on a 2-core x86-64
-    machine), which a first call pays
-    (item 73). Three consumer warpgroups (160 registers each) spilled in the loop over key
-    tiles (up to 300 bytes); so did packed rows at d = 256 (368/704 bytes, 60/212 without)."""
+    machine), which a first call pays (item 73). Three consumer warpgroups (160 registers
+    each) spilled in the loop over key tiles (up to 300 bytes); so did packed rows at
+    d = 256 (368/704 bytes, 60/212 without)."""
     if bm // ROWS != 2:
         return False
     if scores.window and padded(d) <= OVERLAP_WINDOW_HEAD_DIM:
