@@ -460,7 +460,8 @@ def test_pairs_where_the_model_says():
     assert S.paired_places(32, 16, 132, kv(16, 4096)) == 0      # (1, 16, 4096, 128): its K and V fit in L2
     assert S.paired_places(2, 144, 132, kv(144, 256)) == 0      # 144 pairs on 132 blocks: 12 twice as long
     assert F.paired(ScoreSpec(causal=True), 128) and not F.paired(ScoreSpec(causal=True), 192)
-    assert not F.paired(ScoreSpec(causal=True), 128, 256)        # (its consumers' registers)
+    assert F.paired(ScoreSpec(causal=True), 128, 256)            # (up to PAIRS_HEAD_DIM: all head dims)
+    assert not F.paired(ScoreSpec(window=True), 128) and not F.paired(ScoreSpec(causal=True, packed=True), 128)
     assert not F.paired(ScoreSpec(causal=True, window=True), 128) and not F.paired(ScoreSpec(), 128)
 
 
