@@ -48,8 +48,11 @@ def test_ab_summary_tells_which_trees_changed_the_bits():
     ab = _load("ab")
     records = [dict(call="fwd", tree=t, ms=1.0, bits=h) for t, h in
                (("a", "x"), ("b", "x"), ("c", "y"), ("a", "x"), ("b", "x"), ("c", "x"))]
-    assert ab.summarise(records, ["a", "b", "c"])[1].endswith("differ: 2")   # c's rounds disagree
+    assert ab.summarise(records, ["a", "b", "c"])[1].endswith("differ: 2; NOT REPEATABLE in 2")  # c's rounds disagree
     assert ab.summarise(records[:2] + records[3:5], ["a", "b"])[1].endswith("same")
+    # a call whose results changed within one process (hashed before and after its timing)
+    again = [dict(call="fwd", tree=t, ms=1.0, first=f, bits="x") for t, f in (("a", "x"), ("b", "z"))]
+    assert ab.summarise(again, ["a", "b"])[1].endswith("same; NOT REPEATABLE in 1")
 
 
 def test_ab_exports_a_revision(tmp_path):

@@ -37,7 +37,9 @@ call is timed whole, through the API, queued the same way (its host work, the sa
 every tree unless a tree changes it, is hidden unless it outlasts the kernels). Prints, per call, each tree's times and its mean
 against the first tree's, and whether every tree's results (out and lse) have the first
 tree's bits (a hash of each call's results: ``same``, or the trees that differ, by their
-place in the order given); ``--json`` keeps every measurement.
+place in the order given), and flags a tree whose results are not repeatable (a call's
+results hashed before and after its timing, and in every round); ``--json`` keeps every
+measurement.
 
 A tree's process differs from the others only in the source it imports, so the ratios
 measure the change; differences under about 0.5% are run-to-run noise on an H200
@@ -124,10 +126,18 @@ def summarise(records, trees):
             means[t] = sum(ms) / len(ms) if ms else None
             change = "" if t == trees[0] or not ms or not means[trees[0]] else f" ({means[t] / means[trees[0]] - 1:+.1%})"
             cells.append(f"{'/'.join(f'{x:.4f}' for x in ms) + change:>26s}")
-        digests = {t: {r.get("bits") for r in records if r["call"] == call and r["tree"] == t} for t in trees}
+        mine = [r for r in records if r["call"] == call]
+        digests = {t: {r.get("bits") for r in mine if r["tree"] == t} for t in trees}
         same = [t for t in trees[1:] if digests[t] == digests[trees[0]] and len(digests[t]) == 1]
         bits = "n/a" if None in digests[trees[0]] else "same" if len(same) == len(trees) - 1 else (
             "differ: " + ", ".join(str(trees.index(t)) for t in trees[1:] if t not in same))
+        # a tree whose own results changed: between its first and last call in one process, or
+        # between rounds (its processes)
+        unstable = [str(i) for i, t in enumerate(trees)
+                    if len(digests[t]) > 1 or any(r.get("first", r.get("bits")) != r.get("bits")
+                                                  for r in mine if r["tree"] == t)]
+        if unstable and bits != "n/a":
+            bits += "; NOT REPEATABLE in " + ", ".join(unstable)
         lines.append(f"{call:36s} " + " ".join(cells) + f"  {bits}")
     return lines
 
@@ -181,8 +191,9 @@ def worker(tree, args):
             err = (_as_torch(out, torch)[:, :, N - rows:].float() - ref).abs().max().item()
         name = (f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}{'' if left is None else f' window {left}'}"
                 f"{'' if cap is None else f' softcap {cap:g}'}")
+        first = _digest([out, lse], torch)
         records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err,
-                            bits=_digest([out, lse], torch)))
+                            first=first, bits=_digest([out, lse], torch)))
         if args.backward:
             result, launches = api.plan_backward(dout, q, k, v, _as_torch(out, torch), _as_torch(lse, torch),
                                                  causal=bool(causal), window=window, softcap=cap)
@@ -198,12 +209,13 @@ def worker(tree, args):
             for a in launches:
                 launch(*a)
             out, _ = result()
+            first = _digest([out], torch)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 peer = lambda: sdpa(q, k, v, enable_gqa=hkv < 32)  # noqa: E731
                 err = (_as_torch(out, torch).float() - peer().float()).abs().max().item()
                 name = f"decode ({b},32/{hkv},8192,128)"
                 records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err,
-                                    bits=_digest([out], torch)))
+                                    first=first, bits=_digest([out], torch)))
                 records.append(dict(call=name + " cuDNN", ms=_time(peer), err=None))
     if args.varlen:
         given = parse_lens(args.lens)
@@ -220,7 +232,8 @@ def worker(tree, args):
         err = (_as_torch(got, torch)[rows].float() - ref.float()).abs().max().item() if s is not None else 0.0
         name = "16 x 256..4096" if given == VARLEN_LENS else f"{len(given)} x {min(given)}..{max(given)}"
         name += "" if (heads, d) == (16, 128) else f", {heads} heads, d = {d}"
-        records.append(dict(call=f"varlen {name} causal", ms=_time(call), err=err, bits=_digest([got], torch)))
+        records.append(dict(call=f"varlen {name} causal", ms=_time(call), err=err, first=_digest([got], torch),
+                            bits=_digest([call()], torch)))
     return records
 
 
