@@ -10,13 +10,15 @@ causal batch of ``bench.py serving``): the plan's Hopper forward kernel rebuilt 
 kernel's time with the item overlap off too, which this prints), launched once untimed and
 once traced. Each block stamps its items' phases with the multiprocessor's cycle counter
 (``forward_wgmma.TRACE_PHASES``): per consumer warpgroup the item's start, Q landed, the
-first key tile's softmax done, the later tiles done, the last P V and the rows' sums done,
-O stored; the producer's Q load issued and its last V load issued. Printed, as medians over
-the items (cycles, and in the loop's key tiles' worth: a phase's cycles over the median
-cycles a later key tile takes): the wait for Q, the first tile, a later tile, the last
-tile, the store, the gap to the block's next item, and an item's fixed cost (its cycles
-less its key tiles at the loop's pace); per block its busy cycles (first start to last
-store), their spread, and the cycles the GPU's last block ran past the mean.
+first key tile's K landed and its softmax done, the later tiles done, the last P V and the
+rows' sums done, O stored; the producer's Q load issued and its last V load issued.
+Printed, as medians over the items (cycles, and in the loop's key tiles' worth: a phase's
+cycles over the median cycles a later key tile takes): the wait for Q, the wait for K_0
+after it, the first tile (from K_0 landed), a later tile, the last tile, the store, the
+gap to the block's next item, and an item's fixed cost (its cycles less its key tiles at
+the loop's pace); per block its busy cycles (first start to last store), their spread, and
+the cycles the GPU's last block ran past the mean. (Before 2026-12-06 "first" ran from Q
+landed: docs/performance.md item 121's table.)
 
 The traced kernels keep their key-tile loops (no spill there) but may spill a little at
 item boundaries (ptxas, bf16: the window kernel at d = 64 120/144 bytes): the per-item
@@ -42,8 +44,9 @@ def _median(xs):
 def summarise(stamps, nwg):
     """The phases of every item of a ``(blocks, items, TRACE_EVENTS)`` stamp array: medians in
     cycles and in later key tiles' worth, and the blocks' busy cycles."""
-    from numba_flash.kernels.forward_wgmma import TRACE_PRODUCER, TRACE_TILES
-    phases = {n: [] for n in ("wait_q", "first", "tile", "last", "store", "gap", "item", "fixed_tiles", "q_lead")}
+    from numba_flash.kernels.forward_wgmma import TRACE_K0, TRACE_PRODUCER, TRACE_TILES
+    phases = {n: [] for n in ("wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item", "fixed_tiles",
+                              "q_lead")}
     busy = []
     items = []
     for blk in stamps:
@@ -58,8 +61,10 @@ def summarise(stamps, nwg):
                 if tiles == 0:
                     continue
                 items.append((tiles, stored - start))
+                k0 = int(r[TRACE_K0 + w])
                 phases["wait_q"].append(q - start)
-                phases["first"].append(first - q)
+                phases["wait_k0"].append(k0 - q)
+                phases["first"].append(first - k0)
                 if tiles > 1:
                     phases["tile"].append((loop - first) / (tiles - 1))
                 phases["last"].append(last - loop)
@@ -170,7 +175,7 @@ def main(argv=None):
         tile = s["tile"]
         print(f"== {name}: kernel {plain_ms:.4f} ms (item overlap off), traced {traced_ms:.4f} ms; {s['items']} "
               f"warpgroup items; clock {clock_khz / 1e3:.0f} MHz (the device's rate)")
-        for key in ("wait_q", "first", "tile", "last", "store", "gap", "item"):
+        for key in ("wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item"):
             cycles = s[key]
             print(f"   {key:8s} {cycles:10.0f} cycles  {cycles / clock_khz * 1e3:8.3f} us  {cycles / tile:6.2f} tiles")
         print(f"   fixed cost per item {s['fixed_tiles']:.2f} tiles; Q landed {s['q_lead']:.0f} cycles after the "

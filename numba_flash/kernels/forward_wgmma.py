@@ -126,10 +126,11 @@ ROWS = 64                         # query rows per consumer warpgroup (one wgmma
 # these phases of consumer warpgroup ``w``'s item in slots ``6 w ..`` (its start, Q landed,
 # the first tile's softmax done, the later tiles done, the last P V and the rows' sums done,
 # O stored), then the producer's (slot 18: the item's Q load issued, after its buffer was
-# free; 19: its last V load issued) and the item's key tiles (20); 0 where a phase did not
-# happen (an item without key tiles)
+# free; 19: its last V load issued), the item's key tiles (20) and each warpgroup's K_0
+# landed (slot 21 + w: between Q landed and the first tile's softmax); 0 where a phase did
+# not happen (an item without key tiles)
 TRACE_PHASES = ("start", "q", "first", "loop", "last", "stored")
-TRACE_PRODUCER, TRACE_TILES, TRACE_EVENTS = 18, 20, 24
+TRACE_PRODUCER, TRACE_TILES, TRACE_K0, TRACE_EVENTS = 18, 20, 21, 24
 SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
 
@@ -1135,6 +1136,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                     if TRACE:
                         mark(trace, i, G, 6 * wg + 1)
+                        # K_0 landed (first_tile's own wait on it then passes at once: the stage
+                        # is not released before this warpgroup's S_0 is done)
+                        wait_phase(full_k + 8 * ring[0], ring[1])
+                        mark(trace, i, G, TRACE_K0 + wg)
                     n_q += 1
                     m0, m1, l0, l1, o0, o1, ring = first_tile(s, p, q_at, ring, base, ct, wg, q0, kt0, geo, row0, tq4,
                                                               r0, sc, slopes, b1, b2)
