@@ -217,3 +217,4 @@ def test_trace_items_in_the_simulator(monkeypatch):
     assert nwg == 2 and stamps.shape[:2] == (3, 2)
     s = trace_items.summarise(stamps, nwg)
     assert s["items"] == 2 * 4 and s["first"] > 0 and s["tile"] > 0 and s["busy_max"] >= s["busy_mean"] > 0, s
+    assert s["wait_k0"] >= 0, s             # (K_0 landed between Q landed and the first softmax)

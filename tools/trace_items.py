@@ -133,6 +133,8 @@ def main(argv=None):
     p.add_argument("--varlen-heads", default="16,128", help='with --varlen: "H,d"')
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--json", default=None, help="write the summaries here")
+    p.add_argument("--q-ahead", action="store_true",
+                   help="both kernels with the producer's Q one item early (forward_wgmma.Q_AHEAD)")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     lens = parse_lens(args.lens)
@@ -143,6 +145,9 @@ def main(argv=None):
     from numba import cuda
     from numba_flash import api
     import numba_flash
+    if args.q_ahead:
+        from numba_flash.kernels import forward_wgmma
+        forward_wgmma.Q_AHEAD = True
     dt = getattr(torch, args.dtype)
     clock_khz = getattr(cuda.get_current_device(), "CLOCK_RATE", 1e6)     # (the simulator: none)
     calls = []          # (name, launches, query rows per sequence, leading indices)
