@@ -704,5 +704,6 @@ def test_hopper_traced_kernel(causal, monkeypatch):
                 phases = row[6 * wg:6 * wg + 6]
                 assert (np.diff(phases) >= 0).all() and phases[0] > 0, (blk, item, wg, phases)
                 assert phases[1] <= row[forward_wgmma.TRACE_K0 + wg] <= phases[2], (blk, item, wg, row)
+                assert phases[0] <= row[forward_wgmma.TRACE_PLACED + wg] <= phases[1], (blk, item, wg, row)
                 assert row[forward_wgmma.TRACE_PRODUCER] <= phases[1], (blk, item, row)
             assert row[forward_wgmma.TRACE_PRODUCER + 1] >= row[forward_wgmma.TRACE_PRODUCER] > 0

@@ -13,7 +13,8 @@ once traced. Each block stamps its items' phases with the multiprocessor's cycle
 first key tile's K landed and its softmax done, the later tiles done, the last P V and the
 rows' sums done, O stored; the producer's Q load issued and its last V load issued.
 Printed, as medians over the items (cycles, and in the loop's key tiles' worth: a phase's
-cycles over the median cycles a later key tile takes): the wait for Q, the wait for K_0
+cycles over the median cycles a later key tile takes): placing the item (the schedule's
+item, its rows and score constants, from the item's start), the wait for Q, the wait for K_0
 after it, the first tile (from K_0 landed), a later tile, the last tile, the store, the
 gap to the block's next item, and an item's fixed cost (its cycles less its key tiles at
 the loop's pace); per block its busy cycles (first start to last store), their spread, and
@@ -44,8 +45,8 @@ def _median(xs):
 def summarise(stamps, nwg):
     """The phases of every item of a ``(blocks, items, TRACE_EVENTS)`` stamp array: medians in
     cycles and in later key tiles' worth, and the blocks' busy cycles."""
-    from numba_flash.kernels.forward_wgmma import TRACE_K0, TRACE_PRODUCER, TRACE_TILES
-    phases = {n: [] for n in ("wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item", "fixed_tiles",
+    from numba_flash.kernels.forward_wgmma import TRACE_K0, TRACE_PLACED, TRACE_PRODUCER, TRACE_TILES
+    phases = {n: [] for n in ("place", "wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item", "fixed_tiles",
                               "q_lead")}
     busy = []
     items = []
@@ -61,8 +62,9 @@ def summarise(stamps, nwg):
                 if tiles == 0:
                     continue
                 items.append((tiles, stored - start))
-                k0 = int(r[TRACE_K0 + w])
-                phases["wait_q"].append(q - start)
+                k0, placed = int(r[TRACE_K0 + w]), int(r[TRACE_PLACED + w])
+                phases["place"].append(placed - start)
+                phases["wait_q"].append(q - placed)
                 phases["wait_k0"].append(k0 - q)
                 phases["first"].append(first - k0)
                 if tiles > 1:
@@ -180,7 +182,7 @@ def main(argv=None):
         tile = s["tile"]
         print(f"== {name}: kernel {plain_ms:.4f} ms (item overlap off), traced {traced_ms:.4f} ms; {s['items']} "
               f"warpgroup items; clock {clock_khz / 1e3:.0f} MHz (the device's rate)")
-        for key in ("wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item"):
+        for key in ("place", "wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item"):
             cycles = s[key]
             print(f"   {key:8s} {cycles:10.0f} cycles  {cycles / clock_khz * 1e3:8.3f} us  {cycles / tile:6.2f} tiles")
         print(f"   fixed cost per item {s['fixed_tiles']:.2f} tiles; Q landed {s['q_lead']:.0f} cycles after the "

@@ -127,10 +127,11 @@ ROWS = 64                         # query rows per consumer warpgroup (one wgmma
 # the first tile's softmax done, the later tiles done, the last P V and the rows' sums done,
 # O stored), then the producer's (slot 18: the item's Q load issued, after its buffer was
 # free; 19: its last V load issued), the item's key tiles (20) and each warpgroup's K_0
-# landed (slot 21 + w: between Q landed and the first tile's softmax); 0 where a phase did
-# not happen (an item without key tiles)
+# landed (slot 21 + w: between Q landed and the first tile's softmax) and its item placed
+# (slot 24 + w: the schedule's item, its rows and score constants worked out, before the
+# wait for Q); 0 where a phase did not happen (an item without key tiles)
 TRACE_PHASES = ("start", "q", "first", "loop", "last", "stored")
-TRACE_PRODUCER, TRACE_TILES, TRACE_K0, TRACE_EVENTS = 18, 20, 21, 24
+TRACE_PRODUCER, TRACE_TILES, TRACE_K0, TRACE_PLACED, TRACE_EVENTS = 18, 20, 21, 24, 27
 SMEM_LIMIT = 227 * 1024           # dynamic shared memory per block on compute capability 9.0
 
 
@@ -1133,6 +1134,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 if tiles == 0:                          # no key tile: 0 and -inf
                     inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, NEG_INF, NEG_INF, ZERO, ZERO, tq4)
                 else:
+                    if TRACE:
+                        mark(trace, i, G, TRACE_PLACED + wg)
                     wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
                     if TRACE:
                         mark(trace, i, G, 6 * wg + 1)
