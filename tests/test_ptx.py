@@ -232,21 +232,9 @@ KNOWN_SPILLS = {
              # docs/performance.md item 71)
              "forward_wgmma/float16/d64/causal/async": 12,
              "forward_wgmma/bfloat16/d64/causal/async": 12,
-             # causal rows at 128 rows: the pairs schedule's arithmetic per work item (both roles
-             # compute each item's place; 48-80 bytes by ptxas version). In the SASS (ptxas 13.0,
-             # bf16 d = 128) the consumers reload a few of the kernel's values once per item,
-             # before its first product; none in the loop over key tiles (docs/performance.md
-             # item 62); the rest is the producer's
-             "forward_wgmma/float16/d128/causal/async": 96,
-             "forward_wgmma/bfloat16/d128/causal/async": 96,
-             # (the same kernel for d = 96: d = 128's on zero columns, its stores clipped)
-             "forward_wgmma/float16/d96/causal/async": 96,
-             "forward_wgmma/bfloat16/d96/causal/async": 96,
-             # the same schedule at d = 64 in 128-row blocks (calls of at most
-             # forward_wgmma.NARROW_CAUSAL_ROWS query rows: docs/performance.md item 63)
-             "forward_wgmma/float16/d64/causal/async/rows128": 96,
-             "forward_wgmma/bfloat16/d64/causal/async/rows128": 96,
-             "forward_wgmma/bfloat16/d64/causal+softcap+alibi/async": 96,
+             # (causal rows at 128 rows and d <= 128, the pairs schedule's, spilled 40-56 bytes
+             # with a producer of 40 registers: none at forward_wgmma.PAIRS_PRODUCER_REGS, 56;
+             # docs/performance.md items 62, 123)
              # d = 256, causal: the pairs schedule's producer of 40 registers leaves the
              # consumers, whose O takes 128, 76 bytes short (ptxas 13); in the SASS none in the
              # loop over key tiles, per work item only (docs/performance.md items 115, 121)

@@ -97,6 +97,11 @@ BLOCK_ROWS = {64: 192, 128: 128}
 # bytes in the causal d = 128 kernel, at 40 56/172 (52/140 before the tail), none in the
 # loop over key tiles
 SCHEDULE_PRODUCER_REGS = 40
+# the pairs schedule's producer at d <= 128: 56, none spilled (ptxas 13: the causal d = 64
+# and d = 128 kernels' 40/48 and 56/172 bytes at 40), its consumers 224 registers each;
+# kernels alone on an H100, d = 64 causal (4, 32, 4096) 3-5% faster, d = 128 causal level
+# to 1% faster, packed rows 0-2% slower at 56 (they keep 40): docs/performance.md item 123
+PAIRS_PRODUCER_REGS = 56
 HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padded``)
 # The head dims the family takes by default on a compute capability 9.0 GPU: every one it
 # takes (:func:`takes`). Measured on an H100 at d = 96 and 256 1.8-3.0x the mma.sync
@@ -431,7 +436,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # their O of 128 needs: ptxas 13, causal packed rows' spill 60/212 -> 24/56 bytes, the
     # general rules' 168/372 -> 132/320, none in the producer; docs/performance.md items 112,
     # 118), and the consumers' share of the rest of the block's pool (consumer_registers)
-    PRODUCER_REGS = ((SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24)
+    PRODUCER_REGS = ((PAIRS_PRODUCER_REGS if PAIRED and D <= 128 else
+                      SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24)
                      + (AHEAD_PRODUCER_REGS if AHEAD else 0))
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
