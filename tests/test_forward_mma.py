@@ -476,17 +476,20 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
                               41, "overlap", lambda kernel: not kernel.overlap)
 
 
-@pytest.mark.parametrize("rules, nk, lens", [("full", 400, None), ("causal", 90, None), ("window", 150, None),
-                                             ("packed", None, [150, 0, 400, 70])])
-def test_hopper_q_ahead_changes_no_bit(rules, nk, lens, monkeypatch):
-    """The next item's Q issued one item early by the producer (``make_forward_wgmma``'s
-    ``q_ahead``, off by default) changes when Q lands, not what is computed: forced on, the
-    default kernel's bits, within the oracle's tolerance. Items of more key tiles than ring
-    stages (full rows over 400 keys; the packed batch's 400-row sequence) take it after K_2's
-    load, shorter ones after their last load; causal rows with query tiles that see no key
-    between tiles that do (Nq > Nk), a band, and a varlen batch with an empty sequence."""
-    _forced_option_keeps_bits(monkeypatch, rules, 128, 300, nk, np.array(lens or [0]), 43, "q_ahead",
-                              lambda kernel: not kernel.q_ahead)
+@pytest.mark.parametrize("rules, d, nk, lens", [("full", 128, 400, None), ("causal", 128, 90, None),
+                                                ("causal", 64, 90, None), ("window", 128, 150, None),
+                                                ("packed", 128, None, [150, 0, 400, 70])])
+def test_hopper_published_items_change_no_bit(rules, d, nk, lens, monkeypatch):
+    """Work items placed by the producer and read by the consumers from shared memory
+    (``make_forward_wgmma``'s ``publish``, off by default) change who works out an item,
+    not what is computed: forced on, the default kernel's bits, within the oracle's
+    tolerance. Both consumer paths: one item at a time (full rows, a band of 60 keys) and
+    the item overlap (causal rows at d = 64, the varlen batch); causal rows with query
+    tiles that see no key between tiles that do (Nq > Nk: items of no key tile take a slot
+    too), and a varlen batch with an empty sequence. An item read from the wrong slot or
+    word puts rows in the wrong place."""
+    _forced_option_keeps_bits(monkeypatch, rules, d, 300, nk, np.array(lens or [0]), 47, "publish",
+                              lambda kernel: not kernel.publish)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

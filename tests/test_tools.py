@@ -84,6 +84,19 @@ def test_ab_tree_sets_module_constants(tmp_path):
             ab.with_constants(f"{tmp_path / 'src'};{bad}", str(tmp_path / f"bad{len(bad)}"))
 
 
+def test_ab_sets_constants_in_this_process(monkeypatch):
+    """``set_constants`` (trace_items' and sanitize's ``--set``): the literal set on the
+    numba_flash module; a name the module lacks, or no value, is refused."""
+    ab = _load("ab")
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setattr(forward_wgmma, "PUBLISH_HEAD_DIM", forward_wgmma.PUBLISH_HEAD_DIM)
+    ab.set_constants(["kernels.forward_wgmma.PUBLISH_HEAD_DIM=128"])
+    assert forward_wgmma.PUBLISH_HEAD_DIM == 128 and forward_wgmma.publishes(96) and not forward_wgmma.publishes(256)
+    for bad in ("kernels.forward_wgmma.NO_SUCH=1", "kernels.forward_wgmma.PUBLISH_HEAD_DIM=", "X=1"):
+        with pytest.raises(SystemExit, match="--set"):
+            ab.set_constants([bad])
+
+
 def test_same_code_compares_instructions_not_mangled_counters():
     same_code = _load("same_code")
     listing = ("        /*0010*/                   MOV R1, c[0x0][0x28] ;   /* 0x00000a0000017a02 */\n"

@@ -265,6 +265,20 @@ def with_constants(spec, into):
     return into
 
 
+def set_constants(items):
+    """Each ``MODULE.NAME=VALUE`` of ``items`` set in this process: ``numba_flash.MODULE``'s
+    ``NAME`` to the Python literal ``VALUE`` (kernels built after it see it)."""
+    import ast
+    import importlib
+    for item in items:
+        target, _, value = item.partition("=")
+        module, _, name = target.strip().rpartition(".")
+        mod = importlib.import_module(f"numba_flash.{module}") if module else None
+        if mod is None or not hasattr(mod, name) or not value.strip():
+            raise SystemExit(f"--set {item!r}: not MODULE.NAME=VALUE of a numba_flash constant")
+        setattr(mod, name, ast.literal_eval(value.strip()))
+
+
 def export_rev(rev, into):
     """``numba_flash`` of git revision ``rev`` under ``into`` (a new directory)."""
     root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,

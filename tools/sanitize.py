@@ -27,7 +27,8 @@ shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs``
 of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), at shapes
 with an odd count of query tiles and rows that see no key, d = 128, d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``) and d = 256
-(``forward_wgmma.PAIRS_HEAD_DIM``); forward only.
+(``forward_wgmma.PAIRS_HEAD_DIM``); forward only. ``--set MODULE.NAME=VALUE`` (repeatable):
+a numba_flash constant set first, e.g. ``--set kernels.forward_wgmma.PUBLISH_HEAD_DIM=128``.
 ``--no-block-splits`` (with ``--serving``): the decoding kernel's key splits in blocks of
 their own and the merge kernel, as where a block's shared memory does not hold them
 (``registry.BLOCK_SPLITS`` off; on, the default, a few splits are the warps of one block,
@@ -218,6 +219,11 @@ def _few_blocks(blocks=3):
 
 def main():
     rng = np.random.default_rng(0)
+    sets = [sys.argv[n + 1] for n, a in enumerate(sys.argv[:-1]) if a == "--set"]
+    if sets:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from ab import set_constants                 # (beside this file)
+        set_constants(sets)
     if "--no-block-splits" in sys.argv:
         from numba_flash import registry
         registry.BLOCK_SPLITS = False

@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from ab import parse_lens, parse_shapes  # noqa: E402  (beside this file)
+from ab import parse_lens, parse_shapes, set_constants  # noqa: E402  (beside this file)
 
 
 def _median(xs):
@@ -135,8 +135,8 @@ def main(argv=None):
     p.add_argument("--varlen-heads", default="16,128", help='with --varlen: "H,d"')
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
     p.add_argument("--json", default=None, help="write the summaries here")
-    p.add_argument("--q-ahead", action="store_true",
-                   help="both kernels with the producer's Q one item early (forward_wgmma.Q_AHEAD)")
+    p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
+                   help="set a numba_flash constant for both kernels, e.g. kernels.forward_wgmma.X=True (repeatable)")
     args = p.parse_args(argv)
     shapes = parse_shapes(args.shapes)
     lens = parse_lens(args.lens)
@@ -147,9 +147,7 @@ def main(argv=None):
     from numba import cuda
     from numba_flash import api
     import numba_flash
-    if args.q_ahead:
-        from numba_flash.kernels import forward_wgmma
-        forward_wgmma.Q_AHEAD = True
+    set_constants(args.set)
     dt = getattr(torch, args.dtype)
     clock_khz = getattr(cuda.get_current_device(), "CLOCK_RATE", 1e6)     # (the simulator: none)
     calls = []          # (name, launches, query rows per sequence, leading indices)

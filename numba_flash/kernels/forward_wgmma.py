@@ -299,11 +299,36 @@ def _layout(D, qbuf, stages, bn=BN, bm=BM):
     return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
 
 
-def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM):
+def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None):
     """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
-    Q buffer, per K stage and per V stage), and room to align the base to 1024 bytes."""
+    Q buffer, per K stage and per V stage), with ``publish`` (default :func:`publishes`) the
+    placed items' slots and their mbarriers, and room to align the base to 1024 bytes."""
     qbuf, stages = buffers(D, bn) if qbuf is None else (qbuf, stages)
-    return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + 1024
+    items = ITEM_SLOTS * (16 + 4 * ITEM_WORDS) if (publishes(D) if publish is None else publish) else 0
+    return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + items + 1024
+
+
+# Each work item placed once, by the producer (``make_forward_wgmma``'s ``publish``): its
+# schedule's item, rows and key tiles, which the producer works out for its loads anyway,
+# written to one of ITEM_SLOTS slots of ITEM_WORDS int32 in shared memory (b1, b2, the
+# first query row, the first key tile, the key tiles, the sequence's first query row, its
+# query rows and keys), each slot with a full mbarrier (the producer's arrival, after its
+# stores) and an empty one (one arrival per consumer warpgroup, after its reads). The
+# consumers then read an item rather than work it out themselves: the trace of the Hopper
+# forward (tools/trace_items.py, H100) had each consumer spend 1.6 key tiles' worth an item
+# placing it for a window of 1024 keys, 1.0 for the varlen batch (docs/performance.md items
+# 123, 124), about 380 instructions of 32-bit divisions and their fix-ups beside the other
+# consumer's softmax. Up to the (padded) head dim PUBLISH_HEAD_DIM: at 256 the packed
+# kernel's products serialise (ptxas 13). Built and tested, not yet measured: off (0).
+PUBLISH_HEAD_DIM = 0
+ITEM_SLOTS = 2
+ITEM_WORDS = 8
+
+
+def publishes(d):
+    """Whether the kernel at head dim ``d`` has its producer place the work items
+    (``make_forward_wgmma``'s ``publish``): up to :data:`PUBLISH_HEAD_DIM`."""
+    return padded(d) <= PUBLISH_HEAD_DIM
 
 
 # The largest (padded) head dim at which windows take the item overlap (:func:`overlaps`):
@@ -333,28 +358,11 @@ def overlaps(scores, bm, d):
     return scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
 
 
-# The producer issues the block's next item's Q one item early: once the current item's
-# K_STAGES has loaded (its stage was freed by the item's S_0, so the consumers are past the
-# item before, whose Q buffer the next Q takes), or after its last load for items of fewer
-# tiles; else after the current item's last load, two or so key tiles before the consumers
-# need it. The trace of the Hopper forward (tools/trace_items.py, H100) had consumers wait
-# for Q at every item start: 1.8 key tiles' worth an item for a window of 1024 keys, 1.1
-# for the varlen batch, 2.0 at d = 256 causal (one Q buffer there: the look-ahead needs two).
-# Two consumer warpgroups only (with three, at d = 64, the consumers' 160 registers leave
-# the producer none to spare: ptxas 13, 84-408 bytes of spill). The look-ahead's place
-# arithmetic, beside the item's own, takes the producer AHEAD_PRODUCER_REGS more registers
-# (ptxas 13, bf16 d = 128: window 340/628 bytes of spill at 24, 60/228 at 56; causal rows
-# 136/520 at 40, none at 72; full rows and the packed batch none). Built and tested, not
-# yet measured: off (docs/performance.md item 122).
-Q_AHEAD = False
-AHEAD_PRODUCER_REGS = 32
-
-
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
-                       q_ahead: bool = None):
+                       publish: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -372,9 +380,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     (default :data:`RESCALE_SLACK`; negative: at every rise); ``trace``: the kernel takes a
     last argument ``trace`` (int64, ``(G, items per block, TRACE_EVENTS)``) and stamps each
     item's phases there with the multiprocessor's cycle counter (:data:`TRACE_PHASES`; the
-    item overlap off: ``tools/trace_items.py``); ``q_ahead``: the producer issues the next
-    item's Q one item early (default :data:`Q_AHEAD`; with two Q buffers and two consumer
-    warpgroups only)."""
+    item overlap off: ``tools/trace_items.py``); ``publish``: the producer places each work
+    item for the consumers, who read it from shared memory (default :func:`publishes`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -387,7 +394,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     TURN0 = 1 + NWG                       # named barriers: 1..NWG release stages, then the turns,
     CLEAR = TURN0 + NWG                   # then the consumers' meeting over a cleared V tile (packed)
     QBUF, STAGES = buffers(D, bn) if qbuf is None else (qbuf, stages)
-    AHEAD = (Q_AHEAD if q_ahead is None else q_ahead) and QBUF >= 2 and NWG == 2
     PINGPONG = pingpong
     mods = scores.mods
     PACKED = scores.packed                # packed sequences: a table gives each item's rows
@@ -423,7 +429,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
-    assert smem_bytes(D, QBUF, STAGES, BN, BM) <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
+    PUBLISH = publishes(D) if publish is None else publish
+    ITEM_BARS = BAR_OFF + 8 * (2 * QBUF + 4 * STAGES)    # the slots' full mbarriers, then their empty ones
+    ITEM_OFF = ITEM_BARS + 16 * ITEM_SLOTS               # the slots
+    SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH)
+    assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
     NP = NS // 2                          # the same, packed in 16-bit pairs
@@ -436,9 +446,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # their O of 128 needs: ptxas 13, causal packed rows' spill 60/212 -> 24/56 bytes, the
     # general rules' 168/372 -> 132/320, none in the producer; docs/performance.md items 112,
     # 118), and the consumers' share of the rest of the block's pool (consumer_registers)
-    PRODUCER_REGS = ((PAIRS_PRODUCER_REGS if PAIRED and D <= 128 else
-                      SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24)
-                     + (AHEAD_PRODUCER_REGS if AHEAD else 0))
+    PRODUCER_REGS = (PAIRS_PRODUCER_REGS if PAIRED and D <= 128 else
+                     SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24)
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
@@ -737,19 +746,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return n_q + 1
 
     @cuda.jit(device=True, inline=True)
-    def q_ahead(tmap, n_q, base, i, G, n_qt, B, B2, sched, geo, slopes, seqs, trace):
-        """``AHEAD``: the Q of the block's first item after place ``i`` with a key tile,
-        loaded (:func:`load_q`). Returns ``(its place, n_q)``, the place past the items
-        where none is left."""
-        k = i + G
-        while k < n_qt * B:
-            b1, b2, q0, _, tiles, qs, _, _, _ = place(k, G, n_qt, B, B2, sched, geo, slopes, seqs)
-            if tiles > 0:
-                return k, load_q(tmap, n_q, base, qs + q0, b2, b1, trace, k, G)
-            k += G
-        return k, n_q
-
-    @cuda.jit(device=True, inline=True)
     def advance(st, phase):
         st += 1
         if st == STAGES:
@@ -841,20 +837,72 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
 
     @cuda.jit(device=True, inline=True)
-    def next_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, out, lse, wg, w, g, tq4):
+    def next_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, out, lse, wg, w, g, tq4, items):
         """The consumers' first work item at or after place ``i`` with a key tile to visit:
         ``(i, b1, b2, first query row, first key tile, key tiles, the sequence's first query
-        row, its query rows, its geometry)``, ``i`` past the items when none is left. The
-        rows of the items passed over see no key: 0 and −inf, written here."""
+        row, its query rows, its geometry)``, ``i`` past the items when none is left, and
+        ``items`` (:func:`take_item`) after them. The rows of the items passed over see no
+        key: 0 and −inf, written here."""
         n_items = n_qt * B
         while i < n_items:
-            b1, b2, q0, kt0, tiles, qs, _, nq, gi = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+            (b1, b2, q0, kt0, tiles, qs, _, nq, gi), items = take_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs,
+                                                                       items)
             if tiles > 0:
-                return i, b1, b2, q0, kt0, tiles, qs, nq, gi
+                return (i, b1, b2, q0, kt0, tiles, qs, nq, gi), items
             finish(out, lse, b1, b2, qs, q0 + ROWS * wg + 16 * w + g, nq, zeros_o(), zeros_o1(),
                    NEG_INF, NEG_INF, ZERO, ZERO, tq4)
             i += G
-        return i, 0, 0, 0, 0, 0, 0, 0, geo
+        return (i, 0, 0, 0, 0, 0, 0, 0, geo), items
+
+    @cuda.jit(device=True, inline=True)
+    def publish_item(smi, base, sm_at, n_i, b1, b2, q0, kt0, tiles, qs, nq, nk):
+        """``PUBLISH``: the producer's ``n_i``-th work item written to its slot once both
+        consumers have read the slot's last one, and the slot's full mbarrier arrived on
+        (a release: the consumers' wait sees the stores); returns ``n_i + 1``."""
+        slot = n_i % ITEM_SLOTS
+        if n_i >= ITEM_SLOTS:
+            wait_phase(base + ITEM_BARS + 8 * (ITEM_SLOTS + slot), ((n_i // ITEM_SLOTS) - 1) & 1)
+        at = (base - sm_at + ITEM_OFF) // 4 + ITEM_WORDS * slot
+        smi[at] = b1
+        smi[at + 1] = b2
+        smi[at + 2] = q0
+        smi[at + 3] = kt0
+        smi[at + 4] = tiles
+        smi[at + 5] = qs
+        smi[at + 6] = nq
+        smi[at + 7] = nk
+        H.mbarrier_arrive(base + ITEM_BARS + 8 * slot)
+        return n_i + 1
+
+    @cuda.jit(device=True, inline=True)
+    def first_items(smi, base, sm_at, ct):
+        """A consumer's ``items`` for :func:`take_item` before its first item (0 without
+        ``PUBLISH``: nothing to carry)."""
+        if PUBLISH:
+            return (smi, base, sm_at, 0, ct)
+        return 0
+
+    @cuda.jit(device=True, inline=True)
+    def take_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, items):
+        """A consumer's work item at place ``i`` as :func:`place` gives it (the first key row
+        0: the consumers do not use it), and ``items`` after it: ``(smi, base, sm_at, n_i,
+        ct)``, the consumer's count of items taken. With ``PUBLISH`` read from the
+        producer's slot (:func:`publish_item`), the slot released; else worked out here."""
+        if not PUBLISH:
+            return place(i, G, n_qt, B, B2, sched, geo, slopes, seqs), items
+        smi, base, sm_at, n_i, ct = items
+        slot = n_i % ITEM_SLOTS
+        wait_phase(base + ITEM_BARS + 8 * slot, (n_i // ITEM_SLOTS) & 1)
+        at = (base - sm_at + ITEM_OFF) // 4 + ITEM_WORDS * slot
+        b1, b2, q0 = numba.int64(smi[at]), numba.int64(smi[at + 1]), numba.int64(smi[at + 2])
+        kt0, tiles = numba.int64(smi[at + 3]), numba.int64(smi[at + 4])
+        qs, nq, nk = smi[at + 5], smi[at + 6], numba.int64(smi[at + 7])
+        release(ct, base + ITEM_BARS + 8 * (ITEM_SLOTS + slot))
+        if PACKED:
+            return (b1, b2, q0, kt0, tiles, qs, numba.int32(0), nq, (nk, nk - nq, geo[2], geo[3])), \
+                (smi, base, sm_at, n_i + 1, ct)
+        return (b1, b2, q0, kt0, tiles, numba.int32(0), numba.int32(0), geo[0] - geo[1], geo), \
+            (smi, base, sm_at, n_i + 1, ct)
 
     @cuda.jit(device=True, inline=True)
     def barriers(base):
@@ -1016,6 +1064,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         smf = cuda.shared.array(0, numba.float32, alignment=1024)     # the same memory, as float32
+        smi = cuda.shared.array(0, numba.int32, alignment=1024)       # and as int32 (the items' slots)
         tid = cuda.threadIdx.x
         sm_at = H.shared_address(sm)
         base = (sm_at + 1023) & ~1023
@@ -1029,6 +1078,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.mbarrier_init(empty_k + 8 * st, NWG)           # one arrival per consumer
                 H.mbarrier_init(full_v + 8 * st, 1)
                 H.mbarrier_init(empty_v + 8 * st, NWG)
+            if PUBLISH:
+                for slot in range(ITEM_SLOTS):
+                    H.mbarrier_init(base + ITEM_BARS + 8 * slot, 1)                  # the producer's
+                    H.mbarrier_init(base + ITEM_BARS + 8 * (ITEM_SLOTS + slot), NWG)  # one per consumer
             H.fence_mbarrier_init()
         cuda.syncthreads()
 
@@ -1040,14 +1093,15 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.tensormap_acquire(H.global_address(tv))
                 ck, cv = 0, 0            # K and V tiles loaded (all items)
                 n_q = 0                  # Q tiles loaded so far
-                ahead = -1               # the place whose Q went out ahead (AHEAD)
+                n_i = 0                  # items published so far (PUBLISH)
                 for i in range(cuda.blockIdx.x, n_items, G):
-                    b1, b2, q0, kt0, tiles, qs, ks, _, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                    b1, b2, q0, kt0, tiles, qs, ks, nq, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                    if PUBLISH:
+                        n_i = publish_item(smi, base, sm_at, n_i, b1, b2, q0, kt0, tiles, qs, nq, g[0])
                     if TRACE:
                         trace[cuda.blockIdx.x, (i - cuda.blockIdx.x) // G, TRACE_TILES] = tiles
                     if tiles > 0:
-                        if not AHEAD or i != ahead:
-                            n_q = load_q(H.global_address(tq), n_q, base, qs + q0, b2, b1, trace, i, G)
+                        n_q = load_q(H.global_address(tq), n_q, base, qs + q0, b2, b1, trace, i, G)
                         b2k = b2 // group
                         # K_0, then K_j with V_{j-1}: the order the consumers use them in
                         ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
@@ -1057,14 +1111,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                       ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
                             cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
                                       cv, ks + key_at(q0, kt0, j - 1, g, slopes, b1, b2), b2k, b1)
-                            if AHEAD and j == STAGES:    # (K_j's stage was S_0's: the item before is done)
-                                ahead, n_q = q_ahead(H.global_address(tq), n_q, base, i, G, n_qt, B, B2, sched,
-                                                     geo, slopes, seqs, trace)
                         cv = load(base + V_OFF, H.global_address(tv), full_v, empty_v,
                                   cv, ks + key_at(q0, kt0, tiles - 1, g, slopes, b1, b2), b2k, b1)
-                        if AHEAD and tiles <= STAGES:
-                            ahead, n_q = q_ahead(H.global_address(tq), n_q, base, i, G, n_qt, B, B2, sched, geo,
-                                                 slopes, seqs, trace)
                         if TRACE:
                             mark(trace, i, G, TRACE_PRODUCER + 1)
             return
@@ -1080,6 +1128,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         p = cuda.local.array(NP, numba.uint32)
         ring = (0, 0, 0, 0)                      # the K ring's stage and phase, the V ring's, across items
         n_q = 0
+        items = first_items(smi, base, sm_at, ct)
         # Ping-pong turns run on across items (warpgroup 0 first): both warpgroups take one
         # per key tile of the same items. (Starting them afresh per item let warpgroup 1,
         # run ahead, arrive twice on the barrier warpgroup 0 had yet to sync on for the item
@@ -1093,8 +1142,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         # last P V is issued with the next item's S_0 (the first item's S_0 alone), whose
         # softmax runs while it completes, and the item's rows are finished after that.
         if OVERLAP:
-            i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(cuda.blockIdx.x, G, n_qt, B, B2, sched, geo0,
-                                                              slopes, seqs, out, lse, wg, w, g, tq4)
+            (i, b1, b2, q0, kt0, tiles, qs, nq, geo), items = next_item(cuda.blockIdx.x, G, n_qt, B, B2, sched,
+                                                                       geo0, slopes, seqs, out, lse, wg, w, g,
+                                                                       tq4, items)
             if i < n_items:
                 r0, row0, buf, q_at, sc, n_q = begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2, cap_in,
                                                           cap_out, slopes, b1, b2)
@@ -1106,8 +1156,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                                m1, l0, l1)
                     fb1, fb2, fqs, frow0, fnq = b1, b2, qs, row0, nq     # the item the last P V is of
                     fvalid = tail_rows(q0, kt0, tiles, geo, slopes, b1, b2)
-                    i, b1, b2, q0, kt0, tiles, qs, nq, geo = next_item(i + G, G, n_qt, B, B2, sched, geo0,
-                                                                      slopes, seqs, out, lse, wg, w, g, tq4)
+                    (i, b1, b2, q0, kt0, tiles, qs, nq, geo), items = next_item(i + G, G, n_qt, B, B2, sched,
+                                                                               geo0, slopes, seqs, out, lse, wg,
+                                                                               w, g, tq4, items)
                     if i >= n_items:
                         break
                     r0, row0, buf, q_at, sc, n_q = begin_item(q0, wg, w, g, n_q, base, q_full, scale_log2,
@@ -1132,7 +1183,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             for i in range(cuda.blockIdx.x, n_items, G):
                 if TRACE:
                     mark(trace, i, G, 6 * wg)
-                b1, b2, q0, kt0, tiles, qs, _, nq, geo = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                (b1, b2, q0, kt0, tiles, qs, _, nq, geo), items = take_item(i, G, n_qt, B, B2, sched, geo, slopes,
+                                                                            seqs, items)
                 r0, row0, buf, q_at, sc = item_rows(q0, wg, w, g, n_q, base, scale_log2, cap_in, cap_out, slopes,
                                                     b1, b2)
                 o0 = zeros_o()
@@ -1191,8 +1243,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
                          sched, slopes)
 
-    forward.smem_bytes = smem_bytes(D, QBUF, STAGES, BN, BM)
+    forward.smem_bytes = SMEM
+    forward.publish = PUBLISH
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
-    forward.q_ahead = AHEAD
     forward.threads = THREADS
     return forward
