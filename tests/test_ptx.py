@@ -302,13 +302,14 @@ print(json.dumps(rows))
 
 def test_traced_hopper_forward_compiles():
     """``make_forward_wgmma(trace=True)`` (``tools/trace_items.py``) compiles for sm_90a
-    (causal rows at d = 128, a packed causal kernel at d = 64) with its nine cycle-counter
-    stamps (a warpgroup's six, its K_0's, the producer's two) and its products; where ptxas is found, they stay asynchronous (a stamp under a
-    branch serialised the packed kernel's)."""
+    (causal rows at d = 128, a packed causal kernel at d = 64) with its ten cycle-counter
+    stamps (a warpgroup's six, its K_0's and its item placed, the producer's two) and its
+    products; where ptxas is found, they stay asynchronous (a stamp under a branch
+    serialised the packed kernel's)."""
     from conftest import run_compile_probe
     rows = json.loads(run_compile_probe(TRACED_PROBE).strip().splitlines()[-1])
     assert [(r[0], r[1]) for r in rows] == [(128, False), (64, True)]
-    assert all(r[2] == 9 and r[3] >= 4 and r[4] is not True for r in rows), rows
+    assert all(r[2] == 10 and r[3] >= 4 and r[4] is not True for r in rows), rows
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):

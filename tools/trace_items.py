@@ -46,8 +46,8 @@ def summarise(stamps, nwg):
     """The phases of every item of a ``(blocks, items, TRACE_EVENTS)`` stamp array: medians in
     cycles and in later key tiles' worth, and the blocks' busy cycles."""
     from numba_flash.kernels.forward_wgmma import TRACE_K0, TRACE_PLACED, TRACE_PRODUCER, TRACE_TILES
-    phases = {n: [] for n in ("place", "wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item", "fixed_tiles",
-                              "q_lead")}
+    phases = {n: [] for n in ("place", "wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item",
+                              "fixed_tiles", "q_lead")}
     busy = []
     items = []
     for blk in stamps:
