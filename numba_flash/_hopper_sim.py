@@ -40,7 +40,7 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
-           "encode_tensor_map_4d", "clock64"]
+           "encode_tensor_map_4d", "clock64", "st_shared_v4", "ld_shared_v4"]
 
 _TIMEOUT_S = 600.0
 
@@ -288,6 +288,27 @@ def mbarrier_try_wait(addr, parity):
               lambda: (f"mbarrier 0x{addr:x}: the phase of parity {parity} never completed ({mb.pending} of "
                        f"{mb.count} arrivals and {mb.tx} transaction bytes pending)"))
     return 1
+
+
+# --------------------------------------------------------------------------- shared words
+def st_shared_v4(addr, w0, w1, w2, w3):
+    """Four 32-bit words (each value's low 32 bits) at a 16-byte aligned shared address."""
+    t, st = _here()
+    addr = int(addr)
+    assert addr % 16 == 0, addr
+    with st.cond:
+        view, off = _bytes_at(st, addr, 16)
+        view[off:off + 16] = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)], np.uint32).view(np.uint8)
+
+
+def ld_shared_v4(addr):
+    """The four 32-bit words (int32) at a 16-byte aligned shared address."""
+    t, st = _here()
+    addr = int(addr)
+    assert addr % 16 == 0, addr
+    with st.cond:
+        view, off = _bytes_at(st, addr, 16)
+        return tuple(int(w) for w in view[off:off + 16].copy().view(np.int32))
 
 
 # --------------------------------------------------------------------------- TMA

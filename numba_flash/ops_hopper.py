@@ -112,6 +112,27 @@ def mbarrier_try_wait(typingctx, addr, parity):
     return U32(addr, parity), codegen
 
 
+# --------------------------------------------------------------------------- shared words (shared addresses)
+st_shared_v4 = _void("st.shared.v4.u32 [$0], {$1, $2, $3, $4};", (U32, U32, U32, U32, U32), "r,r,r,r,r",
+                     "Store four 32-bit words (each value's low 32 bits) at a 16-byte aligned shared address.")
+
+
+@intrinsic
+def ld_shared_v4(typingctx, addr):
+    """The four 32-bit words (int32) at a 16-byte aligned shared address, read where it
+    stands (memory clobbered: after the waits before it, before the arrivals after it)."""
+    if not isinstance(addr, types.Integer):
+        return None
+    rty = types.UniTuple(types.int32, 4)
+
+    def codegen(ctx, builder, sig, args):
+        at = ctx.cast(builder, args[0], sig.args[0], U32)
+        words = _asm(builder, ir.LiteralStructType([I32] * 4), [at], "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];",
+                     "=r,=r,=r,=r,r,~{memory}")
+        return ctx.make_tuple(builder, rty, [builder.extract_value(words, k) for k in range(4)])
+    return rty(addr), codegen
+
+
 @intrinsic
 def clock64(typingctx):
     """The multiprocessor's cycle counter (``%clock64``, uint64): the same clock for every

@@ -855,54 +855,48 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return (i, 0, 0, 0, 0, 0, 0, 0, geo), items
 
     @cuda.jit(device=True, inline=True)
-    def publish_item(smi, base, sm_at, n_i, b1, b2, q0, kt0, tiles, qs, nq, nk):
-        """``PUBLISH``: the producer's ``n_i``-th work item written to its slot once both
-        consumers have read the slot's last one, and the slot's full mbarrier arrived on
-        (a release: the consumers' wait sees the stores); returns ``n_i + 1``."""
+    def publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, nk):
+        """``PUBLISH``: the producer's ``n_i``-th work item written to its slot (two 16-byte
+        stores) once both consumers have read the slot's last one, and the slot's full
+        mbarrier arrived on (a release: the consumers' wait sees the stores); returns
+        ``n_i + 1``."""
         slot = n_i % ITEM_SLOTS
         if n_i >= ITEM_SLOTS:
             wait_phase(base + ITEM_BARS + 8 * (ITEM_SLOTS + slot), ((n_i // ITEM_SLOTS) - 1) & 1)
-        at = (base - sm_at + ITEM_OFF) // 4 + ITEM_WORDS * slot
-        smi[at] = b1
-        smi[at + 1] = b2
-        smi[at + 2] = q0
-        smi[at + 3] = kt0
-        smi[at + 4] = tiles
-        smi[at + 5] = qs
-        smi[at + 6] = nq
-        smi[at + 7] = nk
+        at = base + ITEM_OFF + 4 * ITEM_WORDS * slot
+        H.st_shared_v4(at, b1, b2, q0, kt0)
+        H.st_shared_v4(at + 16, tiles, qs, nq, nk)
         H.mbarrier_arrive(base + ITEM_BARS + 8 * slot)
         return n_i + 1
 
     @cuda.jit(device=True, inline=True)
-    def first_items(smi, base, sm_at, ct):
+    def first_items(base, ct):
         """A consumer's ``items`` for :func:`take_item` before its first item (0 without
         ``PUBLISH``: nothing to carry)."""
         if PUBLISH:
-            return (smi, base, sm_at, 0, ct)
+            return (base, 0, ct)
         return 0
 
     @cuda.jit(device=True, inline=True)
     def take_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, items):
         """A consumer's work item at place ``i`` as :func:`place` gives it (the first key row
-        0: the consumers do not use it), and ``items`` after it: ``(smi, base, sm_at, n_i,
-        ct)``, the consumer's count of items taken. With ``PUBLISH`` read from the
-        producer's slot (:func:`publish_item`), the slot released; else worked out here."""
+        0: the consumers do not use it), and ``items`` after it: ``(base, n_i, ct)``, the
+        consumer's count of items taken. With ``PUBLISH`` read from the producer's slot
+        (:func:`publish_item`: two 16-byte loads), the slot released; else worked out here."""
         if not PUBLISH:
             return place(i, G, n_qt, B, B2, sched, geo, slopes, seqs), items
-        smi, base, sm_at, n_i, ct = items
+        base, n_i, ct = items
         slot = n_i % ITEM_SLOTS
         wait_phase(base + ITEM_BARS + 8 * slot, (n_i // ITEM_SLOTS) & 1)
-        at = (base - sm_at + ITEM_OFF) // 4 + ITEM_WORDS * slot
-        b1, b2, q0 = numba.int64(smi[at]), numba.int64(smi[at + 1]), numba.int64(smi[at + 2])
-        kt0, tiles = numba.int64(smi[at + 3]), numba.int64(smi[at + 4])
-        qs, nq, nk = smi[at + 5], smi[at + 6], numba.int64(smi[at + 7])
+        at = base + ITEM_OFF + 4 * ITEM_WORDS * slot
+        b1, b2, q0, kt0 = H.ld_shared_v4(at)
+        tiles, qs, nq, nk = H.ld_shared_v4(at + 16)
         release(ct, base + ITEM_BARS + 8 * (ITEM_SLOTS + slot))
+        b1, b2, q0, kt0, tiles = numba.int64(b1), numba.int64(b2), numba.int64(q0), numba.int64(kt0), numba.int64(tiles)
         if PACKED:
-            return (b1, b2, q0, kt0, tiles, qs, numba.int32(0), nq, (nk, nk - nq, geo[2], geo[3])), \
-                (smi, base, sm_at, n_i + 1, ct)
-        return (b1, b2, q0, kt0, tiles, numba.int32(0), numba.int32(0), geo[0] - geo[1], geo), \
-            (smi, base, sm_at, n_i + 1, ct)
+            return (b1, b2, q0, kt0, tiles, qs, numba.int32(0), nq, (numba.int64(nk), numba.int64(nk) - nq, geo[2],
+                                                                     geo[3])), (base, n_i + 1, ct)
+        return (b1, b2, q0, kt0, tiles, numba.int32(0), numba.int32(0), geo[0] - geo[1], geo), (base, n_i + 1, ct)
 
     @cuda.jit(device=True, inline=True)
     def barriers(base):
@@ -1064,7 +1058,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
         sm = cuda.shared.array(0, numba.uint8, alignment=1024)
         smf = cuda.shared.array(0, numba.float32, alignment=1024)     # the same memory, as float32
-        smi = cuda.shared.array(0, numba.int32, alignment=1024)       # and as int32 (the items' slots)
         tid = cuda.threadIdx.x
         sm_at = H.shared_address(sm)
         base = (sm_at + 1023) & ~1023
@@ -1097,7 +1090,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 for i in range(cuda.blockIdx.x, n_items, G):
                     b1, b2, q0, kt0, tiles, qs, ks, nq, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
                     if PUBLISH:
-                        n_i = publish_item(smi, base, sm_at, n_i, b1, b2, q0, kt0, tiles, qs, nq, g[0])
+                        n_i = publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, g[0])
                     if TRACE:
                         trace[cuda.blockIdx.x, (i - cuda.blockIdx.x) // G, TRACE_TILES] = tiles
                     if tiles > 0:
@@ -1128,7 +1121,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         p = cuda.local.array(NP, numba.uint32)
         ring = (0, 0, 0, 0)                      # the K ring's stage and phase, the V ring's, across items
         n_q = 0
-        items = first_items(smi, base, sm_at, ct)
+        items = first_items(base, ct)
         # Ping-pong turns run on across items (warpgroup 0 first): both warpgroups take one
         # per key tile of the same items. (Starting them afresh per item let warpgroup 1,
         # run ahead, arrive twice on the barrier warpgroup 0 had yet to sync on for the item
