@@ -250,9 +250,8 @@ def with_constants(spec, into):
     shutil.copytree(os.path.join(path, "numba_flash"), os.path.join(into, "numba_flash"),
                     ignore=shutil.ignore_patterns("__pycache__"))
     for item in sets:
-        target, _, value = item.partition("=")
-        module, _, name = target.strip().rpartition(".")
-        if not (module and name.isidentifier() and value.strip()):
+        module, name, value = _assignment(item)
+        if not (module and name.isidentifier() and value):
             raise ValueError(f"tree {spec!r}: {item!r} is not MODULE.NAME=VALUE (e.g. kernels.forward_wgmma.X=True)")
         source = os.path.join(into, "numba_flash", *module.split(".")) + ".py"
         text = open(source).read()
@@ -261,7 +260,7 @@ def with_constants(spec, into):
             raise ValueError(f"tree {spec!r}: numba_flash/{module.replace('.', '/')}.py has "
                              f"{len(line.findall(text))} lines '{name} = ...', expected one")
         with open(source, "w") as f:
-            f.write(line.sub(lambda m: f"{name} = {value.strip()}", text))
+            f.write(line.sub(lambda m: f"{name} = {value}", text))
     return into
 
 
@@ -271,12 +270,18 @@ def set_constants(items):
     import ast
     import importlib
     for item in items:
-        target, _, value = item.partition("=")
-        module, _, name = target.strip().rpartition(".")
+        module, name, value = _assignment(item)
         mod = importlib.import_module(f"numba_flash.{module}") if module else None
-        if mod is None or not hasattr(mod, name) or not value.strip():
+        if mod is None or not hasattr(mod, name) or not value:
             raise SystemExit(f"--set {item!r}: not MODULE.NAME=VALUE of a numba_flash constant")
-        setattr(mod, name, ast.literal_eval(value.strip()))
+        setattr(mod, name, ast.literal_eval(value))
+
+
+def _assignment(item):
+    """``"MODULE.NAME=VALUE"`` as ``(MODULE, NAME, VALUE)``, stripped ('' for a part left out)."""
+    target, _, value = item.partition("=")
+    module, _, name = target.strip().rpartition(".")
+    return module, name, value.strip()
 
 
 def export_rev(rev, into):

@@ -304,8 +304,8 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None):
     Q buffer, per K stage and per V stage), with ``publish`` (default :func:`publishes`) the
     placed items' slots and their mbarriers, and room to align the base to 1024 bytes."""
     qbuf, stages = buffers(D, bn) if qbuf is None else (qbuf, stages)
-    items = ITEM_SLOTS * (16 + 4 * ITEM_WORDS) if (publishes(D) if publish is None else publish) else 0
-    return _layout(D, qbuf, stages, bn, bm)[-1] + 8 * (2 * qbuf + 4 * stages) + items + 1024
+    item_bars, _, end = _item_layout(_layout(D, qbuf, stages, bn, bm)[-1], qbuf, stages)
+    return (end if (publishes(D) if publish is None else publish) else item_bars) + 1024
 
 
 # Each work item placed once, by the producer (``make_forward_wgmma``'s ``publish``): its
@@ -323,6 +323,15 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None):
 PUBLISH_HEAD_DIM = 0
 ITEM_SLOTS = 2
 ITEM_WORDS = 8
+
+
+def _item_layout(bar_off, qbuf, stages):
+    """After the Q buffers' and rings' mbarriers (from ``bar_off``): the placed items'
+    mbarriers (each slot's full one, then each slot's empty one) and their slots, as
+    ``(the items' mbarriers, the slots, the end)`` in bytes."""
+    item_bars = bar_off + 8 * (2 * qbuf + 4 * stages)
+    item_off = item_bars + 16 * ITEM_SLOTS
+    return item_bars, item_off, item_off + 4 * ITEM_WORDS * ITEM_SLOTS
 
 
 def publishes(d):
@@ -430,8 +439,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     PUBLISH = publishes(D) if publish is None else publish
-    ITEM_BARS = BAR_OFF + 8 * (2 * QBUF + 4 * STAGES)    # the slots' full mbarriers, then their empty ones
-    ITEM_OFF = ITEM_BARS + 16 * ITEM_SLOTS               # the slots
+    ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
     SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
