@@ -319,8 +319,13 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None):
 # placing it for a window of 1024 keys, 1.0 for the varlen batch (docs/performance.md items
 # 123, 124), about 380 instructions of 32-bit divisions and their fix-ups beside the other
 # consumer's softmax. Up to the (padded) head dim PUBLISH_HEAD_DIM: at 256 the packed
-# kernel's products serialise (ptxas 13). Built and tested, not yet measured: off (0).
-PUBLISH_HEAD_DIM = 0
+# kernel's products serialise (ptxas 13). Measured on an H100 (kernels alone): short causal
+# rows at d = 128 9% faster, a window of 1024 keys 4% at d = 64 and 1% at d = 128, causal
+# d = 64 1%; full rows 2% slower (:data:`PUBLISH_FULL_ROWS`) (docs/performance.md item 125).
+PUBLISH_HEAD_DIM = 128
+# whether full rows publish their items too (their placing is one division of the item's
+# place by the query tiles per head)
+PUBLISH_FULL_ROWS = False
 ITEM_SLOTS = 2
 ITEM_WORDS = 8
 
@@ -334,10 +339,14 @@ def _item_layout(bar_off, qbuf, stages):
     return item_bars, item_off, item_off + 4 * ITEM_WORDS * ITEM_SLOTS
 
 
-def publishes(d):
-    """Whether the kernel at head dim ``d`` has its producer place the work items
-    (``make_forward_wgmma``'s ``publish``): up to :data:`PUBLISH_HEAD_DIM`."""
-    return padded(d) <= PUBLISH_HEAD_DIM
+def publishes(d, scores=None):
+    """Whether the kernel at head dim ``d`` for the rules ``scores`` has its producer place
+    the work items (``make_forward_wgmma``'s ``publish``): up to :data:`PUBLISH_HEAD_DIM`,
+    where rows differ in length (:func:`longest_first`) or sequences are packed, and on full
+    rows with :data:`PUBLISH_FULL_ROWS`. Without ``scores``: whether any kernel at ``d`` does."""
+    if padded(d) > PUBLISH_HEAD_DIM:
+        return False
+    return scores is None or PUBLISH_FULL_ROWS or longest_first(scores) or bool(scores.packed)
 
 
 # The largest (padded) head dim at which windows take the item overlap (:func:`overlaps`):
@@ -438,7 +447,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     CAPPED = bool(scores.softcap)
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
-    PUBLISH = publishes(D) if publish is None else publish
+    PUBLISH = publishes(D, scores) if publish is None else publish
     ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
     SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
