@@ -223,15 +223,9 @@ KNOWN_SPILLS = {
     # of it is outside the main loop (4 STL before it, 2 LDL after it, 2 between set-up steps)
     "9.0a": {"backward_dkdv_wgmma/float16/d128/causal/async": 16,
              "backward_dkdv_wgmma/bfloat16/d128/causal/async": 16,
-             # packed sequences with every rule: values kept across an item (the table's
-             # lookups), reloaded once per item by each role, none in the loop over key tiles
-             "forward_wgmma/bfloat16/d64/window+softcap+alibi+packed/async": 28,
-             # d = 64, causal: three consumer warpgroups of 160 registers (forward_wgmma.tiling);
-             # in the SASS three STL and two LDL before the consumers' first product, and one
-             # LDL per work item before its output stores (their shuffles' registers;
-             # docs/performance.md item 71)
-             "forward_wgmma/float16/d64/causal/async": 12,
-             "forward_wgmma/bfloat16/d64/causal/async": 12,
+             # (packed rows with every rule, 28 bytes, and causal rows at d = 64 in 192-row
+             # blocks, 12: none since the producer publishes their items, which the consumers
+             # had kept across an item; docs/performance.md items 71, 125)
              # (causal rows at 128 rows and d <= 128, the pairs schedule's, spilled 40-56 bytes
              # with a producer of 40 registers: none at forward_wgmma.PAIRS_PRODUCER_REGS, 56;
              # docs/performance.md items 62, 123)
@@ -332,9 +326,9 @@ print(json.dumps(rows))
 
 
 def test_published_items_compile():
-    """``make_forward_wgmma(publish=True)`` (``forward_wgmma.PUBLISH_HEAD_DIM``, off by
-    default) compiles for sm_90a on both consumer paths (a window at d = 128 one item at a
-    time, causal packed rows at d = 128 with the item overlap): the producer's two 16-byte
+    """``make_forward_wgmma(publish=True)`` (by default where ``forward_wgmma.publishes``)
+    compiles for sm_90a on both consumer paths (a window at d = 128 one item at a time,
+    causal packed rows at d = 128 with the item overlap): the producer's two 16-byte
     stores per item, the consumers' two loads per place they take an item (the overlap path
     takes them in two places), nothing in local memory; where ptxas is found, no serialised
     product and no spill. (The simulator's bits test runs causal rows at d = 64 too.)"""

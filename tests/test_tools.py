@@ -231,3 +231,13 @@ def test_trace_items_in_the_simulator(monkeypatch):
     s = trace_items.summarise(stamps, nwg)
     assert s["items"] == 2 * 4 and s["first"] > 0 and s["tile"] > 0 and s["busy_max"] >= s["busy_mean"] > 0, s
     assert s["wait_k0"] >= 0, s             # (K_0 landed between Q landed and the first softmax)
+
+
+def test_mbarrier_probe_passes_items_through_two_slots():
+    """``tools/mbarrier_probe.py`` (racecheck's view of the published items' protocol):
+    sixteen items through two slots reach every consumer thread whole and in order, here
+    in the simulator's twins of the intrinsics."""
+    probe = _load("mbarrier_probe")
+    got, want = probe.run()
+    assert want == 8 * sum(range(probe.ITEMS)) + 28 * probe.ITEMS
+    assert (got == want).all(), got

@@ -28,7 +28,14 @@ of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), a
 with an odd count of query tiles and rows that see no key, d = 128, d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``) and d = 256
 (``forward_wgmma.PAIRS_HEAD_DIM``); forward only. ``--set MODULE.NAME=VALUE`` (repeatable):
-a numba_flash constant set first, e.g. ``--set kernels.forward_wgmma.PUBLISH_HEAD_DIM=128``.
+a numba_flash constant set first, e.g. ``--set kernels.forward_wgmma.PUBLISH_HEAD_DIM=0``.
+racecheck and the Hopper forward's published items (``forward_wgmma.PUBLISH_HEAD_DIM``, on
+for causal rows, windows, block masks and packed rows at d <= 128): racecheck reports the
+consumers' reads of an item's slot against the producer's stores, which the slot's
+mbarriers order; it does not take an mbarrier's arrival and phase wait as ordering plain
+shared-memory accesses (``tools/mbarrier_probe.py`` shows it on the protocol alone). Run
+racecheck of the Hopper forward with ``--set kernels.forward_wgmma.PUBLISH_HEAD_DIM=0``
+for the rest of it; memcheck and synccheck run with the items on.
 ``--no-block-splits`` (with ``--serving``): the decoding kernel's key splits in blocks of
 their own and the merge kernel, as where a block's shared memory does not hold them
 (``registry.BLOCK_SPLITS`` off; on, the default, a few splits are the warps of one block,

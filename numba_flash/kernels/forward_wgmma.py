@@ -301,8 +301,11 @@ def _layout(D, qbuf, stages, bn=BN, bm=BM):
 
 def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None):
     """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
-    Q buffer, per K stage and per V stage), with ``publish`` (default :func:`publishes`) the
-    placed items' slots and their mbarriers, and room to align the base to 1024 bytes."""
+    Q buffer, per K stage and per V stage), with ``publish`` the placed items' slots and their
+    mbarriers, and room to align the base to 1024 bytes. By default the slots are counted
+    wherever a kernel at head dim ``D`` may publish (:func:`publishes` without rules: 96
+    bytes a full-rows kernel leaves unused), so that a kernel's size follows from its head
+    dim and tiling alone (the registry's)."""
     qbuf, stages = buffers(D, bn) if qbuf is None else (qbuf, stages)
     item_bars, _, end = _item_layout(_layout(D, qbuf, stages, bn, bm)[-1], qbuf, stages)
     return (end if (publishes(D) if publish is None else publish) else item_bars) + 1024
@@ -323,8 +326,9 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None):
 # rows at d = 128 9% faster, a window of 1024 keys 4% at d = 64 and 1% at d = 128, causal
 # d = 64 1%; full rows 2% slower (:data:`PUBLISH_FULL_ROWS`) (docs/performance.md item 125).
 PUBLISH_HEAD_DIM = 128
-# whether full rows publish their items too (their placing is one division of the item's
-# place by the query tiles per head)
+# whether full rows publish their items too: measured on an H100 2.1% slower at (4, 16,
+# 4096, 128) (their placing is a division of the item's place by the query tiles per head,
+# once per 32 key tiles; docs/performance.md item 125)
 PUBLISH_FULL_ROWS = False
 ITEM_SLOTS = 2
 ITEM_WORDS = 8
@@ -449,7 +453,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     PUBLISH = publishes(D, scores) if publish is None else publish
     ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
-    SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH)
+    SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
