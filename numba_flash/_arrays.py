@@ -189,6 +189,20 @@ class _Interface:
                                     "data": (owner.ctypes.data, False)}
 
 
+def rows_first(ary):
+    """A ``(B1, B2, N, ...)`` device view as ``(B1, N, B2, ...)`` (axes 1 and 2 swapped,
+    the same memory), or None unless that is C-contiguous: packed sequences' ``(tokens,
+    heads, ...)`` arrays, which the kernels see heads first."""
+    shape, strides = list(ary.shape), list(ary.strides)
+    shape[1], shape[2], strides[1], strides[2] = shape[2], shape[1], strides[2], strides[1]
+    step = ary.dtype.itemsize
+    for n, s in zip(reversed(shape), reversed(strides)):
+        if n > 1 and s != step:
+            return None
+        step *= n
+    return strided_view(ary, shape, strides)
+
+
 def packed_view(ary):
     """The uint64 view of a uint16 device array whose last axis is contiguous, of a
     multiple of 4 long, and whose other strides and start are multiples of 8 bytes: element

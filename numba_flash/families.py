@@ -60,8 +60,13 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
         stream = _arrays.stream_handle(inp.stream)
         maps = [_tma_maps(q4, k4, v4, spec.tiling, stream) for q4, _, _, _, k4, v4 in hviews]
         packed = [_arrays.packed_view(o4) for _, o4, _, _, _, _ in hviews]
+        lses = []
+        if inp.packed is not None:       # the kernel's out and lse as (tokens, heads, ·): forward_wgmma
+            packed = [x if x is None else _arrays.rows_first(x) for x in packed]
+            lses = [_arrays.rows_first(l3) for _, _, l3, _, _, _ in hviews]
+            hviews = [(q4, o4, l3, s3, k4, v4) for (q4, o4, _, s3, k4, v4), l3 in zip(hviews, lses)]
         gaps = inp.packed is not None and inp.packed.gaps    # (its TMA boxes would read a KV cache's unused rows)
-        if hviews and not gaps and all(x is not None for x in maps + packed):     # (arrays compare elementwise)
+        if hviews and not gaps and all(x is not None for x in maps + packed + lses):   # (arrays compare elementwise)
             return _hopper_launches(inp, spec, hviews, maps, packed, score_args, sm_count)
         spec = registry.specialisation("forward_mma", inp.dtype.name, inp.d, inp.scores, True)
         if inp.block_mask is not None:          # its block ranges are per query tile: this family's

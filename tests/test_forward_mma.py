@@ -483,11 +483,12 @@ def test_hopper_published_items_change_no_bit(rules, d, nk, lens, monkeypatch):
     """Work items placed by the producer and read by the consumers from shared memory
     (``make_forward_wgmma``'s ``publish``: by default on causal rows, windows and packed
     rows, off on full rows) change who works out an item, not what is computed: forced the
-    other way, the default kernel's bits, within the oracle's tolerance. Both consumer paths: one item at a time (full rows, a band of 60 keys) and
-    the item overlap (causal rows at d = 64, the varlen batch); causal rows with query
-    tiles that see no key between tiles that do (Nq > Nk: items of no key tile take a slot
-    too), and a varlen batch with an empty sequence. An item read from the wrong slot or
-    word puts rows in the wrong place."""
+    other way, the default kernel's bits, within the oracle's tolerance. Both consumer
+    paths: one item at a time (full rows, a band of 60 keys) and the item overlap (causal
+    rows at d = 64, the varlen batch); causal rows with query tiles that see no key between
+    tiles that do (Nq > Nk: items of no key tile take a slot too), and a varlen batch with
+    an empty sequence. An item read from the wrong slot or word puts rows in the wrong
+    place."""
     _forced_option_keeps_bits(monkeypatch, rules, d, 300, nk, np.array(lens or [0]), 47, "publish",
                               lambda kernel: not kernel.publish)
 

@@ -223,9 +223,9 @@ KNOWN_SPILLS = {
     # of it is outside the main loop (4 STL before it, 2 LDL after it, 2 between set-up steps)
     "9.0a": {"backward_dkdv_wgmma/float16/d128/causal/async": 16,
              "backward_dkdv_wgmma/bfloat16/d128/causal/async": 16,
-             # (packed rows with every rule, 28 bytes, and causal rows at d = 64 in 192-row
-             # blocks, 12: none since the producer publishes their items, which the consumers
-             # had kept across an item; docs/performance.md items 71, 125)
+             # (packed rows with every rule spilled 28 bytes and causal rows at d = 64 in
+             # 192-row blocks 12: none since the producer publishes their items, ptxas 13;
+             # docs/performance.md items 71, 125)
              # (causal rows at 128 rows and d <= 128, the pairs schedule's, spilled 40-56 bytes
              # with a producer of 40 registers: none at forward_wgmma.PAIRS_PRODUCER_REGS, 56;
              # docs/performance.md items 62, 123)
@@ -281,11 +281,12 @@ from numba_flash import ptx, registry
 from numba_flash.kernels import forward_wgmma as F
 from numba_flash.scores import ScoreSpec
 cc, rows = (9, 0, "a"), []
-for d, packed in ((128, False), (64, True)):
+for d, packed in ((128, False), (128, True), (64, True)):
     spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(causal=True, packed=packed), True,
                                    simulator=False)
+    # (the packed d = 64 kernel traced with published items: products serialised, ptxas 13)
     kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
-                                fixed_max=F.FIXED_MAX_SOFTCAP, trace=True)
+                                fixed_max=F.FIXED_MAX_SOFTCAP, trace=True, publish=None if d == 128 else False)
     code = ptx.compile_ptx(kern.py_func, spec.signature()[:-1] + ", int64[:, :, ::1])", [cc], (kern.threads, 1))[cc]
     ptxas = ptx.find_ptxas()
     serial = ptx.assemble(code, cc, ptxas, None)["wgmma_serialized"] if ptxas else None
@@ -296,13 +297,15 @@ print(json.dumps(rows))
 
 def test_traced_hopper_forward_compiles():
     """``make_forward_wgmma(trace=True)`` (``tools/trace_items.py``) compiles for sm_90a
-    (causal rows at d = 128, a packed causal kernel at d = 64) with its ten cycle-counter
-    stamps (a warpgroup's six, its K_0's and its item placed, the producer's two) and its
-    products; where ptxas is found, they stay asynchronous (a stamp under a branch
-    serialised the packed kernel's)."""
+    (causal rows at d = 128 and packed causal rows, both with the published items, and a
+    packed causal kernel at d = 64 without them) with its ten cycle-counter stamps (a
+    warpgroup's six, its K_0's and its item placed, the producer's two) and its products;
+    where ptxas is found, they stay asynchronous (a stamp under a branch serialised the
+    packed kernel's; with the published items ptxas 13 serialises the traced packed d = 64
+    kernel's, which ``tools/trace_items.py`` then traces with the items off)."""
     from conftest import run_compile_probe
     rows = json.loads(run_compile_probe(TRACED_PROBE).strip().splitlines()[-1])
-    assert [(r[0], r[1]) for r in rows] == [(128, False), (64, True)]
+    assert [(r[0], r[1]) for r in rows] == [(128, False), (128, True), (64, True)]
     assert all(r[2] == 10 and r[3] >= 4 and r[4] is not True for r in rows), rows
 
 

@@ -473,7 +473,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
-    store_rows = make_store_rows(dtype_name, D, COLS)
+    # packed sequences: out and lse as (B1, tokens, heads, ·), C-contiguous (make_store_rows)
+    store_rows = make_store_rows(dtype_name, D, COLS, rows_first=PACKED)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None
@@ -843,11 +844,19 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         for off in (1, 2):
             l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
             l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
-        if tq4 == 0:
+        if tq4 == 0:           # (packed sequences: lse (B1, tokens, heads))
             if row0 < nq:
-                lse[b1, b2, qs + row0] = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
+                lse0 = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
+                if PACKED:
+                    lse[b1, qs + row0, b2] = lse0
+                else:
+                    lse[b1, b2, qs + row0] = lse0
             if row0 + 8 < nq:
-                lse[b1, b2, qs + row0 + 8] = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+                lse1 = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
+                if PACKED:
+                    lse[b1, qs + row0 + 8, b2] = lse1
+                else:
+                    lse[b1, b2, qs + row0 + 8] = lse1
         return ZERO if l0 == ZERO else F32(1) / l0, ZERO if l1 == ZERO else F32(1) / l1
 
     @cuda.jit(device=True, inline=True)
@@ -1066,8 +1075,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     @cuda.jit(device=True, inline=True)
     def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, sched,
                      trace):
-        Nq = out.shape[2]
-        B2 = out.shape[1]
+        if PACKED:                       # (B1, tokens, heads, ·)
+            Nq, B2 = out.shape[1], out.shape[2]
+        else:
+            Nq, B2 = out.shape[2], out.shape[1]
         B = out.shape[0] * B2
         n_qt = (Nq + BM - 1) // BM
         if PACKED:                       # query tiles of every sequence

@@ -144,14 +144,19 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int, cols: int
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_rows(dtype_name: str, D: int, cols: int = None):
+def make_store_rows(dtype_name: str, D: int, cols: int = None, rows_first: bool = False):
     """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
     a 64 × ``D`` accumulator (two halves ``o0, o1`` of :func:`half_columns` each; ``o1``
     unused at ``D = 64``)
     into rows ``row0`` (times ``inv0``) and ``row0 + 8`` (times ``inv1``) of ``out[b1,
     b2]``, a uint64 view of four 16-bit values per element (``_arrays.packed_view``), rows
     from ``n_rows`` on left out, and columns from ``cols`` on where the output has fewer
-    than ``D`` (a multiple of 4). Every lane of the warp calls it (it shuffles).
+    than ``D`` (a multiple of 4). Every lane of the warp calls it (it shuffles). With
+    ``rows_first`` ``out`` is ``(B1, rows, B2, ·)`` and row ``r`` of head ``b2`` is
+    ``out[b1, r, b2]``: packed sequences' ``(tokens, heads, d)`` output as a C-contiguous
+    array, whose column offsets the compiler folds into the stores (a view of it with the
+    heads first has a stride it only knows at run time: about twelve instructions of 64-bit
+    address arithmetic per 8-byte store).
 
     The accumulator gives a lane two adjacent columns of each 8-column block (lane
     ``tq4`` of a quad: columns ``2 tq4, 2 tq4 + 1``), so storing them as they are writes 16
@@ -177,7 +182,11 @@ def make_store_rows(dtype_name: str, D: int, cols: int = None):
             hi = b if odd else got
             col = c0 + 4 * u + 2 * odd + half
             if ok and (not CLIP or col < QUADS):
-                out[b1, b2, row, col] = numba.uint64(lo) | (numba.uint64(hi) << numba.uint64(32))
+                value = numba.uint64(lo) | (numba.uint64(hi) << numba.uint64(32))
+                if rows_first:
+                    out[b1, row, b2, col] = value
+                else:
+                    out[b1, b2, row, col] = value
 
     @cuda.jit(device=True, inline=True)
     def store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
