@@ -58,8 +58,9 @@ Packed sequences (``scores.packed``: varlen batches, the rows of every sequence 
 ``(B1, B2, tokens, d)`` view, back to back): in place of ``sched`` a last argument ``seqs
 (S, 7)`` int32 gives per sequence ``q_start, q_len, k_start, k_len`` and, as its three last
 columns, the order the work items take (:func:`wgmma_schedule.work_order`: each sequence's
-query tiles in pairs from both ends, then the middle tiles of odd counts), and ``out``,
-``lse`` may have any strides; launch with
+query tiles in pairs from both ends, then the middle tiles of odd counts), and ``out``
+and ``lse`` come row first, ``(B1, tokens, B2, D / 4)`` and ``(B1, tokens, B2)``,
+C-contiguous (``_arrays.rows_first``: constant column offsets in the stores); launch with
 ``grid <= tiles · B1 · B2``. Each item reads its sequence's row of the table; its TMA boxes
 are whole tiles of the packed arrays, so a sequence's last tiles load rows of the next
 one: as keys they lie past the sequence's end (scores −inf, P exactly 0, and their V rows
