@@ -838,6 +838,14 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
     @cuda.jit(device=True, inline=True)
+    def put_lse(lse, b1, b2, row, value):
+        """Row ``row`` of head ``b2``'s lse (packed sequences: ``lse (B1, tokens, heads)``)."""
+        if PACKED:
+            lse[b1, row, b2] = value
+        else:
+            lse[b1, b2, row] = value
+
+    @cuda.jit(device=True, inline=True)
     def row_sums(lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4):
         """The first half of a work item's epilogue for the thread's two rows, which O is not
         needed for: the rows' sums over their quads, lse = (m + log2 l) ln 2 stored (a row
@@ -845,19 +853,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         for off in (1, 2):
             l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
             l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
-        if tq4 == 0:           # (packed sequences: lse (B1, tokens, heads))
+        if tq4 == 0:
             if row0 < nq:
-                lse0 = NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T
-                if PACKED:
-                    lse[b1, qs + row0, b2] = lse0
-                else:
-                    lse[b1, b2, qs + row0] = lse0
+                put_lse(lse, b1, b2, qs + row0, NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T)
             if row0 + 8 < nq:
-                lse1 = NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T
-                if PACKED:
-                    lse[b1, qs + row0 + 8, b2] = lse1
-                else:
-                    lse[b1, b2, qs + row0 + 8] = lse1
+                put_lse(lse, b1, b2, qs + row0 + 8, NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T)
         return ZERO if l0 == ZERO else F32(1) / l0, ZERO if l1 == ZERO else F32(1) / l1
 
     @cuda.jit(device=True, inline=True)
@@ -886,18 +886,25 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return (i, 0, 0, 0, 0, 0, 0, 0, geo), items
 
     @cuda.jit(device=True, inline=True)
+    def item_slot(base, n_i):
+        """The ``n_i``-th published item's slot: its full and empty mbarriers and its words'
+        shared address (:func:`_item_layout`)."""
+        slot = n_i % ITEM_SLOTS
+        return (base + ITEM_BARS + 8 * slot, base + ITEM_BARS + 8 * (ITEM_SLOTS + slot),
+                base + ITEM_OFF + 4 * ITEM_WORDS * slot)
+
+    @cuda.jit(device=True, inline=True)
     def publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, nk):
         """``PUBLISH``: the producer's ``n_i``-th work item written to its slot (two 16-byte
         stores) once both consumers have read the slot's last one, and the slot's full
         mbarrier arrived on (a release: the consumers' wait sees the stores); returns
         ``n_i + 1``."""
-        slot = n_i % ITEM_SLOTS
+        full, empty, at = item_slot(base, n_i)
         if n_i >= ITEM_SLOTS:
-            wait_phase(base + ITEM_BARS + 8 * (ITEM_SLOTS + slot), ((n_i // ITEM_SLOTS) - 1) & 1)
-        at = base + ITEM_OFF + 4 * ITEM_WORDS * slot
+            wait_phase(empty, ((n_i // ITEM_SLOTS) - 1) & 1)
         H.st_shared_v4(at, b1, b2, q0, kt0)
         H.st_shared_v4(at + 16, tiles, qs, nq, nk)
-        H.mbarrier_arrive(base + ITEM_BARS + 8 * slot)
+        H.mbarrier_arrive(full)
         return n_i + 1
 
     @cuda.jit(device=True, inline=True)
@@ -917,12 +924,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         if not PUBLISH:
             return place(i, G, n_qt, B, B2, sched, geo, slopes, seqs), items
         base, n_i, ct = items
-        slot = n_i % ITEM_SLOTS
-        wait_phase(base + ITEM_BARS + 8 * slot, (n_i // ITEM_SLOTS) & 1)
-        at = base + ITEM_OFF + 4 * ITEM_WORDS * slot
+        full, empty, at = item_slot(base, n_i)
+        wait_phase(full, (n_i // ITEM_SLOTS) & 1)
         b1, b2, q0, kt0 = H.ld_shared_v4(at)
         tiles, qs, nq, nk = H.ld_shared_v4(at + 16)
-        release(ct, base + ITEM_BARS + 8 * (ITEM_SLOTS + slot))
+        release(ct, empty)
         b1, b2, q0, kt0, tiles = numba.int64(b1), numba.int64(b2), numba.int64(q0), numba.int64(kt0), numba.int64(tiles)
         if PACKED:
             return (b1, b2, q0, kt0, tiles, qs, numba.int32(0), nq, (numba.int64(nk), numba.int64(nk) - nq, geo[2],
@@ -1106,8 +1112,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 H.mbarrier_init(empty_v + 8 * st, NWG)
             if PUBLISH:
                 for slot in range(ITEM_SLOTS):
-                    H.mbarrier_init(base + ITEM_BARS + 8 * slot, 1)                  # the producer's
-                    H.mbarrier_init(base + ITEM_BARS + 8 * (ITEM_SLOTS + slot), NWG)  # one per consumer
+                    full, empty, _ = item_slot(base, slot)
+                    H.mbarrier_init(full, 1)                  # the producer's
+                    H.mbarrier_init(empty, NWG)               # one per consumer
             H.fence_mbarrier_init()
         cuda.syncthreads()
 
