@@ -15,7 +15,9 @@ Hopper kernels run unchanged, one Python thread per GPU thread (``_simulator``).
 * TMA: ``tensor_map_4d`` returns a 128-byte device array naming its tensor (a registry
   entry, valid while the array lives); ``tma_load_*`` copies the box at once, zero-filled
   outside the tensor and with the 128-byte swizzle of the destination address (16-byte
-  chunk bits 4..6 XOR row bits 7..9), then completes its bytes on the mbarrier.
+  chunk bits 4..6 XOR row bits 7..9), then completes its bytes on the mbarrier;
+  ``tma_store_4d`` reads a box swizzled the same way and writes the part of it inside the
+  tensor at once (so ``bulk_commit`` and ``bulk_wait_read`` are no-ops).
 * ``wgmma``: the 128 threads of the warpgroup meet (each publishes its accumulator and
   operands); the last to arrive multiplies with NumPy (float64 sums of the exact products,
   truncated to float32 as ``ops``'s ``mma`` twins do) and each thread takes its own
@@ -40,7 +42,8 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
-           "encode_tensor_map_4d", "clock64", "st_shared_v4", "ld_shared_v4"]
+           "encode_tensor_map_4d", "clock64", "st_shared_v4", "ld_shared_v4", "st_shared_u32", "tma_store_4d",
+           "bulk_commit", "bulk_wait_read"]
 
 _TIMEOUT_S = 600.0
 
@@ -301,6 +304,16 @@ def st_shared_v4(addr, w0, w1, w2, w3):
         view[off:off + 16] = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)], np.uint32).view(np.uint8)
 
 
+def st_shared_u32(addr, w):
+    """One 32-bit word (the value's low 32 bits) at a 4-byte aligned shared address."""
+    t, st = _here()
+    addr = int(addr)
+    assert addr % 4 == 0, addr
+    with st.cond:
+        view, off = _bytes_at(st, addr, 4)
+        view[off:off + 4] = np.array([int(w) & 0xFFFFFFFF], np.uint32).view(np.uint8)
+
+
 def ld_shared_v4(addr):
     """The four 32-bit words (int32) at a 16-byte aligned shared address."""
     t, st = _here()
@@ -419,6 +432,39 @@ def _tma_load(dst, tmap, coords, mbar):
         mb = _mbarrier(st, mbar)
         mb.tx -= nbytes
         _complete_if_done(st, mb)
+
+
+def tma_store_4d(tmap, c0, c1, c2, c3, src):
+    """The box at shared address ``src`` (128-byte swizzled, as :func:`tma_load_4d` lays it
+    out) written to the tensor at ``(c0, c1, c2, c3)``, innermost first, at once; elements
+    outside the tensor are left alone."""
+    tensor, box = _tensor_map(tmap)
+    coords = [int(c) for c in (c0, c1, c2, c3)]
+    cols, rows = box[0], box[1]
+    t, st = _here()
+    src = int(src)
+    with st.cond:
+        if src % 128:
+            raise RuntimeError(f"TMA: source 0x{src:x} is not 128-byte aligned")
+        nbytes = rows * cols * 2
+        view, off = _bytes_at(st, src, nbytes)
+        chunks = _swizzle128(src + 16 * np.arange(nbytes // 16)) - src + off
+        tile = view[chunks[:, None] + np.arange(16)].reshape(-1).view(np.uint16).reshape(rows, cols)
+    outer = tuple(reversed(coords[2:]))
+    if all(0 <= c < n for c, n in zip(outer, tensor.shape[:-2])):
+        r0, r1 = max(coords[1], 0), min(coords[1] + rows, tensor.shape[-2])
+        k0, k1 = max(coords[0], 0), min(coords[0] + cols, tensor.shape[-1])
+        if r0 < r1 and k0 < k1:
+            tensor[outer + (slice(r0, r1), slice(k0, k1))] = tile[r0 - coords[1]:r1 - coords[1],
+                                                                 k0 - coords[0]:k1 - coords[0]]
+
+
+def bulk_commit():
+    """No-op in the simulator (a TMA store completes at issue)."""
+
+
+def bulk_wait_read():
+    """No-op in the simulator (a TMA store completes at issue)."""
 
 
 def tma_load_3d(dst, tmap, c0, c1, c2, mbar):

@@ -15,6 +15,7 @@ term bounds (with A_ij ≥ |c·t|, :func:`conftest.rounding_sensitivity`): it ad
 ``2 · 2⁻¹¹`` times the problem's sensitivity.
 """
 import dataclasses
+import inspect
 import math
 
 import ml_dtypes
@@ -415,7 +416,9 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
     q = rng.standard_normal((2, 4, 70, 64)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((2, hkv, 90, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
     _, launches = api.plan_forward(q, k, v, causal=True)
-    assert "forward_wgmma" in launches[-1][0].py_func.__module__ and launches[-1][4][6] == 4 // hkv
+    kern, args = launches[-1][0], launches[-1][4]
+    group = args[list(inspect.signature(kern.py_func).parameters).index("group")]
+    assert "forward_wgmma" in kern.py_func.__module__ and group == 4 // hkv
     out, lse = numba_flash.attention_fwd(q, k, v, causal=True)
     check_forward_low(out, lse, q, k, v, True, None)
 
@@ -491,6 +494,22 @@ def test_hopper_published_items_change_no_bit(rules, d, nk, lens, monkeypatch):
     place."""
     _forced_option_keeps_bits(monkeypatch, rules, d, 300, nk, np.array(lens or [0]), 47, "publish",
                               lambda kernel: not kernel.publish)
+
+
+@pytest.mark.parametrize("rules, d, nk, lens", [("full", 128, 400, None), ("full", 96, 150, None),
+                                                ("causal", 64, 90, None), ("window", 128, 150, None),
+                                                ("packed", 128, None, [150, 0, 400, 70])])
+def test_hopper_tma_store_changes_no_bit(rules, d, nk, lens, monkeypatch):
+    """O stored through the TMA from the item's Q buffer (``make_forward_wgmma``'s
+    ``tma_store``) or by every thread: the same bits, within the oracle's tolerance, forced
+    either way. Both consumer paths (one item at a time: full rows, the band; the item
+    overlap: causal rows at d = 64, the varlen batch), a last query tile that passes the
+    array's end (300 rows: the tensor map leaves those rows out), an output of 96 columns
+    in the d = 128 kernel (the map leaves the zero columns out), and packed sequences whose
+    last 64 rows pass their sequence's end (150, 400, 70 rows: those store as before) beside
+    ones that do not. A staged word in the wrong chunk puts values in the wrong columns."""
+    _forced_option_keeps_bits(monkeypatch, rules, d, 300, nk, np.array(lens or [0]), 53, "tma_store",
+                              lambda kernel: not kernel.tma_store)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

@@ -309,7 +309,10 @@ def test_traced_hopper_forward_compiles():
     assert all(r[2] == 10 and r[3] >= 4 and r[4] is not True for r in rows), rows
 
 
-PUBLISHED_PROBE = '''
+# the Hopper forward's options, compiled on both consumer paths: a window at d = 128 (one
+# item at a time) and causal packed rows at d = 128 (the item overlap); per kernel the
+# counts of COUNTED in its PTX, then ptxas's serialisation and spill (None without ptxas)
+OPTION_PROBE = '''
 import json
 from numba_flash import ptx, registry
 from numba_flash.kernels import forward_wgmma as F
@@ -318,28 +321,46 @@ cc, rows = (9, 0, "a"), []
 for d, rules in ((128, dict(window=True)), (128, dict(causal=True, packed=True))):
     spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(**rules), True, simulator=False, rows=4096)
     kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
-                                fixed_max=F.FIXED_MAX_SOFTCAP, publish=True)
+                                fixed_max=F.FIXED_MAX_SOFTCAP, {option}=True)
     code = ptx.compile_ptx(kern.py_func, spec.signature(), [cc], (kern.threads, 1))[cc]
     ptxas = ptx.find_ptxas()
-    info = ptx.assemble(code, cc, ptxas, None) if ptxas else {}
-    rows.append([d, sorted(rules), code.count("st.shared.v4.u32"), code.count("ld.shared.v4.u32"),
-                 code.count(".local"), info.get("wgmma_serialized"), info.get("spill_stores")])
+    info = ptx.assemble(code, cc, ptxas, None) if ptxas else {{}}
+    rows.append([d, sorted(rules), *[code.count(c) for c in {counted!r}], info.get("wgmma_serialized"),
+                 info.get("spill_stores")])
 print(json.dumps(rows))
 '''
 
 
+def _option_rows(option, counted):
+    """:data:`OPTION_PROBE`'s rows for ``make_forward_wgmma``'s ``option`` set, after
+    checking which kernels it compiled and that ptxas (where found) neither serialised a
+    product nor spilled: ``[counts of counted, ...]`` per kernel."""
+    from conftest import run_compile_probe
+    rows = json.loads(run_compile_probe(OPTION_PROBE.format(option=option, counted=tuple(counted)))
+                      .strip().splitlines()[-1])
+    assert [(r[0], r[1]) for r in rows] == [(128, ["window"]), (128, ["causal", "packed"])]
+    assert all(r[-2] is not True and not r[-1] for r in rows), rows
+    return [r[2:-2] for r in rows]
+
+
 def test_published_items_compile():
     """``make_forward_wgmma(publish=True)`` (by default where ``forward_wgmma.publishes``)
-    compiles for sm_90a on both consumer paths (a window at d = 128 one item at a time,
-    causal packed rows at d = 128 with the item overlap): the producer's two 16-byte
-    stores per item, the consumers' two loads per place they take an item (the overlap path
-    takes them in two places), nothing in local memory; where ptxas is found, no serialised
-    product and no spill. (The simulator's bits test runs causal rows at d = 64 too.)"""
-    from conftest import run_compile_probe
-    rows = json.loads(run_compile_probe(PUBLISHED_PROBE).strip().splitlines()[-1])
-    assert [(r[0], r[1]) for r in rows] == [(128, ["window"]), (128, ["causal", "packed"])]
-    assert rows[0][2:5] == [2, 2, 0] and rows[1][2:5] == [2, 4, 0], rows
-    assert all(r[5] is not True and not r[6] for r in rows), rows
+    compiles for sm_90a on both consumer paths (:data:`OPTION_PROBE`): the producer's two
+    16-byte stores per item, the consumers' two loads per place they take an item (the
+    overlap path takes them in two places), nothing in local memory. (The simulator's bits
+    test runs causal rows at d = 64 too.)"""
+    assert _option_rows("publish", ["st.shared.v4.u32", "ld.shared.v4.u32", ".local"]) == [[2, 2, 0], [2, 4, 0]]
+
+
+def test_tma_store_compiles():
+    """``make_forward_wgmma(tma_store=True)`` (``forward_wgmma.stores_by_tma``) compiles for
+    sm_90a on both consumer paths (:data:`OPTION_PROBE`; the overlap path stores in two
+    places; the simulator's bits test runs d = 64 and 96 too): a TMA store per 64-column
+    half of O at each place, a wait for its read, the staging's 32-bit shared stores (two
+    per 8-column block and half), nothing in local memory."""
+    counted = ["cp.async.bulk.tensor.4d.global.shared::cta", "cp.async.bulk.wait_group.read", "st.shared.u32",
+               ".local"]
+    assert _option_rows("tma_store", counted) == [[2, 1, 32, 0], [4, 2, 64, 0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):
