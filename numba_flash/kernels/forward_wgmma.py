@@ -398,8 +398,9 @@ TMA_STORE_HEAD_DIM = 0
 
 def stores_by_tma(d):
     """Whether the kernel at head dim ``d`` stores O through the TMA (``make_forward_wgmma``'s
-    ``tma_store``): up to :data:`TMA_STORE_HEAD_DIM` (padded), never at 256 (a consumer's
-    64 rows of Q then hold half its O)."""
+    ``tma_store``): up to :data:`TMA_STORE_HEAD_DIM` (padded), never at 256 (one Q buffer
+    there: held for the store, it would hold back the next item's Q; and O's halves of 128
+    columns would need their own staging)."""
     return padded(d) <= min(TMA_STORE_HEAD_DIM, 128)
 
 
