@@ -69,8 +69,9 @@ def run_compile_probe(code):
     return proc.stdout
 
 
-def start_ptx_compile(args, env):
-    """``python -m numba_flash.ptx *args`` in the background at a lower priority, so the
+def start_ptx_compile(args, env, code=None):
+    """``python -m numba_flash.ptx *args`` (with ``code``: ``python -c code``, a compile
+    probe of :func:`run_compile_probe`'s kind) in the background at a lower priority, so the
     compiles use the CPU that the simulator tests leave idle (collected with
     :func:`collect_ptx_compile`). Its output goes to temporary files, not pipes: a pipe
     that nobody reads until the end fills at 64 KiB and stops the process at its next
@@ -81,8 +82,9 @@ def start_ptx_compile(args, env):
     import tempfile
     nice = (lambda: os.nice(10)) if hasattr(os, "nice") else None
     out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
-    p = subprocess.Popen([sys.executable, "-m", "numba_flash.ptx", *args], cwd=ROOT, env=env, preexec_fn=nice,
-                         stdout=out, stderr=err, text=True)
+    argv = ["-c", code] if code is not None else ["-m", "numba_flash.ptx", *args]
+    p = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, preexec_fn=nice, stdout=out, stderr=err,
+                         text=True)
     p.output_files = (out, err)
     return p
 

@@ -54,6 +54,7 @@ RUNS = {
 
 
 _PROCS = {}
+_PROBES = {}        # compile probe -> its process (started with the runs) or, once collected, its stdout
 OUT_DIR = None      # the layout-A runs also write their PTX files here (--out)
 
 
@@ -74,15 +75,31 @@ def start_runs():
             env = project_env(NUMBA_ENABLE_CUDASIM=None if layout_a else "0")
             extra = ["--out", os.path.join(OUT_DIR, name)] if layout_a else []
             _PROCS[name] = start_ptx_compile([*args, *extra], env)
+        for name, code in _probe_scripts().items():
+            _PROBES[name] = start_ptx_compile((), project_env(NUMBA_ENABLE_CUDASIM="0"), code=code)
     return _PROCS
 
 
-def stop_runs():
-    """Kill the runs this module started that are still going (e.g. after ``pytest -x``)."""
-    for p in _PROCS.values():
-        if p.poll() is None:
+def stop_runs(probes=True):
+    """Kill the runs this module started that are still going (e.g. after ``pytest -x``),
+    and with ``probes`` the compile probes too."""
+    for p in list(_PROCS.values()) + (list(_PROBES.values()) if probes else []):
+        if hasattr(p, "poll") and p.poll() is None:
             p.kill()
             p.wait()
+
+
+def probe_output(name):
+    """The stdout of the compile probe ``name`` (:func:`_probe_scripts`), started with the
+    runs so that it compiles while the simulator tests run rather than after them; the
+    test fails with the tail of its stderr if the probe failed."""
+    start_runs()
+    p = _PROBES[name]
+    if not isinstance(p, str):
+        out, err = collect_ptx_compile(p, timeout=HANG_GUARD_S)
+        assert p.returncode == 0, f"compile probe {name} exited {p.returncode}:\n{out[-3000:]}\n{err[-3000:]}"
+        _PROBES[name] = p = out
+    return p
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +112,7 @@ def ptx_runs():
             rows = [json.loads(line) for line in out.splitlines() if line.strip().startswith("{")]
             results[name] = (p.returncode, rows, err)
     finally:
-        stop_runs()
+        stop_runs(probes=False)
     return results
 
 
@@ -303,8 +320,7 @@ def test_traced_hopper_forward_compiles():
     where ptxas is found, they stay asynchronous (a stamp under a branch serialised the
     packed kernel's; with the published items ptxas 13 serialises the traced packed d = 64
     kernel's, which ``tools/trace_items.py`` then traces with the items off)."""
-    from conftest import run_compile_probe
-    rows = json.loads(run_compile_probe(TRACED_PROBE).strip().splitlines()[-1])
+    rows = json.loads(probe_output("traced").strip().splitlines()[-1])
     assert [(r[0], r[1]) for r in rows] == [(128, False), (128, True), (64, True)]
     assert all(r[2] == 10 and r[3] >= 4 and r[4] is not True for r in rows), rows
 
@@ -331,13 +347,24 @@ print(json.dumps(rows))
 '''
 
 
-def _option_rows(option, counted):
+# what OPTION_PROBE counts in the PTX per option
+OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local"),
+                  "tma_store": ("cp.async.bulk.tensor.4d.global.shared::cta", "cp.async.bulk.wait_group.read",
+                                "st.shared.u32", ".local")}
+
+
+def _probe_scripts():
+    """The compile probes this module's tests read (:func:`probe_output`), by name."""
+    options = {option: OPTION_PROBE.format(option=option, counted=counted)
+               for option, counted in OPTION_COUNTED.items()}
+    return {"traced": TRACED_PROBE, **options}
+
+
+def _option_rows(option):
     """:data:`OPTION_PROBE`'s rows for ``make_forward_wgmma``'s ``option`` set, after
     checking which kernels it compiled and that ptxas (where found) neither serialised a
-    product nor spilled: ``[counts of counted, ...]`` per kernel."""
-    from conftest import run_compile_probe
-    rows = json.loads(run_compile_probe(OPTION_PROBE.format(option=option, counted=tuple(counted)))
-                      .strip().splitlines()[-1])
+    product nor spilled: the counts of ``OPTION_COUNTED[option]`` per kernel."""
+    rows = json.loads(probe_output(option).strip().splitlines()[-1])
     assert [(r[0], r[1]) for r in rows] == [(128, ["window"]), (128, ["causal", "packed"])]
     assert all(r[-2] is not True and not r[-1] for r in rows), rows
     return [r[2:-2] for r in rows]
@@ -349,7 +376,7 @@ def test_published_items_compile():
     16-byte stores per item, the consumers' two loads per place they take an item (the
     overlap path takes them in two places), nothing in local memory. (The simulator's bits
     test runs causal rows at d = 64 too.)"""
-    assert _option_rows("publish", ["st.shared.v4.u32", "ld.shared.v4.u32", ".local"]) == [[2, 2, 0], [2, 4, 0]]
+    assert _option_rows("publish") == [[2, 2, 0], [2, 4, 0]]
 
 
 def test_tma_store_compiles():
@@ -358,9 +385,7 @@ def test_tma_store_compiles():
     places; the simulator's bits test runs d = 64 and 96 too): a TMA store per 64-column
     half of O at each place, a wait for its read, the staging's 32-bit shared stores (two
     per 8-column block and half), nothing in local memory."""
-    counted = ["cp.async.bulk.tensor.4d.global.shared::cta", "cp.async.bulk.wait_group.read", "st.shared.u32",
-               ".local"]
-    assert _option_rows("tma_store", counted) == [[2, 1, 32, 0], [4, 2, 64, 0]]
+    assert _option_rows("tma_store") == [[2, 1, 32, 0], [4, 2, 64, 0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):
