@@ -397,19 +397,35 @@ def tensor_map_4d(ary, box_rows, box_cols=64):
     return tmap
 
 
+def _inside(tensor, box, coords):
+    """``(index into the tensor, index into the box)`` of the part of the box at ``coords``
+    (innermost first) that lies inside the tensor, or None where none does."""
+    cols, rows = box[0], box[1]
+    outer = tuple(reversed(coords[2:]))
+    if not all(0 <= c < n for c, n in zip(outer, tensor.shape[:-2])):
+        return None
+    c0, c1 = coords[0], coords[1]
+    r0, r1 = max(c1, 0), min(c1 + rows, tensor.shape[-2])
+    k0, k1 = max(c0, 0), min(c0 + cols, tensor.shape[-1])
+    if r0 >= r1 or k0 >= k1:
+        return None
+    return outer + (slice(r0, r1), slice(k0, k1)), (slice(r0 - c1, r1 - c1), slice(k0 - c0, k1 - c0))
+
+
 def _box(tensor, box, coords):
     """The box at ``coords`` (innermost first) as a (rows, columns) uint16 array, zero
     outside the tensor."""
-    cols, rows = box[0], box[1]
-    tile = np.zeros((rows, cols), np.uint16)
-    outer = tuple(reversed(coords[2:]))
-    if all(0 <= c < n for c, n in zip(outer, tensor.shape[:-2])):
-        c0, c1 = coords[0], coords[1]
-        r0, r1 = max(c1, 0), min(c1 + rows, tensor.shape[-2])
-        k0, k1 = max(c0, 0), min(c0 + cols, tensor.shape[-1])
-        if r0 < r1 and k0 < k1:
-            tile[r0 - c1:r1 - c1, k0 - c0:k1 - c0] = tensor[outer + (slice(r0, r1), slice(k0, k1))]
+    tile = np.zeros((box[1], box[0]), np.uint16)
+    part = _inside(tensor, box, coords)
+    if part is not None:
+        tile[part[1]] = tensor[part[0]]
     return tile
+
+
+def _swizzled(addr, off, nbytes):
+    """Byte offsets (into the shared array holding ``addr`` at ``off``) of the ``nbytes``
+    of a box at ``addr`` in the 128-byte swizzle, 16-byte chunk by chunk: ``(chunks, 16)``."""
+    return (_swizzle128(addr + 16 * np.arange(nbytes // 16)) - addr + off)[:, None] + np.arange(16)
 
 
 def _tma_load(dst, tmap, coords, mbar):
@@ -427,8 +443,7 @@ def _tma_load(dst, tmap, coords, mbar):
         hit = [a for a in st.mbarriers if dst <= a < dst + nbytes]
         if hit:
             raise RuntimeError(f"TMA: the box at 0x{dst:x} (+{nbytes} bytes) overwrites the mbarrier at 0x{hit[0]:x}")
-        chunks = _swizzle128(dst + 16 * np.arange(len(data))) - dst + off
-        view[chunks[:, None] + np.arange(16)] = data
+        view[_swizzled(dst, off, nbytes)] = data
         mb = _mbarrier(st, mbar)
         mb.tx -= nbytes
         _complete_if_done(st, mb)
@@ -439,24 +454,17 @@ def tma_store_4d(tmap, c0, c1, c2, c3, src):
     out) written to the tensor at ``(c0, c1, c2, c3)``, innermost first, at once; elements
     outside the tensor are left alone."""
     tensor, box = _tensor_map(tmap)
-    coords = [int(c) for c in (c0, c1, c2, c3)]
     cols, rows = box[0], box[1]
     t, st = _here()
     src = int(src)
     with st.cond:
         if src % 128:
             raise RuntimeError(f"TMA: source 0x{src:x} is not 128-byte aligned")
-        nbytes = rows * cols * 2
-        view, off = _bytes_at(st, src, nbytes)
-        chunks = _swizzle128(src + 16 * np.arange(nbytes // 16)) - src + off
-        tile = view[chunks[:, None] + np.arange(16)].reshape(-1).view(np.uint16).reshape(rows, cols)
-    outer = tuple(reversed(coords[2:]))
-    if all(0 <= c < n for c, n in zip(outer, tensor.shape[:-2])):
-        r0, r1 = max(coords[1], 0), min(coords[1] + rows, tensor.shape[-2])
-        k0, k1 = max(coords[0], 0), min(coords[0] + cols, tensor.shape[-1])
-        if r0 < r1 and k0 < k1:
-            tensor[outer + (slice(r0, r1), slice(k0, k1))] = tile[r0 - coords[1]:r1 - coords[1],
-                                                                 k0 - coords[0]:k1 - coords[0]]
+        view, off = _bytes_at(st, src, rows * cols * 2)
+        tile = view[_swizzled(src, off, rows * cols * 2)].reshape(-1).view(np.uint16).reshape(rows, cols)
+    part = _inside(tensor, box, [int(c) for c in (c0, c1, c2, c3)])
+    if part is not None:
+        tensor[part[0]] = tile[part[1]]
 
 
 def bulk_commit():
