@@ -15,9 +15,7 @@ Hopper kernels run unchanged, one Python thread per GPU thread (``_simulator``).
 * TMA: ``tensor_map_4d`` returns a 128-byte device array naming its tensor (a registry
   entry, valid while the array lives); ``tma_load_*`` copies the box at once, zero-filled
   outside the tensor and with the 128-byte swizzle of the destination address (16-byte
-  chunk bits 4..6 XOR row bits 7..9), then completes its bytes on the mbarrier;
-  ``tma_store_4d`` reads a box swizzled the same way and writes the part of it inside the
-  tensor at once (so ``bulk_commit`` and ``bulk_wait_read`` are no-ops).
+  chunk bits 4..6 XOR row bits 7..9), then completes its bytes on the mbarrier.
 * ``wgmma``: the 128 threads of the warpgroup meet (each publishes its accumulator and
   operands); the last to arrive multiplies with NumPy (float64 sums of the exact products,
   truncated to float32 as ``ops``'s ``mma`` twins do) and each thread takes its own
@@ -42,8 +40,7 @@ __all__ = ["wgmma_fence", "wgmma_commit", "fence_async_shared", "fence_mbarrier_
            "named_barrier", "named_arrive", "mbarrier_init", "mbarrier_arrive", "mbarrier_arrive_expect_tx",
            "mbarrier_try_wait", "shared_address", "global_address", "tensormap_acquire", "tma_load_3d",
            "tma_load_4d", "smem_descriptor", "accumulator", "scale_rows", "to_array", "wgmma", "tensor_map_4d",
-           "encode_tensor_map_4d", "clock64", "st_shared_v4", "ld_shared_v4", "st_shared_u32", "tma_store_4d",
-           "bulk_commit", "bulk_wait_read"]
+           "encode_tensor_map_4d", "clock64", "st_shared_v4", "ld_shared_v4"]
 
 _TIMEOUT_S = 600.0
 
@@ -304,16 +301,6 @@ def st_shared_v4(addr, w0, w1, w2, w3):
         view[off:off + 16] = np.array([int(w) & 0xFFFFFFFF for w in (w0, w1, w2, w3)], np.uint32).view(np.uint8)
 
 
-def st_shared_u32(addr, w):
-    """One 32-bit word (the value's low 32 bits) at a 4-byte aligned shared address."""
-    t, st = _here()
-    addr = int(addr)
-    assert addr % 4 == 0, addr
-    with st.cond:
-        view, off = _bytes_at(st, addr, 4)
-        view[off:off + 4] = np.array([int(w) & 0xFFFFFFFF], np.uint32).view(np.uint8)
-
-
 def ld_shared_v4(addr):
     """The four 32-bit words (int32) at a 16-byte aligned shared address."""
     t, st = _here()
@@ -397,35 +384,19 @@ def tensor_map_4d(ary, box_rows, box_cols=64):
     return tmap
 
 
-def _inside(tensor, box, coords):
-    """``(index into the tensor, index into the box)`` of the part of the box at ``coords``
-    (innermost first) that lies inside the tensor, or None where none does."""
-    cols, rows = box[0], box[1]
-    outer = tuple(reversed(coords[2:]))
-    if not all(0 <= c < n for c, n in zip(outer, tensor.shape[:-2])):
-        return None
-    c0, c1 = coords[0], coords[1]
-    r0, r1 = max(c1, 0), min(c1 + rows, tensor.shape[-2])
-    k0, k1 = max(c0, 0), min(c0 + cols, tensor.shape[-1])
-    if r0 >= r1 or k0 >= k1:
-        return None
-    return outer + (slice(r0, r1), slice(k0, k1)), (slice(r0 - c1, r1 - c1), slice(k0 - c0, k1 - c0))
-
-
 def _box(tensor, box, coords):
     """The box at ``coords`` (innermost first) as a (rows, columns) uint16 array, zero
     outside the tensor."""
-    tile = np.zeros((box[1], box[0]), np.uint16)
-    part = _inside(tensor, box, coords)
-    if part is not None:
-        tile[part[1]] = tensor[part[0]]
+    cols, rows = box[0], box[1]
+    tile = np.zeros((rows, cols), np.uint16)
+    outer = tuple(reversed(coords[2:]))
+    if all(0 <= c < n for c, n in zip(outer, tensor.shape[:-2])):
+        c0, c1 = coords[0], coords[1]
+        r0, r1 = max(c1, 0), min(c1 + rows, tensor.shape[-2])
+        k0, k1 = max(c0, 0), min(c0 + cols, tensor.shape[-1])
+        if r0 < r1 and k0 < k1:
+            tile[r0 - c1:r1 - c1, k0 - c0:k1 - c0] = tensor[outer + (slice(r0, r1), slice(k0, k1))]
     return tile
-
-
-def _swizzled(addr, off, nbytes):
-    """Byte offsets (into the shared array holding ``addr`` at ``off``) of the ``nbytes``
-    of a box at ``addr`` in the 128-byte swizzle, 16-byte chunk by chunk: ``(chunks, 16)``."""
-    return (_swizzle128(addr + 16 * np.arange(nbytes // 16)) - addr + off)[:, None] + np.arange(16)
 
 
 def _tma_load(dst, tmap, coords, mbar):
@@ -443,36 +414,11 @@ def _tma_load(dst, tmap, coords, mbar):
         hit = [a for a in st.mbarriers if dst <= a < dst + nbytes]
         if hit:
             raise RuntimeError(f"TMA: the box at 0x{dst:x} (+{nbytes} bytes) overwrites the mbarrier at 0x{hit[0]:x}")
-        view[_swizzled(dst, off, nbytes)] = data
+        chunks = _swizzle128(dst + 16 * np.arange(len(data))) - dst + off
+        view[chunks[:, None] + np.arange(16)] = data
         mb = _mbarrier(st, mbar)
         mb.tx -= nbytes
         _complete_if_done(st, mb)
-
-
-def tma_store_4d(tmap, c0, c1, c2, c3, src):
-    """The box at shared address ``src`` (128-byte swizzled, as :func:`tma_load_4d` lays it
-    out) written to the tensor at ``(c0, c1, c2, c3)``, innermost first, at once; elements
-    outside the tensor are left alone."""
-    tensor, box = _tensor_map(tmap)
-    cols, rows = box[0], box[1]
-    t, st = _here()
-    src = int(src)
-    with st.cond:
-        if src % 128:
-            raise RuntimeError(f"TMA: source 0x{src:x} is not 128-byte aligned")
-        view, off = _bytes_at(st, src, rows * cols * 2)
-        tile = view[_swizzled(src, off, rows * cols * 2)].reshape(-1).view(np.uint16).reshape(rows, cols)
-    part = _inside(tensor, box, [int(c) for c in (c0, c1, c2, c3)])
-    if part is not None:
-        tensor[part[0]] = tile[part[1]]
-
-
-def bulk_commit():
-    """No-op in the simulator (a TMA store completes at issue)."""
-
-
-def bulk_wait_read():
-    """No-op in the simulator (a TMA store completes at issue)."""
 
 
 def tma_load_3d(dst, tmap, c0, c1, c2, mbar):

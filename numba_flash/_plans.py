@@ -449,7 +449,6 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
             return None                                 # the same memory twice, or empty
         roots[gid] = (index, offset)
     fixed = {id(a.gpu_data) for a in constants}
-    arrays = inputs + [a for a, _ in outputs]       # (the roots a TMA map may be over, by index)
     plans = []
     for kern, grid, block, smem, args, launch_stream in launches:
         if _arrays.stream_handle(launch_stream) != stream:
@@ -466,12 +465,12 @@ def capture(inputs, outputs, scratch, launches, finish, stream, uploads=(), cons
                 values += _launch.array_params(a, _arrays.device_pointer(a))
                 continue
             root, tmap = roots.get(id(a.gpu_data)), None
-            if root is None and id(a) in families.MAP_SOURCES:     # a TMA map over an input or an output
+            if root is None and id(a) in families.MAP_SOURCES:     # a TMA map over an input
                 gid, ptr, shape, strides, rows = families.MAP_SOURCES[id(a)]
                 root = roots.get(gid)
-                if root is None or root[0] >= len(arrays):
+                if root is None or root[0] >= n_inputs:
                     return None
-                root = (root[0], ptr - _arrays.device_pointer(arrays[root[0]]))
+                root = (root[0], ptr - _arrays.device_pointer(inputs[root[0]]))
                 tmap = (shape, strides, rows)
             if root is None:
                 return None

@@ -58,8 +58,7 @@ def forward(inp, q, k, v, out, lse, use_async, sm_count, smem_limit, splits, scr
     if spec.variant == "forward_wgmma":
         hviews = views if inp.group == 1 else _heads_views(inp, [q, out, lse, slopes, k, v])
         stream = _arrays.stream_handle(inp.stream)
-        stored = spec.kernel().tma_store
-        maps = [_tma_maps(q4, k4, v4, o4 if stored else None, spec.tiling, stream) for q4, o4, _, _, k4, v4 in hviews]
+        maps = [_tma_maps(q4, k4, v4, spec.tiling, stream) for q4, _, _, _, k4, v4 in hviews]
         packed = [_arrays.packed_view(o4) for _, o4, _, _, _, _ in hviews]
         lses = []
         if inp.packed is not None:       # the kernel's out and lse as (tokens, heads, ·): forward_wgmma
@@ -167,8 +166,8 @@ def _columns(t):
 
 
 def _hopper_launches(inp, spec, views, maps, packed, score_args, sm_count):
-    """The Hopper forward's launches: one per view, its q, k, v and output as TMA tensor maps,
-    the output also as quads of 16-bit values (``_arrays.packed_view``), on a persistent grid
+    """The Hopper forward's launches: one per view, its q, k, v as TMA tensor maps, its
+    output as quads of 16-bit values (``_arrays.packed_view``), on a persistent grid
     (``forward_wgmma.grid_size``)."""
     t, kern = spec.tiling, spec.kernel()
     scale_log2 = inp.acc_dtype.type(inp.scale * LOG2E)
@@ -354,13 +353,10 @@ class _MapSlots:
         return view
 
 
-def _tma_maps(q4, k4, v4, o4, t, stream):
-    """The tensor maps of q (``t.BM``-row boxes), k and v (``t.BN``) and the output ``o4``
-    (a consumer warpgroup's rows, for a kernel that stores through the TMA:
-    ``forward_wgmma.stores_by_tma``; without ``o4`` q's map stands in, unread: no map to
-    make per output) for the TMA, or None (:func:`_tma_map`)."""
+def _tma_maps(q4, k4, v4, t, stream):
+    """The tensor maps of q (``t.BM``-row boxes), k and v (``t.BN``) for the TMA, or None
+    (:func:`_tma_map`)."""
     found = tuple(_tma_map(a, rows, stream) for a, rows in ((q4, t.BM), (k4, t.BN), (v4, t.BN)))
-    found += (found[0] if o4 is None else _tma_map(o4, forward_wgmma.ROWS, stream),)
     return None if any(m is None for m in found) else found
 
 

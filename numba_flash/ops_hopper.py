@@ -113,8 +113,6 @@ def mbarrier_try_wait(typingctx, addr, parity):
 
 
 # --------------------------------------------------------------------------- shared words (shared addresses)
-st_shared_u32 = _void("st.shared.u32 [$0], $1;", (U32, U32), "r,r",
-                      "One 32-bit word (the value's low 32 bits) at a 4-byte aligned shared address.")
 st_shared_v4 = _void("st.shared.v4.u32 [$0], {$1, $2, $3, $4};", (U32, U32, U32, U32, U32), "r,r,r,r,r",
                      "Store four 32-bit words (each value's low 32 bits) at a 16-byte aligned shared address.")
 
@@ -184,18 +182,6 @@ tma_load_4d = _void("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrie
                     (U32, U64, types.int32, types.int32, types.int32, types.int32, U32), "r,l,r,r,r,r,r",
                     "``tma_load_3d`` with four coordinates: a tensor map over the kernels' 4-D views "
                     "``(d, N, B2, B1)``, any strides.")
-
-tma_store_4d = _void("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [$0, {$1, $2, $3, $4}], [$5];",
-                     (U64, types.int32, types.int32, types.int32, types.int32, U32), "l,r,r,r,r,r",
-                     "TMA: a box of shared memory (laid out as ``tma_load_4d`` writes it: 128-byte "
-                     "swizzle) stored to the tensor map's tensor at coordinates (c0, c1, c2, c3), "
-                     "innermost first; elements outside the tensor are not written. Asynchronous: "
-                     ":func:`bulk_commit` closes the group, :func:`bulk_wait_read` waits until the "
-                     "shared memory has been read.")
-bulk_commit = _void("cp.async.bulk.commit_group;", doc="Close the group of bulk copies (TMA stores) issued so far.")
-bulk_wait_read = _void("cp.async.bulk.wait_group.read 0;",
-                       doc="Wait until every committed bulk copy of this thread has read its shared memory "
-                           "(the memory may then be written again; the global writes complete on their own).")
 
 
 def smem_descriptor(lbo, sbo, swizzle):

@@ -267,7 +267,7 @@ def _sig_forward_mma_split(dt, layout, packed=False):
 def _sig_forward_wgmma(dt, layout, packed=False):
     # (packed sequences: out and lse as (B1, tokens, heads, ·) views, C-contiguous as well)
     o, l = "uint64[:, :, :, ::1]", "float32[:, :, ::1]"
-    return (f"void(uint8[::1], uint8[::1], uint8[::1], uint8[::1], {o}, {l}, int64, int64, "
+    return (f"void(uint8[::1], uint8[::1], uint8[::1], {o}, {l}, int64, int64, "
             f"float32, {_sig_scores('float32')}, {'int32[:, ::1]' if packed else 'int64'})")
 
 

@@ -496,21 +496,6 @@ def test_hopper_published_items_change_no_bit(rules, d, nk, lens, monkeypatch):
                               lambda kernel: not kernel.publish)
 
 
-@pytest.mark.parametrize("rules, d, nk, lens", [("full", 96, 150, None), ("causal", 64, 90, None),
-                                                ("window", 128, 150, None), ("packed", 128, None, [150, 0, 400, 70])])
-def test_hopper_tma_store_changes_no_bit(rules, d, nk, lens, monkeypatch):
-    """O stored through the TMA from the item's Q buffer (``make_forward_wgmma``'s
-    ``tma_store``) or by every thread: the same bits, within the oracle's tolerance, forced
-    either way. Both consumer paths (one item at a time: full rows, the band; the item
-    overlap: causal rows at d = 64, the varlen batch), a last query tile that passes the
-    array's end (300 rows: the tensor map leaves those rows out), an output of 96 columns
-    in the d = 128 kernel (the map leaves the columns past them out), and packed sequences whose
-    last 64 rows pass their sequence's end (150, 400, 70 rows: those store as before) beside
-    ones that do not. A staged word in the wrong chunk puts values in the wrong columns."""
-    _forced_option_keeps_bits(monkeypatch, rules, d, 300, nk, np.array(lens or [0]), 53, "tma_store",
-                              lambda kernel: not kernel.tma_store)
-
-
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),
                                     MmaTiling(WARPS=1, BN=32, Q_IN_REGS=True, MT=2)], ids=str)
 def test_every_tiling_branch(tiling, monkeypatch):

@@ -162,8 +162,7 @@ def forward_drafts(ptx, cc, tool):
     from numba import types as T
     from numba_flash.kernels.forward_wgmma import make_forward_wgmma
     from numba_flash.scores import ScoreSpec
-    sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint64[:, :, :, ::1], T.float32[:, :, ::1],
-           T.int64, T.int64,
+    sig = (T.uint8[::1], T.uint8[::1], T.uint8[::1], T.uint64[:, :, :, ::1], T.float32[:, :, ::1], T.int64, T.int64,
            T.float32, T.int64, T.int64, T.float32, T.float32, T.float32[:, :, :], T.int64)
     found = {}
     for d, scores in ((64, ScoreSpec(causal=True)), (128, ScoreSpec())):
@@ -258,7 +257,7 @@ def check_layouts():
 
 
 # The forward kernel's parameters, in order: a kernel that takes others needs this test updated.
-FORWARD_PARAMS = ("tq", "tk", "tv", "to", "out", "lse", "nk", "group", "scale_log2", "left", "right", "cap_in",
+FORWARD_PARAMS = ("tq", "tk", "tv", "out", "lse", "nk", "group", "scale_log2", "left", "right", "cap_in",
                   "cap_out", "slopes", "sched")
 
 
@@ -292,8 +291,8 @@ def check_forward(d, causal, nq, nk, heads, grid=None, bn=None, sched=None, wind
     q = rng.standard_normal((*heads, nq, d)).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((*heads, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
     dq, dk, dv = (cuda.to_device(np.ascontiguousarray(x).view(np.uint16)) for x in (q, k, v))
+    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, bm), (dk, bn), (dv, bn))]
     out = cuda.to_device(np.full((*heads, nq, d), 0x7FC0, np.uint16))          # NaN bits
-    maps = [H.tensor_map_4d(x, rows) for x, rows in ((dq, bm), (dk, bn), (dv, bn), (out, F.ROWS))]
     packed = _arrays.packed_view(out)
     lse = cuda.to_device(np.full((*heads, nq), np.nan, np.float32))
     slopes = cuda.to_device(np.zeros((*heads, 1), np.float32))

@@ -348,9 +348,7 @@ print(json.dumps(rows))
 
 
 # what OPTION_PROBE counts in the PTX per option
-OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local"),
-                  "tma_store": ("cp.async.bulk.tensor.4d.global.shared::cta", "cp.async.bulk.wait_group.read",
-                                "st.shared.u32", ".local")}
+OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local")}
 
 
 def _probe_scripts():
@@ -377,15 +375,6 @@ def test_published_items_compile():
     overlap path takes them in two places), nothing in local memory. (The simulator's bits
     test runs causal rows at d = 64 too.)"""
     assert _option_rows("publish") == [[2, 2, 0], [2, 4, 0]]
-
-
-def test_tma_store_compiles():
-    """``make_forward_wgmma(tma_store=True)`` (``forward_wgmma.stores_by_tma``) compiles for
-    sm_90a on both consumer paths (:data:`OPTION_PROBE`; the overlap path stores in two
-    places; the simulator's bits test runs d = 64 and 96 too): a TMA store per 64-column
-    half of O at each place, a wait for its read, the staging's 32-bit shared stores (two
-    per 8-column block and half), nothing in local memory."""
-    assert _option_rows("tma_store") == [[2, 1, 32, 0], [4, 2, 64, 0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):

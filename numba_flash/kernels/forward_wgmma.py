@@ -44,9 +44,7 @@ V_{j−1}``, all relative to the running maximum ``m_{j−1}``; it is rescaled b
 ``2^(m_{j−1} − m_j)`` once that product has completed.
 
 Arguments: the tensor maps of q (``BM``-row boxes), k and v (``BN``-row boxes) from
-``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, the output's (64-row boxes, over
-its ``(B1, B2, Nq, d)`` 16-bit view; read only where O is stored through the TMA:
-:func:`stores_by_tma`), ``out (B1, B2, Nq, D / 4)``
+``ops_hopper.tensor_map_4d`` over the ``(B1, B2, N, d)`` views, ``out (B1, B2, Nq, D / 4)``
 uint64 (the output's 16-bit values in fours: ``wgmma_parts.make_store_rows``), ``lse (B1, B2,
 Nq)`` float32, ``nk``, ``group`` (query heads per K/V head), ``scale_log2``, the score
 arguments of ``forward.make_forward`` and ``sched`` (int64, :func:`schedule`: the pairs
@@ -383,32 +381,11 @@ def overlaps(scores, bm, d):
     return scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
 
 
-# The largest (padded) head dim whose kernels store an item's O through the TMA
-# (:func:`stores_by_tma`): each consumer writes its O / l into its own rows of the item's Q
-# buffer (free once the item's last Q Kᵀ is done; Q's layout, 128-byte swizzle: no bank
-# conflict) and one thread hands the TMA the tile, rather than every thread issuing its
-# sixteen 8-byte global stores, which stall the warpgroup while the memory system takes
-# them (the stores skipped, measured on an H100: a window of 1024 keys 6.7% faster, short
-# causal rows 7.2%, the varlen batch 4.3%, full rows 0.7%; docs/performance.md item 128).
-# Packed sequences' items whose 64 rows pass their sequence's end store as before (the box
-# would write the next sequence's rows). The Q buffer goes back to the producer once the
-# TMA has read it. 0: off.
-TMA_STORE_HEAD_DIM = 0
-
-
-def stores_by_tma(d):
-    """Whether the kernel at head dim ``d`` stores O through the TMA (``make_forward_wgmma``'s
-    ``tma_store``): up to :data:`TMA_STORE_HEAD_DIM` (padded), never at 256 (one Q buffer
-    there: held for the store, it would hold back the next item's Q; and O's halves of 128
-    columns would need their own staging)."""
-    return padded(d) <= min(TMA_STORE_HEAD_DIM, 128)
-
-
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
-                       publish: bool = None, tma_store: bool = None):
+                       publish: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -427,12 +404,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     last argument ``trace`` (int64, ``(G, items per block, TRACE_EVENTS)``) and stamps each
     item's phases there with the multiprocessor's cycle counter (:data:`TRACE_PHASES`; the
     item overlap off: ``tools/trace_items.py``); ``publish``: the producer places each work
-    item for the consumers, who read it from shared memory (default :func:`publishes`);
-    ``tma_store``: O stored through the TMA from the item's Q buffer (default
-    :func:`stores_by_tma`; the kernel takes the output's tensor map, ``to``, either way)."""
+    item for the consumers, who read it from shared memory (default :func:`publishes`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
-    TMA_STORE = (stores_by_tma(D) if tma_store is None else tma_store) and padded(D) <= 128
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
     assert D in HEAD_DIMS and bn % 16 == 0 and 16 <= bn <= 256 and BM % ROWS == 0 and 64 <= BM <= 256, (D, bn, BM)
     BN = bn
@@ -894,45 +868,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
 
     @cuda.jit(device=True, inline=True)
-    def stage_half(o, at, g, inv0, inv1):
-        """``TMA_STORE``: one 64-column half of the thread's part of O (its rows times ``inv0``,
-        ``inv1``) written, packed, at ``at`` (its first row's address in the staging tile,
-        plus four bytes a lane of the quad) and eight rows on, in the TMA's 128-byte swizzle:
-        16-byte chunk ``k`` of row ``r`` at chunk ``k ^ (r mod 8)`` (``g`` is ``r mod 8`` for
-        both rows), so a warp's 32 words of one chunk fall in 32 banks."""
-        for k in range(8):
-            x = (k ^ g) << 4
-            H.st_shared_u32(at + x, pack(o[4 * k] * inv0, o[4 * k + 1] * inv0))
-            H.st_shared_u32(at + 8 * 128 + x, pack(o[4 * k + 2] * inv1, o[4 * k + 3] * inv1))
-
-    @cuda.jit(device=True, inline=True)
-    def put_rows(out, to, b1, b2, qs, r0, row0, nq, o0, o1, inv0, inv1, w, g, tq4, ct, wg, q_at, q_empty):
-        """A work item's O / l stored (the warpgroup's rows from ``r0``, the thread's from
-        ``row0``, of a sequence of ``nq`` rows from ``qs``) and the item's Q buffer (this
-        warpgroup's rows at ``q_at``, its mbarrier ``q_empty``) given back. With
-        ``TMA_STORE``, where the tensor map may write all 64 rows (unpacked: it leaves out
-        rows past the array's end), O is staged in those rows of the Q buffer and stored by
-        the TMA, and the buffer given back once the TMA has read it; else
-        :func:`store_rows`."""
-        if TMA_STORE and (not PACKED or r0 + ROWS <= nq):
-            at = q_at + (16 * w + g) * 128 + 4 * tq4
-            stage_half(o0, at, g, inv0, inv1)
-            if NSUB == 2:
-                stage_half(o1, at + SUB_Q, g, inv0, inv1)
-            H.fence_async_shared()              # the stores, seen by the TMA (the async proxy)
-            H.named_barrier(1 + wg, 128)
-            if (ct & 127) == 0:
-                for sub in range(NSUB):
-                    H.tma_store_4d(H.global_address(to), 64 * sub, qs + r0, b2, b1, q_at + sub * SUB_Q)
-                H.bulk_commit()
-                H.bulk_wait_read()
-                H.mbarrier_arrive(q_empty)
-        else:
-            store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
-            if TMA_STORE:
-                release(ct, q_empty)
-
-    @cuda.jit(device=True, inline=True)
     def next_item(i, G, n_qt, B, B2, sched, geo, slopes, seqs, out, lse, wg, w, g, tq4, items):
         """The consumers' first work item at or after place ``i`` with a key tile to visit:
         ``(i, b1, b2, first query row, first key tile, key tiles, the sequence's first query
@@ -1117,9 +1052,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 o0 = H.scale_rows(o0, alpha0, alpha1)
                 o1 = H.scale_rows(o1, alpha0, alpha1)
             pack_p(s, p)
-        if not TMA_STORE:                  # (else once O has left the buffer: put_rows)
-            _, q_empty, _, _, _, _ = barriers(base)
-            release(ct, q_empty + 8 * buf)
+        _, q_empty, _, _, _, _ = barriers(base)
+        release(ct, q_empty + 8 * buf)
         return m0, m1, l0, l1, o0, o1, ring
 
     @cuda.jit(device=True, inline=True)
@@ -1146,7 +1080,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             p[k] = pack(s[2 * k], s[2 * k + 1])
 
     @cuda.jit(device=True, inline=True)
-    def forward_body(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, sched,
+    def forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, sched,
                      trace):
         if PACKED:                       # (B1, tokens, heads, ·)
             Nq, B2 = out.shape[1], out.shape[2]
@@ -1219,8 +1153,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         # ---- consumer warpgroups: 64 query rows each ----------------------------------------------
         take()
         ct = tid - 128
-        if TMA_STORE and (ct & 127) == 0:
-            H.tensormap_acquire(H.global_address(to))
         wg = ct >> 7
         w = (ct >> 5) & 3
         g = (ct & 31) >> 2
@@ -1256,7 +1188,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                                q0, kt0, geo, row0, tq4, r0, sc, slopes, b1, b2, m0,
                                                                m1, l0, l1)
                     fb1, fb2, fqs, frow0, fnq = b1, b2, qs, row0, nq     # the item the last P V is of
-                    fr0, fq_at, fbuf = r0, q_at, buf
                     fvalid = tail_rows(q0, kt0, tiles, geo, slopes, b1, b2)
                     (i, b1, b2, q0, kt0, tiles, qs, nq, geo), items = next_item(i + G, G, n_qt, B, B2, sched,
                                                                                geo0, slopes, seqs, out, lse, wg,
@@ -1272,8 +1203,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                     inv0, inv1 = row_sums(lse, fb1, fb2, fqs, frow0, fnq, m0, m1, l0, l1, tq4)
                     n0, n1, k0l, k1l, _, _, ring = tile_done(acc, s, ring, base, ct, 0, q0, kt0, geo, row0, tq4, r0,
                                                              sc, slopes, b1, b2, NEG_INF, NEG_INF, ZERO, ZERO)
-                    put_rows(out, to, fb1, fb2, fqs, fr0, frow0, fnq, o0, o1, inv0, inv1, w, g, tq4, ct, wg, fq_at,
-                             q_empty + 8 * fbuf)
+                    store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
                     o0 = zeros_o()
                     o1 = zeros_o1()
                     m0, m1, l0, l1 = n0, n1, k0l, k1l
@@ -1281,8 +1211,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 clear_tail(smf, sm_at, ring, base, ct, fvalid)
                 o0, o1, inv0, inv1, ring = last_tile(o0, o1, p, ring, base, ct, lse, fb1, fb2, fqs, frow0, fnq,
                                                      m0, m1, l0, l1, tq4)
-                put_rows(out, to, fb1, fb2, fqs, fr0, frow0, fnq, o0, o1, inv0, inv1, w, g, tq4, ct, wg, fq_at,
-                         q_empty + 8 * fbuf)
+                store_rows(out, fb1, fb2, fqs + frow0, fqs + fnq, o0, o1, inv0, inv1, tq4)
         else:
             for i in range(cuda.blockIdx.x, n_items, G):
                 if TRACE:
@@ -1320,11 +1249,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                                                          m0, m1, l0, l1, tq4)
                     if TRACE:
                         mark(trace, i, G, 6 * wg + 4)
-                if TMA_STORE and tiles > 0:
-                    put_rows(out, to, b1, b2, qs, r0, row0, nq, o0, o1, inv0, inv1, w, g, tq4, ct, wg, q_at,
-                             q_empty + 8 * buf)
-                else:           # (one copy of the stores: items without keys too)
-                    store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
+                store_rows(out, b1, b2, qs + row0, qs + nq, o0, o1, inv0, inv1, tq4)
                 if TRACE:
                     mark(trace, i, G, 6 * wg + 5)
         if wg == 0:
@@ -1332,29 +1257,27 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     if PACKED and TRACE:
         @cuda.jit(launch_bounds=(THREADS, 1))
-        def forward(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, trace):
-            forward_body(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0,
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, trace):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0,
                          trace)
     elif PACKED:
         @cuda.jit(launch_bounds=(THREADS, 1))
-        def forward(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
-            forward_body(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0,
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, seqs, 0,
                          slopes)
     elif TRACE:
         @cuda.jit(launch_bounds=(THREADS, 1))
-        def forward(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, sched,
-                    trace):
-            forward_body(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, sched, trace):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
                          sched, trace)
     else:
         @cuda.jit(launch_bounds=(THREADS, 1))
-        def forward(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, sched):
-            forward_body(tq, tk, tv, to, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
+        def forward(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, sched):
+            forward_body(tq, tk, tv, out, lse, nk, group, scale_log2, left, right, cap_in, cap_out, slopes, slopes,
                          sched, slopes)
 
     forward.smem_bytes = SMEM
     forward.publish = PUBLISH
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
     forward.threads = THREADS
-    forward.tma_store = TMA_STORE
     return forward
