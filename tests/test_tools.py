@@ -17,12 +17,15 @@ def _load(name):
 
 def test_ab_parses_shapes_and_rejects_bad_ones():
     ab = _load("ab")
-    assert ab.parse_shapes("4,16,4096,128,1; 16,16,1024,128,0;") == [(4, 16, 4096, 128, 1, None, None),
-                                                                     (16, 16, 1024, 128, 0, None, None)]
-    assert ab.parse_shapes("1,16,16384,128,1,w=1024") == [(1, 16, 16384, 128, 1, 1024, None)]
-    assert ab.parse_shapes("4,16,4096,128,0,c=30, w=0") == [(4, 16, 4096, 128, 0, 0, 30.0)]
+    assert ab.parse_shapes("4,16,4096,128,1; 16,16,1024,128,0;") == [(4, 16, 4096, 128, 1, None, None, False),
+                                                                     (16, 16, 1024, 128, 0, None, None, False)]
+    assert ab.parse_shapes("1,16,16384,128,1,w=1024") == [(1, 16, 16384, 128, 1, 1024, None, False)]
+    assert ab.parse_shapes("4,16,4096,128,0,c=30, w=0") == [(4, 16, 4096, 128, 0, 0, 30.0, False)]
+    assert ab.parse_shapes("16,16,4096,128,1,t; 1,2,3,4,0,t,w=5") == [(16, 16, 4096, 128, 1, None, None, True),
+                                                                     (1, 2, 3, 4, 0, 5, None, True)]
     for bad in ("4,16,4096,128", "4,16,4096,128,2", "0,16,4096,128,1", "1,16,64,64,1,w=-1", "1,2,3,4,1,5",
-                "1,2,3,4,1,c=0", "1,2,3,4,1,x=3", "1,2,3,4,1,w=1,w=2", "1,2,3,4,1,c=a"):
+                "1,2,3,4,1,c=0", "1,2,3,4,1,x=3", "1,2,3,4,1,w=1,w=2", "1,2,3,4,1,c=a", "1,2,3,4,1,t,t",
+                "1,2,3,t,1"):
         with pytest.raises(ValueError, match="B,H,N,d,causal"):
             ab.parse_shapes(bad)
 

@@ -16,7 +16,10 @@ is measured against the default with no tree exported. A shape is
 ``B,H,N,d,causal`` (q, k and v of shape ``(B, H, N, d)``), with optional score rules after
 it: ``w=L``, a sliding window of ``L`` keys before each query (``window=(L, 0)`` when
 causal, else ``(L, L)``), ``c=C``, a softcap ``C`` (e.g. ``1,16,16384,128,1,w=1024`` or
-``4,16,4096,128,0,c=30``); ``--varlen`` adds the causal
+``4,16,4096,128,0,c=30``), and ``t``: q, k and v token-major, ``(B, N, H, d)`` arrays
+passed as ``(B, H, N, d)`` views (the layout a varlen batch's ``(tokens, H, d)`` rows
+have; e.g. ``16,16,4096,128,1;16,16,4096,128,1,t`` times both layouts of one problem);
+``--varlen`` adds the causal
 varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128),
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
 separated, ``L*n`` for ``n`` sequences of ``L`` rows) and with ``--varlen-heads H,d``
@@ -73,12 +76,16 @@ def parse_lens(text):
 
 
 def parse_shapes(text):
-    """``"B,H,N,d,causal[,w=L][,c=C];..."`` -> ``[(B, H, N, d, causal, left, softcap), ...]``
-    (ints but the softcap; causal 0 or 1; ``left`` a window's keys before each query and
-    ``softcap`` a float, None where not given)."""
+    """``"B,H,N,d,causal[,w=L][,c=C][,t];..."`` -> ``[(B, H, N, d, causal, left, softcap,
+    tokens), ...]`` (ints but the softcap; causal 0 or 1; ``left`` a window's keys before
+    each query and ``softcap`` a float, None where not given; ``tokens`` True where ``t``
+    asks for token-major inputs)."""
     shapes = []
     for part in filter(None, (p.strip() for p in text.split(";"))):
         fields = [f.strip() for f in part.split(",")]
+        tokens = "t" in fields[5:]
+        if tokens:
+            fields.remove("t")
         rules = dict(f.split("=", 1) for f in fields[5:] if "=" in f)
         try:
             values = tuple(int(x) for x in fields[:5])
@@ -90,8 +97,8 @@ def parse_shapes(text):
                 or len(fields) - 5 != (left is not None) + (cap is not None)
                 or left is not None and left < 0 or cap is not None and not cap > 0):
             raise ValueError(f"shape {part!r}: expected B,H,N,d,causal with positive sizes and causal 0 or 1, then "
-                             "optionally w=L (a window, L >= 0) and c=C (a softcap, C > 0)")
-        shapes.append(values + (left, cap))
+                             "optionally w=L (a window, L >= 0), c=C (a softcap, C > 0) and t (token-major)")
+        shapes.append(values + (left, cap, tokens))
     return shapes
 
 
@@ -175,9 +182,12 @@ def worker(tree, args):
     dt = getattr(torch, args.dtype)
     sdpa = torch.nn.functional.scaled_dot_product_attention
     records = []
-    for B, H, N, d, causal, left, cap in parse_shapes(args.shapes):
+    for B, H, N, d, causal, left, cap, tokens in parse_shapes(args.shapes):
         torch.manual_seed(0)
-        q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(4))
+        if tokens:              # (B, N, H, d) arrays seen as (B, H, N, d)
+            q, k, v, dout = (torch.randn(B, N, H, d, device="cuda", dtype=dt).transpose(1, 2) for _ in range(4))
+        else:
+            q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(4))
         window = None if left is None else (left, 0 if causal else left)
         result, launches = api.plan_forward(q, k, v, causal=bool(causal), window=window, softcap=cap)
         for a in launches:
@@ -190,7 +200,7 @@ def worker(tree, args):
             ref = _reference(q, k, v, causal, left, cap, rows, torch)
             err = (_as_torch(out, torch)[:, :, N - rows:].float() - ref).abs().max().item()
         name = (f"fwd ({B},{H},{N},{d}){' causal' if causal else ''}{'' if left is None else f' window {left}'}"
-                f"{'' if cap is None else f' softcap {cap:g}'}")
+                f"{'' if cap is None else f' softcap {cap:g}'}{' token-major' if tokens else ''}")
         first = _digest([out, lse], torch)
         records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err,
                             first=first, bits=_digest([out, lse], torch)))
