@@ -358,21 +358,15 @@ def publishes(d, scores=None):
 # tile of a sequence whose length is not a multiple of the block's rows: at d = 64, 192-row
 # blocks leave 64 rows of 4096, and two of the three warpgroups compute rows nobody reads,
 # 3% of (4, 32, 4096, 64)'s work and 11% of (16, 32, 1024, 64)'s) keeps its item's turns,
-# waits and releases but issues no product (:func:`skips_dead_rows`). Full rows then also
+# waits and releases but issues no product (``make_forward_wgmma``'s ``skip_dead``; never
+# with the item overlap, whose consumers run an item's last P V with the next one's first
+# Q Kᵀ and do not take this path, nor in traced kernels). Full rows then also
 # start each head's query tiles at a tile that moves with the round the head starts in,
 # so that every block gets its share of the short tiles (head by head, query tiles
 # fastest, 22 tiles a head and 132 blocks put every head's last tile on the same six
 # blocks, whose lighter work would not shorten the busiest block's). Off until measured
 # (docs/performance.md item 131).
 SKIP_DEAD_ROWS = False
-
-
-def skips_dead_rows(overlap):
-    """Whether a kernel (``overlap``: with the item overlap, whose consumers run an item's
-    last P V with the next one's first Q Kᵀ and do not take this path) lets warpgroups
-    whose rows lie past the end skip their products (:data:`SKIP_DEAD_ROWS`;
-    ``make_forward_wgmma``'s ``skip_dead``)."""
-    return SKIP_DEAD_ROWS and not overlap
 
 
 # The largest (padded) head dim at which windows take the item overlap (:func:`overlaps`):
@@ -428,7 +422,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     item for the consumers, who read it from shared memory (default :func:`publishes`);
     ``skip_dead``: a warpgroup whose rows of an item all lie past the end issues no product
     there, and full rows' query tiles start per head where :data:`SKIP_DEAD_ROWS` says
-    (default :func:`skips_dead_rows`; never with the item overlap)."""
+    (default :data:`SKIP_DEAD_ROWS`; never with the item overlap)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -477,7 +471,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     PUBLISH = publishes(D, scores) if publish is None else publish
-    SKIP_DEAD = (skips_dead_rows(OVERLAP) if skip_dead is None else skip_dead) and not OVERLAP and not TRACE
+    SKIP_DEAD = (SKIP_DEAD_ROWS if skip_dead is None else skip_dead) and not OVERLAP and not TRACE
     ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
     SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
@@ -715,8 +709,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         running at once share K and V in L2 (with ``SKIP_DEAD`` head ``b``'s tiles from
         tile ``floor(b n_qt / G)`` on, cyclically: a last tile with dead rows, lighter,
         then falls on every block in turn, not always on the same ones); with one (causal,
-        window), longest tiles first and leading indices fastest, each whole round of ``G`` items dealt in
-        alternating directions so that every block gets as much work: the odd rounds from
+        window), longest tiles first and leading indices fastest, each whole round of
+        ``G`` items dealt in alternating directions so that every block gets as much work: the odd rounds from
         the last block down, or the even ones where ``sched`` is −1 (the host's
         :func:`schedule`). Where the launch asks for it (causal rows: ``sched`` from
         :func:`wgmma_schedule.paired_places`, ``4 U0 + 2 flip + 1``) the first ``U0`` of the
