@@ -183,11 +183,7 @@ def worker(tree, args):
     sdpa = torch.nn.functional.scaled_dot_product_attention
     records = []
     for B, H, N, d, causal, left, cap, tokens in parse_shapes(args.shapes):
-        torch.manual_seed(0)
-        if tokens:              # (B, N, H, d) arrays seen as (B, H, N, d)
-            q, k, v, dout = (torch.randn(B, N, H, d, device="cuda", dtype=dt).transpose(1, 2) for _ in range(4))
-        else:
-            q, k, v, dout = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(4))
+        q, k, v, dout = shape_inputs(B, H, N, d, tokens, dt, torch, count=4)
         window = None if left is None else (left, 0 if causal else left)
         result, launches = api.plan_forward(q, k, v, causal=bool(causal), window=window, softcap=cap)
         for a in launches:
@@ -245,6 +241,15 @@ def worker(tree, args):
         records.append(dict(call=f"varlen {name} causal", ms=_time(call), err=err, first=_digest([got], torch),
                             bits=_digest([call()], torch)))
     return records
+
+
+def shape_inputs(B, H, N, d, tokens, dt, torch, count=3):
+    """``count`` random ``(B, H, N, d)`` CUDA tensors of dtype ``dt`` for a shape of
+    :func:`parse_shapes` (seed 0): with ``tokens`` views of ``(B, N, H, d)`` arrays."""
+    torch.manual_seed(0)
+    if tokens:
+        return tuple(torch.randn(B, N, H, d, device="cuda", dtype=dt).transpose(1, 2) for _ in range(count))
+    return tuple(torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(count))
 
 
 def with_constants(spec, into):

@@ -4,7 +4,7 @@ PyTorch)::
     python tools/trace_items.py --shapes "1,16,16384,128,1,w=1024;4,16,4096,64,0;16,8,1024,256,1"
     python tools/trace_items.py --varlen --json trace.json
 
-Per call (``B,H,N,d,causal[,w=L][,c=C]`` as ``tools/ab.py`` takes them; ``--varlen``: the
+Per call (``B,H,N,d,causal[,w=L][,c=C][,t]`` as ``tools/ab.py`` takes them; ``--varlen``: the
 causal batch of ``bench.py serving``): the plan's Hopper forward kernel rebuilt with
 ``forward_wgmma.make_forward_wgmma``'s ``trace`` (the item overlap off: compare the plain
 kernel's time with the item overlap off too, which this prints), launched once untimed and
@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tools"))
 
-from ab import parse_lens, parse_shapes, set_constants  # noqa: E402  (beside this file)
+from ab import parse_lens, parse_shapes, set_constants, shape_inputs  # noqa: E402  (beside this file)
 
 
 def _median(xs):
@@ -134,7 +134,7 @@ def trace_call(launches, rows, heads, repeats=5):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal[,w=L][,c=C];..." (as tools/ab.py)')
+    p.add_argument("--shapes", default="", help='calls "B,H,N,d,causal[,w=L][,c=C][,t];..." (as tools/ab.py)')
     p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
     p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16"')
     p.add_argument("--varlen-heads", default="16,128", help='with --varlen: "H,d"')
@@ -156,12 +156,11 @@ def main(argv=None):
     dt = getattr(torch, args.dtype)
     clock_khz = getattr(cuda.get_current_device(), "CLOCK_RATE", 1e6)     # (the simulator: none)
     calls = []          # (name, launches, query rows per sequence, leading indices)
-    for B, H, N, d, causal, left, cap in shapes:
-        torch.manual_seed(0)
-        q, k, v = (torch.randn(B, H, N, d, device="cuda", dtype=dt) for _ in range(3))
+    for B, H, N, d, causal, left, cap, tokens in shapes:
+        q, k, v = shape_inputs(B, H, N, d, tokens, dt, torch)
         window = None if left is None else (left, 0 if causal else left)
         name = (f"({B},{H},{N},{d}){' causal' if causal else ''}{'' if left is None else f' window {left}'}"
-                f"{'' if cap is None else f' softcap {cap:g}'}")
+                f"{'' if cap is None else f' softcap {cap:g}'}{' token-major' if tokens else ''}")
         result, launches = api.plan_forward(q, k, v, causal=bool(causal), window=window, softcap=cap)
         calls.append((name, launches, [N], B * H, (result, q, k, v)))      # (kept: the launches write there)
     if args.varlen:
