@@ -192,15 +192,16 @@ class _Interface:
 def rows_first(ary):
     """A ``(B1, B2, N, ...)`` device view as ``(B1, N, B2, ...)`` (axes 1 and 2 swapped,
     the same memory), or None unless that is C-contiguous: packed sequences' ``(tokens,
-    heads, ...)`` arrays, which the kernels see heads first."""
+    heads, ...)`` arrays, which the kernels see heads first. Axes of one index get their
+    C-contiguous strides, so that Numba types the view as layout C (the kernels' stores
+    then fold their column offsets: a zero stride, which the heads-first views give such
+    an axis, makes it layout A and every store's address a product of run-time strides)."""
     shape, strides = list(ary.shape), list(ary.strides)
     shape[1], shape[2], strides[1], strides[2] = shape[2], shape[1], strides[2], strides[1]
-    step = ary.dtype.itemsize
-    for n, s in zip(reversed(shape), reversed(strides)):
-        if n > 1 and s != step:
-            return None
-        step *= n
-    return strided_view(ary, shape, strides)
+    c_strides = _c_strides(shape, ary.dtype.itemsize)
+    if any(n > 1 and s != c for n, s, c in zip(shape, strides, c_strides)):
+        return None
+    return strided_view(ary, shape, c_strides)
 
 
 def packed_view(ary):
