@@ -423,38 +423,37 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
     check_forward_low(out, lse, q, k, v, True, None)
 
 
-def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option, forced, heads=1):
-    """A Hopper forward call of ``heads`` heads (``rules`` "packed": a causal varlen batch
-    of sequences ``lens``, "packed full" the same without the mask; else ``nq`` query and
-    ``nk`` key rows, causal for "causal", a band of 60 keys for "window") with the
+def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option, forced):
+    """A Hopper forward call (``rules`` "packed": a causal varlen batch of sequences
+    ``lens``; else ``nq`` query and ``nk`` key rows, causal for "causal", a band of 60 keys
+    for "window") with the
     registry's kernel, checked against the oracle, then with ``make_forward_wgmma``'s
     ``option`` forced to ``forced(default kernel)``: asserts the kernel took it and the
     same bits. (In the simulator one persistent block takes every item, so every
-    transition between items runs, unless the caller sets another count.)"""
+    transition between items runs.)"""
     from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
     rng = np.random.default_rng(seed)
     plain = forward_wgmma.make_forward_wgmma
-    causal = rules in ("causal", "packed")
-    if rules.startswith("packed"):
+    if rules == "packed":
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        q, k, v = (rng.standard_normal((int(cu[-1]), heads, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
-        call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=causal),)  # noqa: E731
+        q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
     else:
-        opts = {"window": (60, 0)} if rules == "window" else {"causal": causal}
-        q = rng.standard_normal((heads, nq, d)).astype(ml_dtypes.bfloat16)
-        k, v = (rng.standard_normal((heads, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
+        opts = {"window": (60, 0)} if rules == "window" else {"causal": rules == "causal"}
+        q = rng.standard_normal((1, nq, d)).astype(ml_dtypes.bfloat16)
+        k, v = (rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
         _assert_hopper_launch(q, k, v, **opts)
         call = lambda: numba_flash.attention_fwd(q, k, v, **opts)  # noqa: E731
     built = []
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
     default = [host(x) for x in call()]
-    if rules.startswith("packed"):
+    if rules == "packed":
         for z in np.flatnonzero(lens):
             rows = slice(cu[z], cu[z + 1])
             check_forward_low(np.swapaxes(default[0][rows], 0, 1)[None], None,
-                              *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), causal, None)
+                              *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
         check_forward_low(default[0], default[1], q, k, v, opts, None)
     value = forced(built[-1])
@@ -495,29 +494,6 @@ def test_hopper_published_items_change_no_bit(rules, d, nk, lens, monkeypatch):
     place."""
     _forced_option_keeps_bits(monkeypatch, rules, d, 300, nk, np.array(lens or [0]), 47, "publish",
                               lambda kernel: not kernel.publish)
-
-
-@pytest.mark.parametrize("rules, d, nq, nk, lens", [("full", 64, 200, 150, None), ("full", 128, 150, 90, None),
-                                                    ("window", 128, 150, 150, None), ("full", 256, 60, 90, None),
-                                                    ("packed full", 128, None, None, [150, 0, 70])])
-def test_hopper_dead_rows_skip_changes_no_bit(rules, d, nq, nk, lens, monkeypatch):
-    """Warpgroups whose rows of an item all lie past the end keep their turns, waits and
-    releases but issue no product (``make_forward_wgmma``'s ``skip_dead``), and full rows
-    start each head's tiles at another tile: the same bits, within the oracle's tolerance,
-    forced either way, on a grid of three persistent blocks (the heads' tiles rotated) with
-    three heads. Full rows at d = 64 (192-row blocks: 200 rows leave two of the second
-    tile's three warpgroups without a row) and d = 128, a band (rows past the end in its
-    last tile), d = 256 (one Q buffer; 60 rows: the second warpgroup has none), and a
-    varlen batch without a mask whose 150-row sequence leaves the second warpgroup of its
-    second tile none while its last V tile is cleared past the sequence (the warpgroups
-    meet there). A turn or release missed hangs the call; a rotation that is not a
-    permutation of a head's tiles leaves NaN rows."""
-    if ON_GPU:
-        pytest.skip("the simulator's multiprocessor count is set here")
-    from numba_flash import api
-    monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
-    _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, np.array(lens or [0]), 59, "skip_dead",
-                              lambda kernel: not kernel.skip_dead, heads=3)
 
 
 @pytest.mark.parametrize("tiling", [MmaTiling(WARPS=1, BN=16, Q_IN_REGS=False), MmaTiling(WARPS=2, BN=16, Q_IN_REGS=True),

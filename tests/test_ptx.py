@@ -325,15 +325,16 @@ def test_traced_hopper_forward_compiles():
     assert all(r[2] == 10 and r[3] >= 4 and r[4] is not True for r in rows), rows
 
 
-# a Hopper forward's option set, compiled for the kernels OPTION_KERNELS names; per kernel
-# the counts of COUNTED in its PTX, then ptxas's serialisation and spill (None without ptxas)
+# the Hopper forward's options, compiled on both consumer paths: a window at d = 128 (one
+# item at a time) and causal packed rows at d = 128 (the item overlap); per kernel the
+# counts of COUNTED in its PTX, then ptxas's serialisation and spill (None without ptxas)
 OPTION_PROBE = '''
 import json
 from numba_flash import ptx, registry
 from numba_flash.kernels import forward_wgmma as F
 from numba_flash.scores import ScoreSpec
 cc, rows = (9, 0, "a"), []
-for d, rules in {kernels!r}:
+for d, rules in ((128, dict(window=True)), (128, dict(causal=True, packed=True))):
     spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(**rules), True, simulator=False, rows=4096)
     kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
                                 fixed_max=F.FIXED_MAX_SOFTCAP, {option}=True)
@@ -346,24 +347,13 @@ print(json.dumps(rows))
 '''
 
 
-# per option: the kernels OPTION_PROBE compiles (head dim, rules) and what it counts in
-# their PTX. The published items on both consumer paths, a window at d = 128 (one item at
-# a time) and causal packed rows (the item overlap); the dead warpgroups' skip where it
-# is taken (no item overlap): full rows at d = 64 (three consumers) and d = 128, a window,
-# a varlen batch without a mask
-OPTION_KERNELS = {"publish": ((128, {"window": True}), (128, {"causal": True, "packed": True})),
-                  "skip_dead": ((64, {}), (128, {}), (128, {"window": True}), (128, {"packed": True}))}
-OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local"),
-                  "skip_dead": ("wgmma.mma_async", "vote.sync.all", ".local")}
-# spill bytes ptxas 13 leaves in an option's kernel, each a ceiling: the dead warpgroups'
-# skip in the d = 64 full-rows kernel, whose three consumers have 160 registers each (20:
-# a named barrier's number reloaded around a tile's P V; docs/performance.md item 131)
-OPTION_SPILLS = {("skip_dead", 64, ()): 20}
+# what OPTION_PROBE counts in the PTX per option
+OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local")}
 
 
 def _probe_scripts():
     """The compile probes this module's tests read (:func:`probe_output`), by name."""
-    options = {option: OPTION_PROBE.format(option=option, counted=counted, kernels=OPTION_KERNELS[option])
+    options = {option: OPTION_PROBE.format(option=option, counted=counted)
                for option, counted in OPTION_COUNTED.items()}
     return {"traced": TRACED_PROBE, **options}
 
@@ -371,12 +361,10 @@ def _probe_scripts():
 def _option_rows(option):
     """:data:`OPTION_PROBE`'s rows for ``make_forward_wgmma``'s ``option`` set, after
     checking which kernels it compiled and that ptxas (where found) neither serialised a
-    product nor spilled (past :data:`OPTION_SPILLS`): the counts of
-    ``OPTION_COUNTED[option]`` per kernel."""
+    product nor spilled: the counts of ``OPTION_COUNTED[option]`` per kernel."""
     rows = json.loads(probe_output(option).strip().splitlines()[-1])
-    assert [(r[0], r[1]) for r in rows] == [(d, sorted(rules)) for d, rules in OPTION_KERNELS[option]]
-    assert all(r[-2] is not True and (r[-1] or 0) <= OPTION_SPILLS.get((option, r[0], tuple(r[1])), 0)
-               for r in rows), rows
+    assert [(r[0], r[1]) for r in rows] == [(128, ["window"]), (128, ["causal", "packed"])]
+    assert all(r[-2] is not True and not r[-1] for r in rows), rows
     return [r[2:-2] for r in rows]
 
 
@@ -387,18 +375,6 @@ def test_published_items_compile():
     overlap path takes them in two places), nothing in local memory. (The simulator's bits
     test runs causal rows at d = 64 too.)"""
     assert _option_rows("publish") == [[2, 2, 0], [2, 4, 0]]
-
-
-def test_dead_rows_skip_compiles():
-    """``make_forward_wgmma(skip_dead=True)`` (``forward_wgmma.SKIP_DEAD_ROWS``) compiles
-    for sm_90a where it is taken (:data:`OPTION_KERNELS`): every product kept (two per
-    k-step and tile place, as without it), the warps' vote on their rows once per item,
-    nothing in local memory; where ptxas is found, no serialised product (on ``r0 >= nq``
-    itself, a branch ptxas could not prove uniform, it serialised them all: C7520) and
-    no spill past :data:`OPTION_SPILLS`."""
-    rows = _option_rows("skip_dead")
-    assert [r[1:] for r in rows] == [[1, 0]] * 4, rows
-    assert [r[0] for r in rows] == [24, 32, 32, 32], rows
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):

@@ -354,21 +354,6 @@ def publishes(d, scores=None):
     return scores is None or PUBLISH_FULL_ROWS or longest_first(scores) or bool(scores.packed)
 
 
-# A consumer warpgroup whose 64 rows of an item all lie past the rows' end (the last query
-# tile of a sequence whose length is not a multiple of the block's rows: at d = 64, 192-row
-# blocks leave 64 rows of 4096, and two of the three warpgroups compute rows nobody reads,
-# 3% of (4, 32, 4096, 64)'s work and 11% of (16, 32, 1024, 64)'s) keeps its item's turns,
-# waits and releases but issues no product (``make_forward_wgmma``'s ``skip_dead``; never
-# with the item overlap, whose consumers run an item's last P V with the next one's first
-# Q Kᵀ and do not take this path, nor in traced kernels). Full rows then also
-# start each head's query tiles at a tile that moves with the round the head starts in,
-# so that every block gets its share of the short tiles (head by head, query tiles
-# fastest, 22 tiles a head and 132 blocks put every head's last tile on the same six
-# blocks, whose lighter work would not shorten the busiest block's). Off until measured
-# (docs/performance.md item 131).
-SKIP_DEAD_ROWS = False
-
-
 # The largest (padded) head dim at which windows take the item overlap (:func:`overlaps`):
 # a window's items of about nine key tiles (a band of 1024 keys) pay an item's fixed cost
 # often, as short causal rows do. Measured (window 1024 at N = 16384): d = 64 3.8% faster
@@ -400,7 +385,7 @@ def overlaps(scores, bm, d):
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
-                       publish: bool = None, skip_dead: bool = None):
+                       publish: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -419,10 +404,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     last argument ``trace`` (int64, ``(G, items per block, TRACE_EVENTS)``) and stamps each
     item's phases there with the multiprocessor's cycle counter (:data:`TRACE_PHASES`; the
     item overlap off: ``tools/trace_items.py``); ``publish``: the producer places each work
-    item for the consumers, who read it from shared memory (default :func:`publishes`);
-    ``skip_dead``: a warpgroup whose rows of an item all lie past the end issues no product
-    there, and full rows' query tiles start per head where :data:`SKIP_DEAD_ROWS` says
-    (default :data:`SKIP_DEAD_ROWS`; never with the item overlap)."""
+    item for the consumers, who read it from shared memory (default :func:`publishes`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -471,7 +453,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     PUBLISH = publishes(D, scores) if publish is None else publish
-    SKIP_DEAD = (SKIP_DEAD_ROWS if skip_dead is None else skip_dead) and not OVERLAP and not TRACE
     ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
     SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
@@ -706,11 +687,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         """The work item at place ``i`` of the persistent schedule (block ``i % G``'s
         ``i // G``-th): ``(query tile, leading index)``. Without a mask that shortens rows
         the items are alike and go head by head, query tiles fastest, so the blocks
-        running at once share K and V in L2 (with ``SKIP_DEAD`` head ``b``'s tiles from
-        tile ``floor(b n_qt / G)`` on, cyclically: a last tile with dead rows, lighter,
-        then falls on every block in turn, not always on the same ones); with one (causal,
-        window), longest tiles first and leading indices fastest, each whole round of
-        ``G`` items dealt in alternating directions so that every block gets as much work: the odd rounds from
+        running at once share K and V in L2; with one (causal, window), longest tiles
+        first and leading indices fastest, each whole round of ``G`` items dealt in
+        alternating directions so that every block gets as much work: the odd rounds from
         the last block down, or the even ones where ``sched`` is −1 (the host's
         :func:`schedule`). Where the launch asks for it (causal rows: ``sched`` from
         :func:`wgmma_schedule.paired_places`, ``4 U0 + 2 flip + 1``) the first ``U0`` of the
@@ -737,8 +716,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             qt = n_qt - 1 - w // B
             return qt, w - (w // B) * B
         b = i // n_qt
-        if SKIP_DEAD:                # each head's tiles from the round it starts in on
-            return (i - b * n_qt + (b * n_qt) // G) % n_qt, b
         return i - b * n_qt, b
 
     @cuda.jit(device=True, inline=True)
@@ -1080,35 +1057,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         return m0, m1, l0, l1, o0, o1, ring
 
     @cuda.jit(device=True, inline=True)
-    def pass_tiles(smf, sm_at, ring, base, buf, ct, wg, tiles, valid):
-        """``SKIP_DEAD``: an item's ``tiles`` key tiles for a warpgroup none of whose rows is
-        in the sequence: the waits, ping-pong turns and releases of :func:`first_tile`,
-        :func:`later_tiles`, :func:`clear_tail` (its share of the zeros: the consumers
-        meet there) and :func:`last_tile`, in their order, without a product or a softmax.
-        Each stage is released only once it is full, so that each release counts towards
-        that tile's use of it. Returns the rings' places."""
-        ak, bk, av, bv = ring
-        _, q_empty, full_k, empty_k, full_v, empty_v = barriers(base)
-        for j in range(tiles):
-            wait_phase(full_k + 8 * ak, bk)
-            my_turn(wg)
-            if j > 0:
-                wait_phase(full_v + 8 * av, bv)    # the tile before's V
-            their_turn(wg)
-            release(ct, empty_k + 8 * ak)
-            ak, bk = advance(ak, bk)
-            if j > 0:
-                release(ct, empty_v + 8 * av)
-                av, bv = advance(av, bv)
-        release(ct, q_empty + 8 * buf)
-        ring = (ak, bk, av, bv)
-        clear_tail(smf, sm_at, ring, base, ct, valid)
-        wait_phase(full_v + 8 * av, bv)
-        release(ct, empty_v + 8 * av)
-        av, bv = advance(av, bv)
-        return (ak, bk, av, bv)
-
-    @cuda.jit(device=True, inline=True)
     def last_tile(o0, o1, p, ring, base, ct, lse, b1, b2, qs, row0, nq, m0, m1, l0, l1, tq4):
         """An item's last O += P V alone, issued; while it runs, the rows' sums and lse
         (:func:`row_sums`, which it does not hold); then it is waited for and its V stage
@@ -1276,15 +1224,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 o1 = zeros_o1()
                 if tiles == 0:                          # no key tile: 0 and -inf
                     inv0, inv1 = row_sums(lse, b1, b2, qs, row0, nq, NEG_INF, NEG_INF, ZERO, ZERO, tq4)
-                elif SKIP_DEAD and warp.all_sync(warp.FULL_MASK, r0 >= nq):
-                    # none of the warpgroup's rows in the sequence: nothing to compute or store
-                    # (a warp's vote: ptxas then takes the branch as uniform, where on r0 >= nq
-                    # itself it serialised every product, its warning C7520)
-                    wait_phase(q_full + 8 * buf, (n_q // QBUF) & 1)
-                    n_q += 1
-                    ring = pass_tiles(smf, sm_at, ring, base, buf, ct, wg, tiles,
-                                      tail_rows(q0, kt0, tiles, geo, slopes, b1, b2))
-                    continue                            # (no O: its registers merge nowhere)
                 else:
                     if TRACE:
                         mark(trace, i, G, TRACE_PLACED + wg)
@@ -1339,7 +1278,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     forward.smem_bytes = SMEM
     forward.publish = PUBLISH
-    forward.skip_dead = SKIP_DEAD
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
     forward.threads = THREADS
     return forward
