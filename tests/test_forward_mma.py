@@ -423,9 +423,9 @@ def test_hopper_family_grouped_heads(hkv, monkeypatch):
     check_forward_low(out, lse, q, k, v, True, None)
 
 
-def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option, forced):
+def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option, forced, heads=1):
     """A Hopper forward call (``rules`` "packed": a causal varlen batch of sequences
-    ``lens``; else ``nq`` query and ``nk`` key rows, causal for "causal", a band of 60 keys
+    ``lens`` with ``heads`` heads; else ``nq`` query and ``nk`` key rows, causal for "causal", a band of 60 keys
     for "window") with the
     registry's kernel, checked against the oracle, then with ``make_forward_wgmma``'s
     ``option`` forced to ``forced(default kernel)``: asserts the kernel took it and the
@@ -437,7 +437,7 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
     plain = forward_wgmma.make_forward_wgmma
     if rules == "packed":
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
-        q, k, v = (rng.standard_normal((int(cu[-1]), 1, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
+        q, k, v = (rng.standard_normal((int(cu[-1]), heads, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
         call = lambda: (numba_flash.attention_varlen(q, k, v, cu, cu, causal=True),)  # noqa: E731
     else:
         opts = {"window": (60, 0)} if rules == "window" else {"causal": rules == "causal"}
@@ -468,8 +468,8 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
 @pytest.mark.parametrize("rules", ["causal", "full", "packed", "window"])
 def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s
-    ``overlap``; by default for causal rows with two consumer warpgroups at d = 64 and for
-    packed rows, for windows at d = 64) changes when the products are issued,
+    ``overlap``; by default for causal rows with two consumer warpgroups at d = 64, packed
+    or not, and for windows at d = 64) changes when the products are issued,
     not what is computed: forced away from what the registry's kernel resolves (d = 128, two
     consumers), the kernel's bits, within the tolerance of the float64 oracle. Causal rows
     with Nq > Nk, so that query tiles with no key lie between tiles with keys; full rows; a
@@ -477,6 +477,19 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     (its first query tile sees no key)."""
     _forced_option_keeps_bits(monkeypatch, rules, 128, 300, 90 if rules == "causal" else 150, np.array([150, 0, 70]),
                               41, "overlap", lambda kernel: not kernel.overlap)
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_hopper_packed_head_major_changes_no_bit(d, monkeypatch):
+    """Packed sequences' units head by head within a sequence (``make_forward_wgmma``'s
+    ``head_major``, :data:`forward_wgmma.PACKED_HEAD_MAJOR`) or heads fastest change which
+    block takes which item, not what is computed: forced the other way, the default
+    kernel's bits, within the oracle's tolerance. Three heads over sequences of 3, 0, 1 and
+    2 pairs of query tiles at d = 128 (2, 0, 1, 1 at d = 64) and lone middle tiles, so that a unit's head and pair both come
+    from a division by something other than 1; a unit taken twice or never leaves rows
+    unwritten (poisoned) or wrong."""
+    _forced_option_keeps_bits(monkeypatch, "packed", d, 0, None, np.array([700, 0, 300, 520]), 53, "head_major",
+                              lambda kernel: not kernel.head_major, heads=3)
 
 
 @pytest.mark.parametrize("rules, d, nk, lens", [("full", 128, 400, None), ("causal", 128, 90, None),
@@ -487,8 +500,8 @@ def test_hopper_published_items_change_no_bit(rules, d, nk, lens, monkeypatch):
     (``make_forward_wgmma``'s ``publish``: by default on causal rows, windows and packed
     rows, off on full rows) change who works out an item, not what is computed: forced the
     other way, the default kernel's bits, within the oracle's tolerance. Both consumer
-    paths: one item at a time (full rows, a band of 60 keys) and the item overlap (causal
-    rows at d = 64, the varlen batch); causal rows with query tiles that see no key between
+    paths: one item at a time (full rows, a band of 60 keys, the varlen batch) and the item
+    overlap (causal rows at d = 64); causal rows with query tiles that see no key between
     tiles that do (Nq > Nk: items of no key tile take a slot too), and a varlen batch with
     an empty sequence. An item read from the wrong slot or word puts rows in the wrong
     place."""

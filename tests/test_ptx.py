@@ -326,7 +326,7 @@ def test_traced_hopper_forward_compiles():
 
 
 # the Hopper forward's options, compiled on both consumer paths: a window at d = 128 (one
-# item at a time) and causal packed rows at d = 128 (the item overlap); per kernel the
+# item at a time) and causal packed rows at d = 64 (the item overlap); per kernel the
 # counts of COUNTED in its PTX, then ptxas's serialisation and spill (None without ptxas)
 OPTION_PROBE = '''
 import json
@@ -334,7 +334,7 @@ from numba_flash import ptx, registry
 from numba_flash.kernels import forward_wgmma as F
 from numba_flash.scores import ScoreSpec
 cc, rows = (9, 0, "a"), []
-for d, rules in ((128, dict(window=True)), (128, dict(causal=True, packed=True))):
+for d, rules in ((128, dict(window=True)), (64, dict(causal=True, packed=True))):
     spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(**rules), True, simulator=False, rows=4096)
     kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
                                 fixed_max=F.FIXED_MAX_SOFTCAP, {option}=True)
@@ -348,7 +348,7 @@ print(json.dumps(rows))
 
 
 # what OPTION_PROBE counts in the PTX per option
-OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local")}
+OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), "head_major": (".local",)}
 
 
 def _probe_scripts():
@@ -363,7 +363,7 @@ def _option_rows(option):
     checking which kernels it compiled and that ptxas (where found) neither serialised a
     product nor spilled: the counts of ``OPTION_COUNTED[option]`` per kernel."""
     rows = json.loads(probe_output(option).strip().splitlines()[-1])
-    assert [(r[0], r[1]) for r in rows] == [(128, ["window"]), (128, ["causal", "packed"])]
+    assert [(r[0], r[1]) for r in rows] == [(128, ["window"]), (64, ["causal", "packed"])]
     assert all(r[-2] is not True and not r[-1] for r in rows), rows
     return [r[2:-2] for r in rows]
 
@@ -375,6 +375,14 @@ def test_published_items_compile():
     overlap path takes them in two places), nothing in local memory. (The simulator's bits
     test runs causal rows at d = 64 too.)"""
     assert _option_rows("publish") == [[2, 2, 0], [2, 4, 0]]
+
+
+def test_packed_head_major_compiles():
+    """``make_forward_wgmma(head_major=True)`` (``forward_wgmma.PACKED_HEAD_MAJOR``, off)
+    compiles for sm_90a on both consumer paths (:data:`OPTION_PROBE`; the window's kernel
+    has no packed units: the option changes nothing there) with nothing in local memory,
+    and ptxas neither serialises a product nor spills."""
+    assert _option_rows("head_major") == [[0], [0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):

@@ -334,6 +334,17 @@ PUBLISH_FULL_ROWS = False
 ITEM_SLOTS = 2
 ITEM_WORDS = 8
 
+# Packed sequences' units (a pair of a sequence's query tiles and a head, ``packed_item``)
+# in the table's order of sequences: heads fastest (False), so that a round of the
+# persistent blocks' units reads one sequence's K and V of every head at once (16 heads of
+# 4096 keys at d = 128: 33.5 MB), or head by head (True), each head's pairs together, as
+# the padded batch's pairs schedule goes (about half that in flight). Under a causal mask
+# or none every unit of a sequence costs the same, so the deal's costs do not change. On an
+# H100 the packed kernel read 1.89 GB from DRAM for sixteen causal 4096-row sequences of
+# 16 heads against the padded kernel's 0.84 GB for the same problem, and ran 8.7% more
+# cycles (docs/performance.md item 132). Off until measured.
+PACKED_HEAD_MAJOR = False
+
 
 def _item_layout(bar_off, qbuf, stages):
     """After the Q buffers' and rings' mbarriers (from ``bar_off``): the placed items'
@@ -365,27 +376,29 @@ OVERLAP_WINDOW_HEAD_DIM = 64
 def overlaps(scores, bm, d):
     """Whether the kernel for ``scores`` at head dim ``d`` in blocks of ``bm`` query rows
     issues an item's last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s
-    ``overlap``): for causal rows with two consumer warpgroups, at d = 64 and for packed
-    rows (varlen batches), and for windows up to :data:`OVERLAP_WINDOW_HEAD_DIM`. Measured on
-    an H200 2-3% faster for a causal varlen batch (d = 128) and causal rows at d = 64, level
-    for causal rows at d = 128, 1-3% slower for full rows (docs/performance.md item 72), so
-    unpacked causal rows at d = 128 keep the per-item schedule: the overlap's code takes
-    Numba's front end 5.7 s longer for that kernel (13.2 against 7.5 s, on a 2-core x86-64
-    machine), which a first call pays (item 73). Three consumer warpgroups (160 registers
-    each) spilled in the loop over key tiles (up to 300 bytes); so did packed rows at
-    d = 256 (368/704 bytes, 60/212 without)."""
+    ``overlap``): for causal rows (packed or not) with two consumer warpgroups at d = 64,
+    and for windows up to :data:`OVERLAP_WINDOW_HEAD_DIM`. Measured on an H200 2-3% faster
+    for causal rows at d = 64, level for causal rows at d = 128, 1-3% slower for full rows
+    (docs/performance.md item 72); the overlap's code also takes Numba's front end 5.7 s
+    longer for a kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first
+    call pays (item 73). Packed rows at d = 128 took it too (2-3% faster on an H200 in item
+    72) until the producer placed the work items (item 124): since then it is 5.0% slower
+    for the causal varlen batch of bench.py serving and 3.0% for sixteen 4096-row sequences
+    on an H100 (item 132). Three consumer warpgroups (160 registers each) spilled in the
+    loop over key tiles (up to 300 bytes); so did packed rows at d = 256 (368/704 bytes,
+    60/212 without)."""
     if bm // ROWS != 2:
         return False
     if scores.window and padded(d) <= OVERLAP_WINDOW_HEAD_DIM:
         return True
-    return scores.causal and (padded(d) == 64 or scores.packed and padded(d) <= 128)
+    return scores.causal and padded(d) == 64
 
 
 @functools.lru_cache(maxsize=None)
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
-                       publish: bool = None):
+                       publish: bool = None, head_major: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -404,7 +417,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     last argument ``trace`` (int64, ``(G, items per block, TRACE_EVENTS)``) and stamps each
     item's phases there with the multiprocessor's cycle counter (:data:`TRACE_PHASES`; the
     item overlap off: ``tools/trace_items.py``); ``publish``: the producer places each work
-    item for the consumers, who read it from shared memory (default :func:`publishes`)."""
+    item for the consumers, who read it from shared memory (default :func:`publishes`);
+    ``head_major``: packed sequences' units head by head within a sequence (default
+    :data:`PACKED_HEAD_MAJOR`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -453,6 +468,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     EXP2_FMA = (EXP2_FMA_SOFTCAP if scores.softcap else 0) if exp2_fma is None else exp2_fma
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     PUBLISH = publishes(D, scores) if publish is None else publish
+    HEAD_MAJOR = PACKED_HEAD_MAJOR if head_major is None else head_major
     ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
     SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
@@ -787,30 +803,35 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         """Packed sequences: work item ``i`` as ``(sequence, query tile, leading index)``.
         Units are a pair of one sequence's query tiles (the last and the first, the second
         last and the second, ...: under a causal mask every pair of a sequence costs the
-        same) and a leading index, leading indices fastest, in the table's order (sequences
-        longest first): :func:`wgmma_schedule.pair_place` gives both tiles of a unit to one
+        same) and a leading index, in the table's order (sequences longest first), within
+        a sequence leading indices fastest or, with ``HEAD_MAJOR``, each one's pairs
+        together: :func:`wgmma_schedule.pair_place` gives both tiles of a unit to one
         block, one after the other. Then the middle tiles of sequences with an odd count,
-        one by one."""
+        one by one (one a leading index: the orders agree)."""
         last = seqs.shape[0] - 1
         fu = seqs[last, 6] * B                   # units of pairs
         singles = i >= 2 * fu
         half = 0
         if singles:
-            s = i - 2 * fu
-            u = s // B
-            b = s - u * B
+            v = i - 2 * fu
         else:
             v, half = pairs(i, G, fu)
-            u = v // B
-            b = v - u * B
         lo, hi = 0, last
-        while lo < hi:                           # the first position whose running count passes u
+        while lo < hi:                           # the first position whose units pass v
             mid = (lo + hi) >> 1
-            if running(seqs, mid, singles) > u:
+            if running(seqs, mid, singles) * B > v:
                 hi = mid
             else:
                 lo = mid + 1
-        k = u - (running(seqs, lo - 1, singles) if lo > 0 else 0)
+        before = running(seqs, lo - 1, singles) if lo > 0 else 0
+        w = v - before * B                       # the unit's place among its sequence's
+        if HEAD_MAJOR:
+            n = running(seqs, lo, singles) - before
+            b = w // n
+            k = w - b * n
+        else:
+            k = w // B
+            b = w - k * B
         z = seqs[lo, 5]
         nt = (seqs[z, 1] + BM - 1) // BM
         if singles:
@@ -1278,6 +1299,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
 
     forward.smem_bytes = SMEM
     forward.publish = PUBLISH
+    forward.head_major = HEAD_MAJOR
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
     forward.threads = THREADS
     return forward
