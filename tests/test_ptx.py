@@ -413,6 +413,110 @@ def test_forward_ptx_is_covered():
     assert {s.use_async for s in fwd} == {False, True}
 
 
+def _family_calls():
+    """``(name, call)`` of API calls (tiny, random) that between them launch every kernel
+    family: forward, decoding with key splits, backward, packed rows, KV caches (paged,
+    with appends), merges, grouped heads with every score rule."""
+    import ml_dtypes
+    import numpy as np
+    import numba_flash
+    from numba import cuda
+    from numba_flash import api
+    rng = np.random.default_rng(11)
+
+    def draw(*shape, dt=np.float32):
+        return rng.standard_normal(shape).astype(dt)
+
+    def pair(dt, d, n=40):                    # q, k, v, dout of one shape, then the forward's out, lse
+        q, k, v, do = (draw(1, 2, n, d, dt=dt) for _ in range(4))
+        return (do, q, k, v, *numba_flash.attention_fwd(q, k, v, causal=True))
+
+    bf = ml_dtypes.bfloat16
+    cu = np.array([0, 20, 50], np.int32)
+    return [
+        ("forward float32", lambda: numba_flash.attention_fwd(*(draw(1, 2, 40, 16) for _ in range(3)), causal=True)),
+        ("forward bfloat16", lambda: numba_flash.attention_fwd(*(draw(1, 2, 40, 64, dt=bf) for _ in range(3)))),
+        ("key splits float32", lambda: [api.launch(*a) for a in api.plan_forward(
+            draw(1, 1, 1, 16), draw(1, 1, 300, 16), draw(1, 1, 300, 16), splits=3)[1]]),
+        ("decoding bfloat16", lambda: numba_flash.attention_fwd(draw(2, 2, 1, 64, dt=bf), *(draw(2, 2, 300, 64, dt=bf)
+                                                                                         for _ in range(2)))),
+        ("backward float32", lambda: numba_flash.attention_bwd(*pair(np.float32, 16), causal=True)),
+        ("backward bfloat16", lambda: numba_flash.attention_bwd(*pair(bf, 64), causal=True)),
+        ("varlen float32, one head", lambda: numba_flash.attention_varlen_fwd(
+            *(draw(50, 1, 16) for _ in range(3)), cu, cu, causal=True)),
+        ("varlen bfloat16", lambda: numba_flash.attention_varlen_fwd(*(draw(50, 2, 64, dt=bf) for _ in range(3)),
+                                                                     cu, cu, causal=True)),
+        ("varlen bfloat16, one head", lambda: numba_flash.attention_varlen_fwd(
+            *(draw(50, 1, 64, dt=bf) for _ in range(3)), cu, cu)),
+        ("varlen bfloat16, grouped heads", lambda: numba_flash.attention_varlen_fwd(
+            draw(50, 4, 64, dt=bf), draw(50, 2, 64, dt=bf), draw(50, 2, 64, dt=bf), cu, cu, causal=True)),
+        ("paged KV cache", lambda: numba_flash.attention_with_kvcache(
+            draw(2, 1, 2, 64, dt=bf), draw(8, 16, 2, 64, dt=bf), draw(8, 16, 2, 64, dt=bf), np.array([20, 5], np.int32),
+            k_new=draw(2, 1, 2, 64, dt=bf), v_new=draw(2, 1, 2, 64, dt=bf),
+            block_table=np.array([[3, 1, 0], [2, 5, 4]], np.int32))),
+        ("KV cache float32", lambda: numba_flash.attention_with_kvcache(
+            draw(2, 1, 2, 16), draw(2, 64, 2, 16), draw(2, 64, 2, 16), np.array([20, 5], np.int32),
+            k_new=draw(2, 1, 2, 16), v_new=draw(2, 1, 2, 16))),
+        ("merge", lambda: numba_flash.merge_attention([cuda.to_device(draw(1, 2, 10, 16)) for _ in range(2)],
+                                                      [cuda.to_device(draw(1, 2, 10)) for _ in range(2)])),
+        ("strided bfloat16", lambda: numba_flash.attention_fwd(*(draw(1, 2, 40, 128, dt=bf)[..., ::2] for _ in range(3)))),
+        ("paged KV cache, device metadata", lambda: numba_flash.attention_with_kvcache(
+            numba_flash.to_device(draw(2, 1, 2, 64, dt=bf)), numba_flash.to_device(draw(8, 16, 2, 64, dt=bf)),
+            numba_flash.to_device(draw(8, 16, 2, 64, dt=bf)), cuda.to_device(np.array([20, 5], np.int32)),
+            k_new=numba_flash.to_device(draw(2, 1, 2, 64, dt=bf)), v_new=numba_flash.to_device(draw(2, 1, 2, 64, dt=bf)),
+            block_table=cuda.to_device(np.array([[3, 1, 0], [2, 5, 4]], np.int32)), check_metadata=False)),
+        ("grouped heads, window, softcap, ALiBi", lambda: numba_flash.attention_fwd(
+            draw(1, 4, 40, 64, dt=bf), draw(1, 2, 40, 64, dt=bf), draw(1, 2, 40, 64, dt=bf), window=(5, 2),
+            softcap=3.0, alibi_slopes=np.ones(4, np.float32))),
+    ]
+
+
+@pytest.mark.parametrize("hopper", ["0", "1"], ids=["hopper-off", "hopper-on"])
+def test_launches_take_the_compiled_types(hopper, monkeypatch):
+    """Every launch of :func:`_family_calls` passes arguments of the types of one of its
+    specialisation's signatures (``Specialisation.signature``, layout C or A), the kernels
+    the PTX tests compile and check, but that an array may be C where the signature says A
+    (Numba then compiles the same code with constant strides: the general kernel is the one
+    checked; grouped heads' K and V, read through a stride-0 axis, are A beside a C q). An
+    argument of another type makes Numba compile a kernel no offline check sees (packed
+    rows' out and lse on the Hopper forward were typed A by a zero stride on an axis of one
+    index, against the signature's C: docs/performance.md item 132). Launches recorded, not
+    run; the Hopper family forced on and off."""
+    from numba import typeof
+    from numba.core import sigutils, types
+    from numba_flash import _kernel_cache, api
+    monkeypatch.setenv(registry.HOPPER_ENV, hopper)
+    seen = {}
+    monkeypatch.setattr(api, "launch", lambda kern, grid, block, smem, args, *rest: seen.setdefault(
+        _kernel_cache.kernel_name(kern), (kern, args)))
+
+    def fits(got, layout):
+        want = sigutils.normalize_signature(spec.signature(layout))[0]
+        return len(got) == len(want) and all(
+            (isinstance(w, types.Array) and isinstance(g, types.Array) and (g.dtype, g.ndim) == (w.dtype, w.ndim)
+             and w.layout in (g.layout, "A")) or (not isinstance(w, types.Array) and g == w)
+            for g, w in zip(got, want))
+
+    bad, variants = [], set()
+    for name, call in _family_calls():
+        seen.clear()
+        call()
+        assert seen, name
+        for kname, (kern, args) in seen.items():
+            spec = _kernel_cache.kernel_identity(kern)
+            assert isinstance(spec, registry.Specialisation), (name, kname)
+            variants.add(spec.variant)
+            got = [typeof(a) for a in args]
+            if not (fits(got, "C") or fits(got, "A")):
+                bad.append(f"{name}: {kname} launched with {got}, signature {spec.signature()}")
+    assert not bad, "\n".join(bad)
+    want = {"forward_simt", "forward_mma_split", "backward_delta", "backward_dkdv_simt", "backward_dq_simt",
+            "backward_stats", "forward_merge"}
+    want |= ({"forward_wgmma", "backward_dkdv_wgmma", "backward_dq_wgmma"} if hopper == "1"
+             else {"forward_mma", "backward_dkdv_mma", "backward_dq_mma"})
+    assert want <= variants, (sorted(want - variants), sorted(variants))
+
+
 def test_tensor_core_ptx_is_covered():
     """Both 16-bit dtypes, every rule set, and each fast-path head dim get their own PTX check."""
     mma = [s for s in registry.specialisations() if s.variant == MMA]

@@ -222,40 +222,6 @@ def test_varlen_on_the_hopper_family(dtype, d, hq, hkv, lens_q, lens_k, rule, de
     _check_varlen(case, out, lse, q, k, v, cu_q, cu_k, slopes)
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-@pytest.mark.parametrize("hq,hkv", [(2, 2), (2, 1), (1, 1)])
-def test_hopper_launches_take_the_registered_types(packed, hq, hkv, monkeypatch):
-    """The Hopper forward's launches pass arrays of the types of the kernel's registered
-    signature (``Specialisation.signature``: the kernel the PTX tests compile and check),
-    packed sequences' out and lse as C-contiguous ``(B1, tokens, heads, ·)`` views with
-    any number of heads. (A heads-first view's zero stride on its axis of one index typed
-    them as layout A: a second kernel, whose stores took their addresses from run-time
-    strides, docs/performance.md item 132.) Launches recorded, not run."""
-    from numba import typeof
-    from numba.core import sigutils, types
-    from numba_flash import families
-    monkeypatch.setenv(registry.HOPPER_ENV, "1")
-    monkeypatch.setattr(api, "launch", lambda *a: None)
-    seen = []
-    real = families._hopper_launches
-    monkeypatch.setattr(families, "_hopper_launches", lambda inp, spec, *a: seen.append((spec, real(inp, spec, *a)))
-                        or seen[-1][1])
-    case = dict(dtype="bfloat16", lens_q=[5, 0, 130], lens_k=[9, 3, 140], hq=hq, hkv=hkv, d=64,
-                options=dict(causal=True), alibi=False, seed=hq + hkv)
-    q, k, v, cu_q, cu_k, _ = _varlen_inputs(case)
-    if packed:
-        numba_flash.attention_varlen_fwd(q, k, v, cu_q, cu_k, causal=True)
-    else:
-        numba_flash.attention_fwd(*(_heads_first(x[:130])[None] for x in (q, k, v)), causal=True)
-    assert seen and all(launches for _, launches in seen)
-    for spec, launches in seen:
-        want = [t for t in sigutils.normalize_signature(spec.signature())[0] if isinstance(t, types.Array)]
-        for launch in launches:
-            got = [typeof(a) for a in launch[4] if isinstance(typeof(a), types.Array)]
-            assert [(t.dtype, t.ndim, t.layout) for t in got] == [(t.dtype, t.ndim, t.layout) for t in want], \
-                (spec, got, want)
-
-
 def _non_finite_rows(k, v, start):
     """inf and NaN written into the key and value rows of the sequence starting at row
     ``start`` (its first rows: the ones a tile crossing the sequence before reads)."""
