@@ -382,9 +382,9 @@ def overlaps(scores, bm, d):
     (docs/performance.md item 72); the overlap's code also takes Numba's front end 5.7 s
     longer for a kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first
     call pays (item 73). Packed rows at d = 128 took it too (2-3% faster on an H200 in item
-    72) until the producer placed the work items (item 124): since then it is 5.0% slower
-    for the causal varlen batch of bench.py serving and 3.0% for sixteen 4096-row sequences
-    on an H100 (item 132). Three consumer warpgroups (160 registers each) spilled in the
+    72); measured again on an H100 with the kernel as it is now (the producer placing the
+    work items among the changes since, item 124), 5.0% slower for the causal varlen batch
+    of bench.py serving and 3.0% for sixteen 4096-row sequences (item 132). Three consumer warpgroups (160 registers each) spilled in the
     loop over key tiles (up to 300 bytes); so did packed rows at d = 256 (368/704 bytes,
     60/212 without)."""
     if bm // ROWS != 2:
