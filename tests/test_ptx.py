@@ -325,8 +325,7 @@ def test_traced_hopper_forward_compiles():
     assert all(r[2] == 10 and r[3] >= 4 and r[4] is not True for r in rows), rows
 
 
-# the Hopper forward's options, compiled on both consumer paths: a window at d = 128 (one
-# item at a time) and causal packed rows at d = 64 (the item overlap); per kernel the
+# a Hopper forward option compiled for sm_90a at KERNELS (head dim, rules); per kernel the
 # counts of COUNTED in its PTX, then ptxas's serialisation and spill (None without ptxas)
 OPTION_PROBE = '''
 import json
@@ -334,7 +333,7 @@ from numba_flash import ptx, registry
 from numba_flash.kernels import forward_wgmma as F
 from numba_flash.scores import ScoreSpec
 cc, rows = (9, 0, "a"), []
-for d, rules in ((128, dict(window=True)), (64, dict(causal=True, packed=True))):
+for d, rules in {kernels!r}:
     spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(**rules), True, simulator=False, rows=4096)
     kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
                                 fixed_max=F.FIXED_MAX_SOFTCAP, {option}=True)
@@ -347,23 +346,28 @@ print(json.dumps(rows))
 '''
 
 
-# what OPTION_PROBE counts in the PTX per option
-OPTION_COUNTED = {"publish": ("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), "head_major": (".local",)}
+# per option, what OPTION_PROBE counts in the PTX and the kernels it compiles: the
+# published items on both consumer paths (a window at d = 128: one item at a time; causal
+# packed rows at d = 64: the item overlap), packed units head by head where a varlen batch
+# at d = 128 runs
+BOTH_PATHS = ((128, {"window": True}), (64, {"causal": True, "packed": True}))
+OPTION_PROBES = {"publish": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), BOTH_PATHS),
+                 "head_major": ((".local",), ((128, {"causal": True, "packed": True}),))}
 
 
 def _probe_scripts():
     """The compile probes this module's tests read (:func:`probe_output`), by name."""
-    options = {option: OPTION_PROBE.format(option=option, counted=counted)
-               for option, counted in OPTION_COUNTED.items()}
+    options = {option: OPTION_PROBE.format(option=option, counted=counted, kernels=kernels)
+               for option, (counted, kernels) in OPTION_PROBES.items()}
     return {"traced": TRACED_PROBE, **options}
 
 
 def _option_rows(option):
     """:data:`OPTION_PROBE`'s rows for ``make_forward_wgmma``'s ``option`` set, after
     checking which kernels it compiled and that ptxas (where found) neither serialised a
-    product nor spilled: the counts of ``OPTION_COUNTED[option]`` per kernel."""
+    product nor spilled: the counts of ``OPTION_PROBES[option]``'s strings per kernel."""
     rows = json.loads(probe_output(option).strip().splitlines()[-1])
-    assert [(r[0], r[1]) for r in rows] == [(128, ["window"]), (64, ["causal", "packed"])]
+    assert [(r[0], r[1]) for r in rows] == [(d, sorted(rules)) for d, rules in OPTION_PROBES[option][1]]
     assert all(r[-2] is not True and not r[-1] for r in rows), rows
     return [r[2:-2] for r in rows]
 
@@ -379,10 +383,10 @@ def test_published_items_compile():
 
 def test_packed_head_major_compiles():
     """``make_forward_wgmma(head_major=True)`` (``forward_wgmma.PACKED_HEAD_MAJOR``, off)
-    compiles for sm_90a on both consumer paths (:data:`OPTION_PROBE`; the window's kernel
-    has no packed units: the option changes nothing there) with nothing in local memory,
-    and ptxas neither serialises a product nor spills."""
-    assert _option_rows("head_major") == [[0], [0]]
+    compiles for sm_90a where the varlen batch of bench.py serving runs (causal packed rows
+    at d = 128, one item at a time) with nothing in local memory, and ptxas neither
+    serialises a product nor spills."""
+    assert _option_rows("head_major") == [[0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):
