@@ -465,6 +465,24 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
     assert [bits(x) for x in result] == [bits(x) for x in default], (option, value)
 
 
+def test_hopper_overlap_rule(monkeypatch):
+    """``forward_wgmma.overlaps``: causal rows at d = 64 in two-warpgroup blocks (packed or
+    not), windows up to ``OVERLAP_WINDOW_HEAD_DIM``, full rows up to
+    ``OVERLAP_FULL_HEAD_DIM`` (0: none; rows without a rule that shortens them, nor a block
+    mask), never three consumer warpgroups."""
+    from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.scores import ScoreSpec
+    full, causal, window = ScoreSpec(), ScoreSpec(causal=True), ScoreSpec(window=True)
+    packed = ScoreSpec(causal=True, packed=True)
+    assert [F.overlaps(s, 128, 64) for s in (full, causal, window, packed)] == [False, True, True, True]
+    assert [F.overlaps(s, 128, 128) for s in (full, causal, window, packed)] == [False, False, False, False]
+    assert not F.overlaps(causal, 192, 64)
+    monkeypatch.setattr(F, "OVERLAP_FULL_HEAD_DIM", 128)
+    assert [F.overlaps(s, 128, d) for s in (full, ScoreSpec(softcap=True)) for d in (64, 128, 256)] == \
+        [True, True, False] * 2
+    assert not F.overlaps(full, 192, 64) and not F.overlaps(ScoreSpec(packed=True), 128, 128)
+
+
 @pytest.mark.parametrize("rules", ["causal", "full", "packed", "window"])
 def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
     """An item's last P V issued with the next item's first Q Kᵀ (``make_forward_wgmma``'s

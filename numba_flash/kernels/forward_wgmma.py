@@ -371,13 +371,20 @@ def publishes(d, scores=None):
 # on an H100, 1.3% on an H200; d = 128 level on both (+0.3%, +0.4%), where the overlap's
 # longer compile is not worth it (docs/performance.md items 86, 120, 121)
 OVERLAP_WINDOW_HEAD_DIM = 64
+# The largest (padded) head dim at which full rows take the item overlap (:func:`overlaps`;
+# 0: none): measured 1-3% slower on an H200 (docs/performance.md item 72), before the
+# producer placed work items and the schedules changed; ptxas: no spill, no serialised
+# product at d = 128 (sm_90a). Each full-rows item's fixed cost is about 1.5 of its 33.5
+# key tiles at (4, 16, 4096, 128) (item 133), what the overlap would take part of.
+OVERLAP_FULL_HEAD_DIM = 0
 
 
 def overlaps(scores, bm, d):
     """Whether the kernel for ``scores`` at head dim ``d`` in blocks of ``bm`` query rows
     issues an item's last P V with the next item's first Q Kᵀ (``make_forward_wgmma``'s
     ``overlap``): for causal rows (packed or not) with two consumer warpgroups at d = 64,
-    and for windows up to :data:`OVERLAP_WINDOW_HEAD_DIM`. Measured on an H200 2-3% faster
+    for windows up to :data:`OVERLAP_WINDOW_HEAD_DIM` and full rows up to
+    :data:`OVERLAP_FULL_HEAD_DIM`. Measured on an H200 2-3% faster
     for causal rows at d = 64, level for causal rows at d = 128, 1-3% slower for full rows
     (docs/performance.md item 72); the overlap's code also takes Numba's front end 5.7 s
     longer for a kernel (13.2 against 7.5 s, on a 2-core x86-64 machine), which a first
@@ -390,6 +397,9 @@ def overlaps(scores, bm, d):
     if bm // ROWS != 2:
         return False
     if scores.window and padded(d) <= OVERLAP_WINDOW_HEAD_DIM:
+        return True
+    if (not (scores.causal or scores.window or scores.packed) and scores.mods is None
+            and padded(d) <= OVERLAP_FULL_HEAD_DIM):
         return True
     return scores.causal and padded(d) == 64
 
