@@ -37,6 +37,9 @@ def test_ab_parses_varlen_lengths():
     for bad in ("384*0", "-1", "x*2"):
         with pytest.raises(ValueError, match="lengths"):
             ab.parse_lens(bad)
+    # --lens repeats (a varlen batch each), every one checked before any tree runs
+    with pytest.raises(ValueError, match="'x\\*2'"):
+        ab.main(["--tree", ".", "--varlen", "--lens", "384*2", "--lens", "", "--lens", "x*2"])
 
 
 def test_ab_summary_compares_each_tree_with_the_first():

@@ -22,7 +22,8 @@ have; e.g. ``16,16,4096,128,1;16,16,4096,128,1,t`` times both layouts of one pro
 ``--varlen`` adds the causal
 varlen batch of ``bench.py serving`` (16 sequences of 256..4096 rows, 16 heads, d = 128),
 or with ``--lens`` the sequence lengths given (``384*16``, ``100,3000,257``: comma-
-separated, ``L*n`` for ``n`` sequences of ``L`` rows) and with ``--varlen-heads H,d``
+separated, ``L*n`` for ``n`` sequences of ``L`` rows; repeated, a batch each: ``--lens ""``
+is the serving batch) and with ``--varlen-heads H,d``
 other heads and head dim; ``--decode`` adds the decoding
 rows of ``bench.py serving`` (one query per sequence, 16 sequences of 8192 keys, 32 query
 heads and 32 or 8 K/V heads, d = 128), the grouped row with 4 sequences and with one, and
@@ -223,8 +224,8 @@ def worker(tree, args):
                 records.append(dict(call=name, ms=_time(lambda: [launch(*a) for a in launches]), err=err,
                                     first=first, bits=_digest([out], torch)))
                 records.append(dict(call=name + " cuDNN", ms=_time(peer), err=None))
-    if args.varlen:
-        given = parse_lens(args.lens)
+    for text in (args.lens or [""]) if args.varlen else ():
+        given = parse_lens(text)
         lens = torch.tensor(given)
         cu = torch.cat([torch.zeros(1, dtype=torch.int64), lens.cumsum(0)]).to(torch.int32).numpy()
         heads, d = (int(x) for x in args.varlen_heads.split(","))
@@ -317,7 +318,8 @@ def main(argv=None):
                    '(B, H, N, d); w: a sliding window of L keys before each query, c: a softcap)')
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--varlen", action="store_true", help="add the causal varlen batch of bench.py serving")
-    p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16" or "100,3000"')
+    p.add_argument("--lens", action="append", default=[],
+                   help='with --varlen: its sequence lengths, e.g. "384*16" or "100,3000" (repeatable: a batch each)')
     p.add_argument("--varlen-heads", default="16,128", help='with --varlen: "H,d", heads and head dim')
     p.add_argument("--decode", action="store_true", help="add bench.py serving's decoding rows (MHA, GQA)")
     p.add_argument("--backward", action="store_true", help="time the backward's kernels too")
@@ -326,7 +328,8 @@ def main(argv=None):
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     parse_shapes(args.shapes)
-    parse_lens(args.lens)
+    for text in args.lens:
+        parse_lens(text)
     if args.worker:
         print("\n" + json.dumps(worker(args.worker, args)))     # the last line: the parent reads it
         return 0
