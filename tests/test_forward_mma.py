@@ -497,6 +497,21 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
                               41, "overlap", lambda kernel: not kernel.overlap)
 
 
+@pytest.mark.parametrize("rules, d, nk, lens", [("causal", 128, 90, None), ("causal", 64, 90, None),
+                                                ("window", 128, 150, None), ("packed", 128, None, [150, 0, 400, 70]),
+                                                ("packed", 64, None, [150, 0, 400, 70])])
+def test_hopper_items_published_ahead_change_no_bit(rules, d, nk, lens, monkeypatch):
+    """Each work item published one item ahead (``make_forward_wgmma``'s ``publish_ahead``,
+    ``forward_wgmma.PUBLISH_AHEAD``: placed once the item before's first loads are out, and
+    read back from its slot by the producer) changes when an item is placed, not which:
+    forced on, the default kernel's bits, within the oracle's tolerance. Both consumer
+    paths (causal rows at d = 64 and packed rows at d = 64 take the item overlap), items
+    without a key tile (Nq > Nk), a varlen batch with an empty sequence (its first key rows
+    are read back from the slot)."""
+    _forced_option_keeps_bits(monkeypatch, rules, d, 300, nk, np.array(lens or [0]), 59, "publish_ahead",
+                              lambda kernel: not kernel.publish_ahead, heads=2)
+
+
 @pytest.mark.parametrize("d", [64, 128])
 def test_hopper_packed_head_major_changes_no_bit(d, monkeypatch):
     """Packed sequences' units head by head within a sequence (``make_forward_wgmma``'s

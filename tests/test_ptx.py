@@ -349,10 +349,12 @@ print(json.dumps(rows))
 # per option, what OPTION_PROBE counts in the PTX and the kernels it compiles: the
 # published items on both consumer paths (a window at d = 128: one item at a time; causal
 # packed rows at d = 64: the item overlap), packed units head by head where a varlen batch
-# at d = 128 runs
+# at d = 128 runs, items published ahead on both paths of packed rows
 BOTH_PATHS = ((128, {"window": True}), (64, {"causal": True, "packed": True}))
+PACKED_PATHS = ((128, {"causal": True, "packed": True}), (64, {"causal": True, "packed": True}))
 OPTION_PROBES = {"publish": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), BOTH_PATHS),
-                 "head_major": ((".local",), ((128, {"causal": True, "packed": True}),))}
+                 "head_major": ((".local",), PACKED_PATHS[:1]),
+                 "publish_ahead": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), PACKED_PATHS)}
 
 
 def _probe_scripts():
@@ -379,6 +381,18 @@ def test_published_items_compile():
     overlap path takes them in two places), nothing in local memory. (The simulator's bits
     test runs causal rows at d = 64 too.)"""
     assert _option_rows("publish") == [[2, 2, 0], [2, 4, 0]]
+
+
+def test_items_published_ahead_compile():
+    """``make_forward_wgmma(publish_ahead=True)`` (``forward_wgmma.PUBLISH_AHEAD``, off)
+    compiles for sm_90a on both consumer paths of packed rows (causal at d = 128: one item
+    at a time; at d = 64: the item overlap): the producer's three 16-byte stores (the slot
+    and its key row) at each of the two places it publishes (the block's first item, then
+    each next one ahead) and its three loads to read an item back, the consumers' two
+    loads per place they take an item, nothing in local memory; ptxas neither serialises
+    a product nor spills. (Unpacked causal rows and windows spill 4-32 bytes with it, in
+    the producer's placing: docs/performance.md item 134.)"""
+    assert _option_rows("publish_ahead") == [[6, 5, 0], [6, 7, 0]]
 
 
 def test_packed_head_major_compiles():

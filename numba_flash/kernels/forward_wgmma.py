@@ -300,15 +300,16 @@ def _layout(D, qbuf, stages, bn=BN, bm=BM):
     return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
 
 
-def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None):
+def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None, ahead=False):
     """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
     Q buffer, per K stage and per V stage), with ``publish`` the placed items' slots and their
     mbarriers, and room to align the base to 1024 bytes. By default the slots are counted
     wherever a kernel at head dim ``D`` may publish (:func:`publishes` without rules: 96
     bytes a full-rows kernel leaves unused), so that a kernel's size follows from its head
-    dim and tiling alone (the registry's)."""
+    dim and tiling alone (the registry's). ``ahead``: with the slots' key rows
+    (:data:`PUBLISH_AHEAD`)."""
     qbuf, stages = buffers(D, bn) if qbuf is None else (qbuf, stages)
-    item_bars, _, end = _item_layout(_layout(D, qbuf, stages, bn, bm)[-1], qbuf, stages)
+    item_bars, _, end = _item_layout(_layout(D, qbuf, stages, bn, bm)[-1], qbuf, stages, ahead)
     return (end if (publishes(D) if publish is None else publish) else item_bars) + 1024
 
 
@@ -333,6 +334,17 @@ PUBLISH_HEAD_DIM = 128
 PUBLISH_FULL_ROWS = False
 ITEM_SLOTS = 2
 ITEM_WORDS = 8
+# The producer publishes each item one item ahead (``make_forward_wgmma``'s
+# ``publish_ahead``): item ``m + 1`` is placed and published once item ``m``'s Q and first K
+# tile are on their way, not after item ``m``'s last loads, and the producer reads item
+# ``m + 1`` back from its slot when it gets there (a word per slot more: the sequence's
+# first key row, which the consumers do not read). The consumers then find the next item
+# published when they reach it: on an H100 a packed batch's consumers waited 880 cycles
+# between an item's stores and the next item's start against 431 for the padded kernel
+# on the same problem (the packed item is placed by a search of the sequence table, whose
+# loads the producer waits for; docs/performance.md item 132), and the time saved in
+# their stores went into that wait. Off until measured.
+PUBLISH_AHEAD = False
 
 # Packed sequences' units (a pair of a sequence's query tiles and a head, ``packed_item``)
 # in the table's order of sequences: heads fastest (False), so that a round of the
@@ -346,13 +358,14 @@ ITEM_WORDS = 8
 PACKED_HEAD_MAJOR = False
 
 
-def _item_layout(bar_off, qbuf, stages):
+def _item_layout(bar_off, qbuf, stages, ahead=False):
     """After the Q buffers' and rings' mbarriers (from ``bar_off``): the placed items'
-    mbarriers (each slot's full one, then each slot's empty one) and their slots, as
-    ``(the items' mbarriers, the slots, the end)`` in bytes."""
+    mbarriers (each slot's full one, then each slot's empty one) and their slots, then with
+    ``ahead`` a key row per slot, as ``(the items' mbarriers, the slots, the end)`` in
+    bytes."""
     item_bars = bar_off + 8 * (2 * qbuf + 4 * stages)
     item_off = item_bars + 16 * ITEM_SLOTS
-    return item_bars, item_off, item_off + 4 * ITEM_WORDS * ITEM_SLOTS
+    return item_bars, item_off, item_off + (4 * ITEM_WORDS + (16 if ahead else 0)) * ITEM_SLOTS
 
 
 def publishes(d, scores=None):
@@ -408,7 +421,7 @@ def overlaps(scores, bm, d):
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
-                       publish: bool = None, head_major: bool = None):
+                       publish: bool = None, head_major: bool = None, publish_ahead: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -429,7 +442,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     item overlap off: ``tools/trace_items.py``); ``publish``: the producer places each work
     item for the consumers, who read it from shared memory (default :func:`publishes`);
     ``head_major``: packed sequences' units head by head within a sequence (default
-    :data:`PACKED_HEAD_MAJOR`)."""
+    :data:`PACKED_HEAD_MAJOR`); ``publish_ahead``: with ``publish``, each item published
+    one item ahead (default :data:`PUBLISH_AHEAD`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -479,8 +493,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     PUBLISH = publishes(D, scores) if publish is None else publish
     HEAD_MAJOR = PACKED_HEAD_MAJOR if head_major is None else head_major
+    AHEAD = PUBLISH and (PUBLISH_AHEAD if publish_ahead is None else publish_ahead)
     ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
-    SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None)
+    ITEM_KS = ITEM_OFF + 4 * ITEM_WORDS * ITEM_SLOTS                # (AHEAD) each slot's first key row (16 bytes)
+    SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None, AHEAD)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
@@ -925,9 +941,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 base + ITEM_OFF + 4 * ITEM_WORDS * slot)
 
     @cuda.jit(device=True, inline=True)
-    def publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, nk):
+    def publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, nk, ks):
         """``PUBLISH``: the producer's ``n_i``-th work item written to its slot (two 16-byte
-        stores) once both consumers have read the slot's last one, and the slot's full
+        stores; with ``AHEAD`` a third, of the first key row ``ks``, for the producer
+        itself) once both consumers have read the slot's last one, and the slot's full
         mbarrier arrived on (a release: the consumers' wait sees the stores); returns
         ``n_i + 1``."""
         full, empty, at = item_slot(base, n_i)
@@ -935,8 +952,30 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             wait_phase(empty, ((n_i // ITEM_SLOTS) - 1) & 1)
         H.st_shared_v4(at, b1, b2, q0, kt0)
         H.st_shared_v4(at + 16, tiles, qs, nq, nk)
+        if AHEAD:
+            H.st_shared_v4(base + ITEM_KS + 16 * (n_i % ITEM_SLOTS), ks, 0, 0, 0)
         H.mbarrier_arrive(full)
         return n_i + 1
+
+    @cuda.jit(device=True, inline=True)
+    def publish_place(base, n_i, i, G, n_qt, B, B2, sched, geo, slopes, seqs):
+        """``AHEAD``: the item at place ``i`` (:func:`place`) published; returns ``n_i + 1``."""
+        b1, b2, q0, kt0, tiles, qs, ks, nq, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+        return publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, g[0], ks)
+
+    @cuda.jit(device=True, inline=True)
+    def published(base, n_i, geo):
+        """``AHEAD``: the producer's ``n_i``-th published item read back from its slot, as
+        :func:`place` gives it (the consumers may have read and released the slot: the
+        producer writes it again only after this)."""
+        _, _, at = item_slot(base, n_i)
+        b1, b2, q0, kt0 = H.ld_shared_v4(at)
+        tiles, qs, nq, nk = H.ld_shared_v4(at + 16)
+        ks, _, _, _ = H.ld_shared_v4(base + ITEM_KS + 16 * (n_i % ITEM_SLOTS))
+        b1, b2, q0, kt0, tiles = numba.int64(b1), numba.int64(b2), numba.int64(q0), numba.int64(kt0), numba.int64(tiles)
+        if PACKED:
+            return b1, b2, q0, kt0, tiles, qs, ks, nq, (numba.int64(nk), numba.int64(nk) - nq, geo[2], geo[3])
+        return b1, b2, q0, kt0, tiles, numba.int32(0), numba.int32(0), geo[0] - geo[1], geo
 
     @cuda.jit(device=True, inline=True)
     def first_items(base, ct):
@@ -1158,18 +1197,26 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 ck, cv = 0, 0            # K and V tiles loaded (all items)
                 n_q = 0                  # Q tiles loaded so far
                 n_i = 0                  # items published so far (PUBLISH)
+                if AHEAD and cuda.blockIdx.x < n_items:
+                    n_i = publish_place(base, n_i, cuda.blockIdx.x, G, n_qt, B, B2, sched, geo, slopes, seqs)
                 for i in range(cuda.blockIdx.x, n_items, G):
-                    b1, b2, q0, kt0, tiles, qs, ks, nq, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
-                    if PUBLISH:
-                        n_i = publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, g[0])
+                    if AHEAD:
+                        b1, b2, q0, kt0, tiles, qs, ks, nq, g = published(base, (i - cuda.blockIdx.x) // G, geo)
+                    else:
+                        b1, b2, q0, kt0, tiles, qs, ks, nq, g = place(i, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                        if PUBLISH:
+                            n_i = publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, g[0], ks)
                     if TRACE:
                         trace[cuda.blockIdx.x, (i - cuda.blockIdx.x) // G, TRACE_TILES] = tiles
+                    b2k = b2 // group
                     if tiles > 0:
                         n_q = load_q(H.global_address(tq), n_q, base, qs + q0, b2, b1, trace, i, G)
-                        b2k = b2 // group
                         # K_0, then K_j with V_{j-1}: the order the consumers use them in
                         ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
                                   ck, ks + key_at(q0, kt0, 0, g, slopes, b1, b2), b2k, b1)
+                    if AHEAD and i + G < n_items:   # the next item, once this one's first loads are out
+                        n_i = publish_place(base, n_i, i + G, G, n_qt, B, B2, sched, geo, slopes, seqs)
+                    if tiles > 0:
                         for j in range(1, tiles):
                             ck = load(base + K_OFF, H.global_address(tk), full_k, empty_k,
                                       ck, ks + key_at(q0, kt0, j, g, slopes, b1, b2), b2k, b1)
@@ -1310,6 +1357,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     forward.smem_bytes = SMEM
     forward.publish = PUBLISH
     forward.head_major = HEAD_MAJOR
+    forward.publish_ahead = AHEAD
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
     forward.threads = THREADS
     return forward
