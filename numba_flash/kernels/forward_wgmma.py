@@ -969,9 +969,15 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         :func:`place` gives it (the consumers may have read and released the slot: the
         producer writes it again only after this)."""
         _, _, at = item_slot(base, n_i)
+        ks, _, _, _ = H.ld_shared_v4(base + ITEM_KS + 16 * (n_i % ITEM_SLOTS))
+        return slot_item(at, ks, geo)
+
+    @cuda.jit(device=True, inline=True)
+    def slot_item(at, ks, geo):
+        """The item in the slot at ``at`` (two 16-byte loads) as :func:`place` gives it, its
+        first key row ``ks`` (packed sequences'; 0 otherwise)."""
         b1, b2, q0, kt0 = H.ld_shared_v4(at)
         tiles, qs, nq, nk = H.ld_shared_v4(at + 16)
-        ks, _, _, _ = H.ld_shared_v4(base + ITEM_KS + 16 * (n_i % ITEM_SLOTS))
         b1, b2, q0, kt0, tiles = numba.int64(b1), numba.int64(b2), numba.int64(q0), numba.int64(kt0), numba.int64(tiles)
         if PACKED:
             return b1, b2, q0, kt0, tiles, qs, ks, nq, (numba.int64(nk), numba.int64(nk) - nq, geo[2], geo[3])
@@ -996,14 +1002,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         base, n_i, ct = items
         full, empty, at = item_slot(base, n_i)
         wait_phase(full, (n_i // ITEM_SLOTS) & 1)
-        b1, b2, q0, kt0 = H.ld_shared_v4(at)
-        tiles, qs, nq, nk = H.ld_shared_v4(at + 16)
+        item = slot_item(at, numba.int32(0), geo)
         release(ct, empty)
-        b1, b2, q0, kt0, tiles = numba.int64(b1), numba.int64(b2), numba.int64(q0), numba.int64(kt0), numba.int64(tiles)
-        if PACKED:
-            return (b1, b2, q0, kt0, tiles, qs, numba.int32(0), nq, (numba.int64(nk), numba.int64(nk) - nq, geo[2],
-                                                                     geo[3])), (base, n_i + 1, ct)
-        return (b1, b2, q0, kt0, tiles, numba.int32(0), numba.int32(0), geo[0] - geo[1], geo), (base, n_i + 1, ct)
+        return item, (base, n_i + 1, ct)
 
     @cuda.jit(device=True, inline=True)
     def barriers(base):
