@@ -396,7 +396,7 @@ def test_items_published_ahead_compile():
 
 
 def test_packed_head_major_compiles():
-    """``make_forward_wgmma(head_major=True)`` (``forward_wgmma.PACKED_HEAD_MAJOR``, off)
+    """``make_forward_wgmma(head_major=True)`` (``forward_wgmma.PACKED_HEAD_MAJOR``, on)
     compiles for sm_90a where the varlen batch of bench.py serving runs (causal packed rows
     at d = 128, one item at a time) with nothing in local memory, and ptxas neither
     serialises a product nor spills."""

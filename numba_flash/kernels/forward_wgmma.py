@@ -354,8 +354,9 @@ PUBLISH_AHEAD = False
 # or none every unit of a sequence costs the same, so the deal's costs do not change. On an
 # H100 the packed kernel read 1.89 GB from DRAM for sixteen causal 4096-row sequences of
 # 16 heads against the padded kernel's 0.84 GB for the same problem, and ran 8.7% more
-# cycles (docs/performance.md item 132). Off until measured.
-PACKED_HEAD_MAJOR = False
+# cycles (docs/performance.md item 132). Head by head: 3.0% less time on that batch and on
+# bench.py serving's varlen batch, the same bits (item 135).
+PACKED_HEAD_MAJOR = True
 
 
 def _item_layout(bar_off, qbuf, stages, ahead=False):
