@@ -343,7 +343,8 @@ ITEM_WORDS = 8
 # between an item's stores and the next item's start against 431 for the padded kernel
 # on the same problem (the packed item is placed by a search of the sequence table, whose
 # loads the producer waits for; docs/performance.md item 132), and the time saved in
-# their stores went into that wait. Off until measured.
+# their stores went into that wait. Measured on an H100 (item 135): varlen batches 1.0-1.2%
+# faster, windows 0.9-1.6% slower (their producer spills a little with it): off.
 PUBLISH_AHEAD = False
 
 # Packed sequences' units (a pair of a sequence's query tiles and a head, ``packed_item``)
@@ -389,7 +390,8 @@ OVERLAP_WINDOW_HEAD_DIM = 64
 # 0: none): measured 1-3% slower on an H200 (docs/performance.md item 72), before the
 # producer placed work items and the schedules changed; ptxas: no spill, no serialised
 # product at d = 128 (sm_90a). Each full-rows item's fixed cost is about 1.5 of its 33.5
-# key tiles at (4, 16, 4096, 128) (item 133), what the overlap would take part of.
+# key tiles at (4, 16, 4096, 128) (item 133), what the overlap would take part of; at 128
+# on an H100 since: 1.1-1.3% slower at the three full-rows anchor shapes (item 135).
 OVERLAP_FULL_HEAD_DIM = 0
 
 
