@@ -218,7 +218,7 @@ def test_first_call_offline_times_a_kernels_compile(tmp_path):
 def test_trace_items_in_the_simulator(monkeypatch):
     """``tools/trace_items.py``: a call's Hopper forward traced (three persistent blocks,
     two heads of 130 x 130 causal rows at d = 128: four items of one or two key tiles), its
-    summary's items and phases."""
+    summary's items and phases, and the same by key tiles (one group here)."""
     import ml_dtypes
     import numpy as np
     from numba_flash import api, registry
@@ -237,6 +237,12 @@ def test_trace_items_in_the_simulator(monkeypatch):
     s = trace_items.summarise(stamps, nwg)
     assert s["items"] == 2 * 4 and s["first"] > 0 and s["tile"] > 0 and s["busy_max"] >= s["busy_mean"] > 0, s
     assert s["wait_k0"] >= 0, s             # (K_0 landed between Q landed and the first softmax)
+    assert {g: s["by_tiles"][g]["items"] for g in s["by_tiles"]} == {"1-2": 2 * 4}, s["by_tiles"]
+    assert s["by_tiles"]["1-2"]["first"] > 0 and s["by_tiles"]["1-2"]["store"] > 0, s["by_tiles"]
+    table = trace_items.by_tiles_lines(s)
+    assert len(table) == 2 and table[1].split()[:2] == ["1-2", "8"], table
+    assert [trace_items.tile_group(t) for t in (1, 2, 3, 8, 9, 32, 33, 200)] == [
+        "1-2", "1-2", "3-4", "5-8", "9-16", "17-32", "33+", "33+"]
 
 
 def test_mbarrier_probe_passes_items_through_two_slots():

@@ -3,6 +3,7 @@ PyTorch)::
 
     python tools/trace_items.py --shapes "1,16,16384,128,1,w=1024;4,16,4096,64,0;16,8,1024,256,1"
     python tools/trace_items.py --varlen --json trace.json
+    python tools/trace_items.py --varlen --by-tiles     # short items' phases apart from long ones'
 
 Per call (``B,H,N,d,causal[,w=L][,c=C][,t]`` as ``tools/ab.py`` takes them; ``--varlen``: the
 causal batch of ``bench.py serving``): the plan's Hopper forward kernel rebuilt with
@@ -42,14 +43,32 @@ def _median(xs):
     return statistics.median(xs) if xs else float("nan")
 
 
+# Items grouped by their key tiles (``by_tiles``): the upper bounds of the groups
+TILE_GROUPS = (2, 4, 8, 16, 32)
+
+
+def tile_group(tiles):
+    """The :data:`TILE_GROUPS` label of an item of ``tiles`` key tiles: "1-2", "3-4", ..., "33+"."""
+    low = 1
+    for high in TILE_GROUPS:
+        if tiles <= high:
+            return f"{low}-{high}"
+        low = high + 1
+    return f"{low}+"
+
+
 def summarise(stamps, nwg):
     """The phases of every item of a ``(blocks, items, TRACE_EVENTS)`` stamp array: medians in
-    cycles and in later key tiles' worth, and the blocks' busy cycles."""
+    cycles and in later key tiles' worth, and the blocks' busy cycles; ``by_tiles``: the
+    same medians (and the items' count) for the items of each :func:`tile_group`, whose
+    fixed costs say whether short items (a varlen batch's short sequences) pay more than
+    long ones."""
     from numba_flash.kernels.forward_wgmma import TRACE_K0, TRACE_PLACED, TRACE_PRODUCER, TRACE_TILES
     phases = {n: [] for n in ("place", "wait_q", "wait_k0", "first", "tile", "last", "store", "gap", "item",
                               "fixed_tiles", "q_lead")}
     busy = []
     items = []
+    groups = {}         # tile group -> [(phase, value)] of its items
     for blk in stamps:
         starts, ends = [], []
         rows = [r for r in blk if r[0] > 0]        # the items the block took (warpgroup 0 started them)
@@ -63,17 +82,16 @@ def summarise(stamps, nwg):
                     continue
                 items.append((tiles, stored - start))
                 k0, placed = int(r[TRACE_K0 + w]), int(r[TRACE_PLACED + w])
-                phases["place"].append(placed - start)
-                phases["wait_q"].append(q - placed)
-                phases["wait_k0"].append(k0 - q)
-                phases["first"].append(first - k0)
+                seen = [("place", placed - start), ("wait_q", q - placed), ("wait_k0", k0 - q),
+                        ("first", first - k0), ("last", last - loop), ("store", stored - last),
+                        ("item", stored - start)]
                 if tiles > 1:
-                    phases["tile"].append((loop - first) / (tiles - 1))
-                phases["last"].append(last - loop)
-                phases["store"].append(stored - last)
-                phases["item"].append(stored - start)
+                    seen.append(("tile", (loop - first) / (tiles - 1)))
                 if n + 1 < len(rows):
-                    phases["gap"].append(int(rows[n + 1][6 * w]) - stored)
+                    seen.append(("gap", int(rows[n + 1][6 * w]) - stored))
+                for key, value in seen:
+                    phases[key].append(value)
+                groups.setdefault(tile_group(tiles), []).extend(seen + [("tiles", tiles)])
                 if w == 0 and r[TRACE_PRODUCER] > 0:
                     phases["q_lead"].append(q - int(r[TRACE_PRODUCER]))
         if starts:
@@ -84,7 +102,28 @@ def summarise(stamps, nwg):
     out["items"] = len(items)
     out["busy_mean"] = statistics.fmean(busy) if busy else float("nan")
     out["busy_max"] = max(busy) if busy else float("nan")
+    out["by_tiles"] = {}
+    for label, seen in sorted(groups.items(), key=lambda g: int(g[0].split("-")[0].rstrip("+"))):
+        by = {}
+        for key, value in seen:
+            by.setdefault(key, []).append(value)
+        g = {key: _median(values) for key, values in by.items() if key != "tiles"}
+        g["items"] = len(by["tiles"])
+        g["fixed_tiles"] = (_median([c - t * tile for t, c in zip(by["tiles"], by["item"])]) / tile
+                            if tile == tile else float("nan"))
+        out["by_tiles"][label] = g
     return out
+
+
+def by_tiles_lines(summary):
+    """The table of a :func:`summarise` summary's ``by_tiles``: a line per group of items
+    (their key tiles, how many, the phases' median cycles, the fixed cost in tiles)."""
+    keys = ("place", "wait_q", "wait_k0", "first", "last", "store", "gap")
+    lines = [f"   by key tiles {'items':>6s} " + " ".join(f"{k:>8s}" for k in keys) + "  fixed (tiles)"]
+    for label, g in summary["by_tiles"].items():
+        lines.append(f"   {label:>12s} {g['items']:6d} " + " ".join(f"{g.get(k, float('nan')):8.0f}" for k in keys)
+                     + f"  {g['fixed_tiles']:13.2f}")
+    return lines
 
 
 def trace_call(launches, rows, heads, repeats=5):
@@ -139,6 +178,8 @@ def main(argv=None):
     p.add_argument("--lens", default="", help='with --varlen: its sequence lengths, e.g. "384*16"')
     p.add_argument("--varlen-heads", default="16,128", help='with --varlen: "H,d"')
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16"))
+    p.add_argument("--by-tiles", action="store_true",
+                   help="also print the phases' medians of the items grouped by their key tiles (1-2, 3-4, ..., 33+)")
     p.add_argument("--json", default=None, help="write the summaries here")
     p.add_argument("--set", action="append", default=[], metavar="MODULE.NAME=VALUE",
                    help="set a numba_flash constant for both kernels, e.g. kernels.forward_wgmma.X=True (repeatable)")
@@ -190,6 +231,8 @@ def main(argv=None):
         print(f"   fixed cost per item {s['fixed_tiles']:.2f} tiles; Q landed {s['q_lead']:.0f} cycles after the "
               f"producer issued it; blocks busy {s['busy_mean']:.0f} cycles on average, the longest "
               f"{s['busy_max'] / s['busy_mean'] - 1:+.1%}")
+        if args.by_tiles:
+            print("\n".join(by_tiles_lines(s)))
         report.append(dict(call=name, plain_ms=plain_ms, traced_ms=traced_ms, clock_khz=clock_khz, **s))
     if args.json:
         with open(args.json, "w") as f:
