@@ -502,9 +502,10 @@ def test_hopper_overlap_changes_no_bit(rules, monkeypatch):
                                                 ("packed", 64, None, [150, 0, 400, 70])])
 def test_hopper_items_published_ahead_change_no_bit(rules, d, nk, lens, monkeypatch):
     """Each work item published one item ahead (``make_forward_wgmma``'s ``publish_ahead``,
-    ``forward_wgmma.PUBLISH_AHEAD``: placed once the item before's first loads are out, and
-    read back from its slot by the producer) changes when an item is placed, not which:
-    forced on, the default kernel's bits, within the oracle's tolerance. Both consumer
+    ``forward_wgmma.publishes_ahead``: placed once the item before's first loads are out, and
+    read back from its slot by the producer; by default packed rows only) changes when an
+    item is placed, not which: forced the other way, the default kernel's bits, within the
+    oracle's tolerance. Both consumer
     paths (causal rows at d = 64 and packed rows at d = 64 take the item overlap), items
     without a key tile (Nq > Nk), a varlen batch with an empty sequence (its first key rows
     are read back from the slot)."""

@@ -325,8 +325,10 @@ def test_traced_hopper_forward_compiles():
     assert all(r[2] == 10 and r[3] >= 4 and r[4] is not True for r in rows), rows
 
 
-# a Hopper forward option compiled for sm_90a at KERNELS (head dim, rules); per kernel the
-# counts of COUNTED in its PTX, then ptxas's serialisation and spill (None without ptxas)
+# a Hopper forward option compiled for sm_90a at KERNELS (head dim, rules), the items not
+# published ahead unless that is the option (the registry's runs compile the defaults);
+# per kernel the counts of COUNTED in its PTX, then ptxas's serialisation and spill (None
+# without ptxas)
 OPTION_PROBE = '''
 import json
 from numba_flash import ptx, registry
@@ -336,7 +338,7 @@ cc, rows = (9, 0, "a"), []
 for d, rules in {kernels!r}:
     spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(**rules), True, simulator=False, rows=4096)
     kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
-                                fixed_max=F.FIXED_MAX_SOFTCAP, {option}=True)
+                                fixed_max=F.FIXED_MAX_SOFTCAP, **{{"publish_ahead": False, "{option}": True}})
     code = ptx.compile_ptx(kern.py_func, spec.signature(), [cc], (kern.threads, 1))[cc]
     ptxas = ptx.find_ptxas()
     info = ptx.assemble(code, cc, ptxas, None) if ptxas else {{}}
@@ -384,7 +386,7 @@ def test_published_items_compile():
 
 
 def test_items_published_ahead_compile():
-    """``make_forward_wgmma(publish_ahead=True)`` (``forward_wgmma.PUBLISH_AHEAD``, off)
+    """``make_forward_wgmma(publish_ahead=True)`` (``forward_wgmma.publishes_ahead``: packed rows)
     compiles for sm_90a on both consumer paths of packed rows (causal at d = 128: one item
     at a time; at d = 64: the item overlap): the producer's three 16-byte stores (the slot
     and its key row) at each of the two places it publishes (the block's first item, then

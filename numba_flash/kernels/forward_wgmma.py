@@ -300,15 +300,18 @@ def _layout(D, qbuf, stages, bn=BN, bm=BM):
     return nsub, sub_q, sub_k, q_off, k_off, v_off, bar_off
 
 
-def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None, ahead=False):
+def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None, ahead=None):
     """Q's buffers (``bm`` rows each), the K and V rings, the mbarriers (full and empty per
     Q buffer, per K stage and per V stage), with ``publish`` the placed items' slots and their
     mbarriers, and room to align the base to 1024 bytes. By default the slots are counted
     wherever a kernel at head dim ``D`` may publish (:func:`publishes` without rules: 96
     bytes a full-rows kernel leaves unused), so that a kernel's size follows from its head
-    dim and tiling alone (the registry's). ``ahead``: with the slots' key rows
-    (:data:`PUBLISH_AHEAD`)."""
+    dim and tiling alone (the registry's). ``ahead``: with the slots' key rows (by default
+    wherever a kernel at ``D`` may publish its items ahead: :func:`publishes_ahead`'s
+    constants; 32 bytes)."""
     qbuf, stages = buffers(D, bn) if qbuf is None else (qbuf, stages)
+    if ahead is None:
+        ahead = publishes(D) and (PUBLISH_AHEAD or PUBLISH_AHEAD_PACKED)
     item_bars, _, end = _item_layout(_layout(D, qbuf, stages, bn, bm)[-1], qbuf, stages, ahead)
     return (end if (publishes(D) if publish is None else publish) else item_bars) + 1024
 
@@ -343,9 +346,12 @@ ITEM_WORDS = 8
 # between an item's stores and the next item's start against 431 for the padded kernel
 # on the same problem (the packed item is placed by a search of the sequence table, whose
 # loads the producer waits for; docs/performance.md item 132), and the time saved in
-# their stores went into that wait. Measured on an H100 (item 135): varlen batches 1.0-1.2%
-# faster, windows 0.9-1.6% slower (their producer spills a little with it): off.
+# their stores went into that wait. Measured on an H100 (item 135): the varlen batch of
+# bench.py serving 1.0-1.2% faster (the 450 cycles less wait an item, over its 33 items a
+# block), windows 0.9-1.6% slower (their producer spills 4-32 bytes with it): on for packed
+# rows (PUBLISH_AHEAD_PACKED), off for the others (PUBLISH_AHEAD). :func:`publishes_ahead`.
 PUBLISH_AHEAD = False
+PUBLISH_AHEAD_PACKED = True
 
 # Packed sequences' units (a pair of a sequence's query tiles and a head, ``packed_item``)
 # in the table's order of sequences: heads fastest (False), so that a round of the
@@ -368,6 +374,13 @@ def _item_layout(bar_off, qbuf, stages, ahead=False):
     item_bars = bar_off + 8 * (2 * qbuf + 4 * stages)
     item_off = item_bars + 16 * ITEM_SLOTS
     return item_bars, item_off, item_off + (4 * ITEM_WORDS + (16 if ahead else 0)) * ITEM_SLOTS
+
+
+def publishes_ahead(scores):
+    """Whether a kernel that publishes its items (:func:`publishes`) publishes each one item
+    ahead (``make_forward_wgmma``'s ``publish_ahead``): packed rows with
+    :data:`PUBLISH_AHEAD_PACKED`, every rule with :data:`PUBLISH_AHEAD`."""
+    return bool(PUBLISH_AHEAD or PUBLISH_AHEAD_PACKED and scores.packed)
 
 
 def publishes(d, scores=None):
@@ -446,7 +459,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     item for the consumers, who read it from shared memory (default :func:`publishes`);
     ``head_major``: packed sequences' units head by head within a sequence (default
     :data:`PACKED_HEAD_MAJOR`); ``publish_ahead``: with ``publish``, each item published
-    one item ahead (default :data:`PUBLISH_AHEAD`)."""
+    one item ahead (default :func:`publishes_ahead`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -496,10 +509,10 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     NSUB, SUB_Q, SUB_K, Q_OFF, K_OFF, V_OFF, BAR_OFF = _layout(D, QBUF, STAGES, BN, BM)
     PUBLISH = publishes(D, scores) if publish is None else publish
     HEAD_MAJOR = PACKED_HEAD_MAJOR if head_major is None else head_major
-    AHEAD = PUBLISH and (PUBLISH_AHEAD if publish_ahead is None else publish_ahead)
+    AHEAD = PUBLISH and (publishes_ahead(scores) if publish_ahead is None else publish_ahead)
     ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
     ITEM_KS = ITEM_OFF + 4 * ITEM_WORDS * ITEM_SLOTS                # (AHEAD) each slot's first key row (16 bytes)
-    SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None, AHEAD)
+    SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None, AHEAD or None)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
