@@ -307,11 +307,11 @@ def smem_bytes(D, qbuf=None, stages=None, bn=BN, bm=BM, publish=None, ahead=None
     wherever a kernel at head dim ``D`` may publish (:func:`publishes` without rules: 96
     bytes a full-rows kernel leaves unused), so that a kernel's size follows from its head
     dim and tiling alone (the registry's). ``ahead``: with the slots' key rows (by default
-    wherever a kernel at ``D`` may publish its items ahead: :func:`publishes_ahead`'s
-    constants; 32 bytes)."""
+    wherever a kernel at ``D`` may publish its items ahead: :func:`publishes_ahead` without
+    rules; 32 bytes)."""
     qbuf, stages = buffers(D, bn) if qbuf is None else (qbuf, stages)
     if ahead is None:
-        ahead = publishes(D) and (PUBLISH_AHEAD or PUBLISH_AHEAD_PACKED)
+        ahead = publishes(D) and publishes_ahead()
     item_bars, _, end = _item_layout(_layout(D, qbuf, stages, bn, bm)[-1], qbuf, stages, ahead)
     return (end if (publishes(D) if publish is None else publish) else item_bars) + 1024
 
@@ -376,11 +376,12 @@ def _item_layout(bar_off, qbuf, stages, ahead=False):
     return item_bars, item_off, item_off + (4 * ITEM_WORDS + (16 if ahead else 0)) * ITEM_SLOTS
 
 
-def publishes_ahead(scores):
+def publishes_ahead(scores=None):
     """Whether a kernel that publishes its items (:func:`publishes`) publishes each one item
     ahead (``make_forward_wgmma``'s ``publish_ahead``): packed rows with
-    :data:`PUBLISH_AHEAD_PACKED`, every rule with :data:`PUBLISH_AHEAD`."""
-    return bool(PUBLISH_AHEAD or PUBLISH_AHEAD_PACKED and scores.packed)
+    :data:`PUBLISH_AHEAD_PACKED`, every rule with :data:`PUBLISH_AHEAD`. Without
+    ``scores``: whether any kernel does."""
+    return bool(PUBLISH_AHEAD or PUBLISH_AHEAD_PACKED and (scores is None or scores.packed))
 
 
 def publishes(d, scores=None):
