@@ -4,8 +4,8 @@ Kernels call ``warp.shfl_xor_sync`` etc. from this module, never ``cuda.shfl_*``
 directly. Compiled, these are numba's own intrinsics. The simulator has none of
 them, so there they are emulated: each lane of a warp writes its value into a
 32-slot buffer, waits for the other participating lanes at a barrier (``_simulator.Barrier``) and
-reads the lane it asked for; the next exchange uses a second buffer (and the one after it
-the first again, which by then every lane has read).
+reads the lane it asked for (a vote, ``all_sync``: every lane's); the next exchange uses a
+second buffer (and the one after it the first again, which by then every lane has read).
 
 The emulation leans on simulator internals (``BlockThread.thread_id``, the block state
 ``numba_flash._simulator`` keeps), which is one reason numba-cuda is pinned.
@@ -22,6 +22,7 @@ if not SIMULATOR:
     shfl_sync = cuda.shfl_sync
     shfl_xor_sync = cuda.shfl_xor_sync
     shfl_down_sync = cuda.shfl_down_sync
+    all_sync = cuda.all_sync
 
     @cuda.jit(device=True, inline=True)
     def syncwarp():
@@ -45,19 +46,21 @@ else:
             self.turn = [0] * 32
             self.barrier = _simulator.Barrier(block, parties)
 
+    def _lanes(thread):
+        """The lanes of the thread's warp that exist (the block's last warp may be short)."""
+        nthreads = 1
+        for n in thread._manager._block_dim:
+            nthreads *= n
+        return min(32, nthreads - 32 * (thread.thread_id // 32))
+
     def _slot(thread, mask):
-        mgr = thread._manager
-        block = mgr._block
+        block = thread._manager._block
         warp = thread.thread_id // 32
         with _slots_lock:
             table = block.extra.setdefault("warps", {})
             slot = table.get((warp, mask))
             if slot is None:
-                nthreads = 1
-                for n in mgr._block_dim:
-                    nthreads *= n
-                lanes = min(32, nthreads - 32 * warp)
-                parties = bin(mask & ((1 << lanes) - 1)).count("1")
+                parties = bin(mask & ((1 << _lanes(thread)) - 1)).count("1")
                 slot = table[(warp, mask)] = _Slot(block, parties)
         return slot
 
@@ -89,6 +92,12 @@ else:
         lane, values = _exchange(mask, value)
         src = lane + int(delta)
         return values[src] if src < 32 else value
+
+    def all_sync(mask, predicate):
+        """Whether ``predicate`` holds on every lane in ``mask`` (``vote.sync.all``)."""
+        lanes = _lanes(_simulator.current_thread())
+        _, values = _exchange(mask, bool(predicate))
+        return all(values[lane] for lane in range(lanes) if (int(mask) >> lane) & 1)
 
     def syncwarp():
         _exchange(FULL_MASK, None)

@@ -186,6 +186,35 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
+def test_hopper_softcap_tanh_polynomial(monkeypatch):
+    """A softcap alone with its tanh by ``forward_wgmma.TANH_POLY_COEFFS`` where a warp's
+    tile allows it (``make_forward_wgmma``'s ``tanh_poly``): 128 query rows, the first
+    warpgroup's 64 with scores within the polynomial's range (q scaled by 0.6: |cap_in ·
+    s| up to about 0.8, where a wrong coefficient shows), the
+    second's with scores beyond it in every key tile (q scaled by 2: a vote that fails);
+    200 keys, the second tile ragged. Both within the oracle's tolerance; the first rows'
+    bits differ from tanh.approx's (the polynomial ran there), the second rows' are
+    tanh.approx's (each of their warps fell back)."""
+    from numba_flash.kernels import forward_wgmma
+    _force_hopper(monkeypatch, cache=False)
+    rng = np.random.default_rng(61)
+    q = rng.standard_normal((1, 128, 64)) * np.repeat([0.6, 2.0], 64)[:, None]
+    q = q.astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 200, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    opts = {"softcap": 3.0}
+    _assert_hopper_launch(q, k, v, **opts)
+    default = [host(x) for x in numba_flash.attention_fwd(q, k, v, **opts)]
+    plain, built = forward_wgmma.make_forward_wgmma, []
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, "tanh_poly": True}))
+                        or built[-1])
+    out, lse = (host(x) for x in numba_flash.attention_fwd(q, k, v, **opts))
+    assert built[-1].tanh_poly
+    check_forward_low(out, lse, q, k, v, opts, None)
+    assert bits(out[:, :64]) != bits(default[0][:, :64])
+    assert bits(out[:, 64:]) == bits(default[0][:, 64:]) and bits(lse[:, 64:]) == bits(default[1][:, 64:])
+
+
 @pytest.mark.parametrize("d", [256, 72])
 def test_hopper_head_dims_beyond_64_and_128_score_rules(d, monkeypatch):
     """d = 256 (O's 128 registers a thread) and d = 72 (the d = 128 kernel on zero columns)

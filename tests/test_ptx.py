@@ -351,12 +351,14 @@ print(json.dumps(rows))
 # per option, what OPTION_PROBE counts in the PTX and the kernels it compiles: the
 # published items on both consumer paths (a window at d = 128: one item at a time; causal
 # packed rows at d = 64: the item overlap), packed units head by head where a varlen batch
-# at d = 128 runs, items published ahead on both paths of packed rows
+# at d = 128 runs, items published ahead on both paths of packed rows, the softcap's tanh by
+# a polynomial where bench.py variants' softcap row runs
 BOTH_PATHS = ((128, {"window": True}), (64, {"causal": True, "packed": True}))
 PACKED_PATHS = ((128, {"causal": True, "packed": True}), (64, {"causal": True, "packed": True}))
 OPTION_PROBES = {"publish": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), BOTH_PATHS),
                  "head_major": ((".local",), PACKED_PATHS[:1]),
-                 "publish_ahead": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), PACKED_PATHS)}
+                 "publish_ahead": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), PACKED_PATHS),
+                 "tanh_poly": (("vote.sync.all", "tanh.approx.f32", ".local"), ((128, {"softcap": True}),))}
 
 
 def _probe_scripts():
@@ -403,6 +405,15 @@ def test_packed_head_major_compiles():
     at d = 128, one item at a time) with nothing in local memory, and ptxas neither
     serialises a product nor spills."""
     assert _option_rows("head_major") == [[0]]
+
+
+def test_softcap_tanh_polynomial_compiles():
+    """``make_forward_wgmma(tanh_poly=True)`` (``forward_wgmma.TANH_POLY``) compiles for
+    sm_90a where a softcap alone runs at d = 128 (full rows): each key tile's softmax (the
+    item's first tile and the loop's) votes once and keeps tanh.approx for the warps that
+    fall back (64 a tile), nothing in local memory; ptxas neither serialises a product
+    across the vote's branch nor spills."""
+    assert _option_rows("tanh_poly") == [[2, 128, 0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):

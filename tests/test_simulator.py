@@ -97,6 +97,24 @@ def test_a_deadlocked_warp_is_reported(mode, monkeypatch):
         _shuffle_with_a_lane_gone[1, 32](np.zeros(32))
 
 
+@cuda.jit
+def _votes(limits, out):
+    """Per warp, ``all_sync`` of ``lane < limits[warp]``, written by every lane."""
+    from numba_flash import warp
+    t = cuda.threadIdx.x
+    out[t] = warp.all_sync(warp.FULL_MASK, t % 32 < limits[t // 32])
+
+
+def test_a_warps_vote(mode):
+    """``warp.all_sync``'s twin: true for a warp only where the predicate holds on all of
+    its lanes, every lane told the same; a short last warp (40 threads: 8 lanes) counts its
+    own lanes only."""
+    for limits, want in (([32, 8], [True, True]), ([31, 8], [False, True]), ([32, 7], [True, False])):
+        out = np.zeros(40, np.bool_)
+        _votes[1, 40](np.array(limits), out)
+        assert out.tolist() == [want[0]] * 32 + [want[1]] * 8, (limits, out)
+
+
 def test_tensor_core_forward_is_the_same_in_both_modes(monkeypatch):
     """A float16 tensor-core forward (warp shuffles, cp.async groups, mma twins: the state
     each simulated thread keeps) gives the same bits in either mode, and the oracle's answer."""

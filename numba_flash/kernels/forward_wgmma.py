@@ -127,6 +127,22 @@ WIDE_HEAD_FULL_BN = 80
 # was measured 10-15 % slower on an H200 (docs/performance.md item 32): none by default; the
 # factory's ``exp2_fma`` keeps the option, tested.
 EXP2_FMA_SOFTCAP = 0
+# A softcap alone: the tanh of a warp's tile by an odd polynomial on the FMA units where
+# every one of its scores has |cap_in · s| <= TANH_POLY_RANGE (a vote of the warp; else
+# tanh.approx as before), so that a softcapped score takes one special-function result
+# (its exponential) as a plain one does, not two: the unit (16 results a clock a
+# multiprocessor, shared by tanh and ex2) otherwise needs 1024 cycles a warpgroup's 64 x
+# 128 tile, as long as the other warpgroup's two products at d = 128, and softcap / plain
+# reads 1.18 (docs/performance.md items 32, 87, 136). Per score, in place of a product and
+# MUFU.TANH: a max (the vote's), a square, three FMAs and a product (SASS, sm_90a; no
+# spill, no serialised product). x · P(x²) of degree 7 on [-1, 1]: largest error 3.3e-5,
+# relative 3.1e-4 near 0, within the 2^-11 relative error the PTX manual allows
+# tanh.approx (which the tests' tolerances assume). Tiles with a larger score (a small
+# cap, or scores far out) take tanh.approx, the same in every lane of the warp. Off until
+# measured (make_forward_wgmma's ``tanh_poly``).
+TANH_POLY = False
+TANH_POLY_RANGE = 1.0
+TANH_POLY_COEFFS = (0.99969375, -0.32889187, 0.11541349, -0.02465389)
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
 # A traced kernel's stamps per item (``make_forward_wgmma``'s ``trace``): cycle counts at
 # these phases of consumer warpgroup ``w``'s item in slots ``6 w ..`` (its start, Q landed,
@@ -438,7 +454,8 @@ def overlaps(scores, bm, d):
 def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: bool = True, qbuf: int = None,
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
-                       publish: bool = None, head_major: bool = None, publish_ahead: bool = None):
+                       publish: bool = None, head_major: bool = None, publish_ahead: bool = None,
+                       tanh_poly: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -460,7 +477,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     item for the consumers, who read it from shared memory (default :func:`publishes`);
     ``head_major``: packed sequences' units head by head within a sequence (default
     :data:`PACKED_HEAD_MAJOR`); ``publish_ahead``: with ``publish``, each item published
-    one item ahead (default :func:`publishes_ahead`)."""
+    one item ahead (default :func:`publishes_ahead`); ``tanh_poly``: under a softcap alone,
+    the tanh of a warp's tile by :data:`TANH_POLY_COEFFS` where its scores are within
+    :data:`TANH_POLY_RANGE` (default :data:`TANH_POLY`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -497,6 +516,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     SCALED = RAW or TANH_RAW          # s holds the scores over a positive factor, sl
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
+    # the tanh by a polynomial where a warp's scores allow it (TANH_POLY)
+    POLY = TANH_RAW and (TANH_POLY if tanh_poly is None else tanh_poly)
     # the rows' maxima raised lazily (RESCALE_SLACK): O rescaled only where one moved
     SLACK = RESCALE_SLACK if slack is None else slack
     LAZY = SLACK >= 0
@@ -545,6 +566,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     ZERO, ONE, NEG_INF, LN2_T = F32(0), F32(1), F32(-math.inf), F32(LN2)
     SLACK_T = F32(max(SLACK, 0.0))
     FIXED_LIMIT = F32(FIXED_MAX_LIMIT.get(dtype_name, 0.0))
+    POLY_RANGE = F32(TANH_POLY_RANGE)
+    A1, A3, A5, A7 = (F32(a) for a in TANH_POLY_COEFFS)
     TILE_BYTES = NSUB * SUB_K             # K or V of one stage
 
     @cuda.jit(device=True, inline=True)
@@ -650,8 +673,25 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 for i in range(NS):
                     s[i], _ = score(s[i], rf + F32(8 * ((i >> 1) & 1)), F32(8 * (i >> 2) + (i & 1)), ZERO, sc)
         elif TANH_RAW:
-            for i in range(NS):
-                s[i] = ops.tanh_approx(s[i] * sc[1])
+            cin = sc[1]
+            poly = False
+            if POLY:                         # every score of the warp's tile within the range
+                big = ZERO
+                for i in range(NS):
+                    big = max(big, abs(s[i]))
+                poly = warp.all_sync(warp.FULL_MASK, big * cin <= POLY_RANGE)
+            if poly:
+                # tanh(cin · y) = y · P(y²), P's coefficients A_k · cin^k
+                c2 = cin * cin
+                b1, b3 = A1 * cin, A3 * cin * c2
+                b5 = A5 * cin * c2 * c2
+                b7 = A7 * cin * c2 * c2 * c2
+                for i in range(NS):
+                    u = s[i] * s[i]
+                    s[i] = s[i] * cuda.fma(u, cuda.fma(u, cuda.fma(u, b7, b5), b3), b1)
+            else:
+                for i in range(NS):
+                    s[i] = ops.tanh_approx(s[i] * cin)
         elif not RAW:
             for i in range(NS):
                 s[i], _ = score(s[i], row0 + 8 * ((i >> 1) & 1), k0 + 8 * (i >> 2) + 2 * tq4 + (i & 1), diag, sc)
@@ -1377,5 +1417,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     forward.head_major = HEAD_MAJOR
     forward.publish_ahead = AHEAD
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
+    forward.tanh_poly = POLY
     forward.threads = THREADS
     return forward
