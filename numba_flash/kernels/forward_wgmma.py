@@ -133,7 +133,7 @@ EXP2_FMA_SOFTCAP = 0
 # (its exponential) as a plain one does, not two: the unit (16 results a clock a
 # multiprocessor, shared by tanh and ex2) otherwise needs 1024 cycles a warpgroup's 64 x
 # 128 tile, as long as the other warpgroup's two products at d = 128, and softcap / plain
-# reads 1.18 (docs/performance.md items 32, 87, 136). Per score, in place of a product and
+# reads 1.18 (docs/performance.md items 32, 87, 102, 137). Per score, in place of a product and
 # MUFU.TANH: a max (the vote's), a square, three FMAs and a product (SASS, sm_90a; no
 # spill, no serialised product). x · P(x²) of degree 7 on [-1, 1]: largest error 3.3e-5,
 # relative 3.1e-4 near 0, within the 2^-11 relative error the PTX manual allows
