@@ -532,8 +532,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     PUBLISH = publishes(D, scores) if publish is None else publish
     HEAD_MAJOR = PACKED_HEAD_MAJOR if head_major is None else head_major
     AHEAD = PUBLISH and (publishes_ahead(scores) if publish_ahead is None else publish_ahead)
-    ITEM_BARS, ITEM_OFF, _ = _item_layout(BAR_OFF, QBUF, STAGES)    # the placed items' mbarriers and slots
-    ITEM_KS = ITEM_OFF + 4 * ITEM_WORDS * ITEM_SLOTS                # (AHEAD) each slot's first key row (16 bytes)
+    # the placed items' mbarriers and slots, and where (AHEAD) each slot's first key row (16 bytes) begins
+    ITEM_BARS, ITEM_OFF, ITEM_KS = _item_layout(BAR_OFF, QBUF, STAGES)
     SMEM = smem_bytes(D, QBUF, STAGES, BN, BM, PUBLISH or None, AHEAD or None)
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
@@ -998,6 +998,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 base + ITEM_OFF + 4 * ITEM_WORDS * slot)
 
     @cuda.jit(device=True, inline=True)
+    def item_key_row(base, n_i):
+        """``AHEAD``: the shared address of the ``n_i``-th published item's first key row."""
+        return base + ITEM_KS + 16 * (n_i % ITEM_SLOTS)
+
+    @cuda.jit(device=True, inline=True)
     def publish_item(base, n_i, b1, b2, q0, kt0, tiles, qs, nq, nk, ks):
         """``PUBLISH``: the producer's ``n_i``-th work item written to its slot (two 16-byte
         stores; with ``AHEAD`` a third, of the first key row ``ks``, for the producer
@@ -1010,7 +1015,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         H.st_shared_v4(at, b1, b2, q0, kt0)
         H.st_shared_v4(at + 16, tiles, qs, nq, nk)
         if AHEAD:
-            H.st_shared_v4(base + ITEM_KS + 16 * (n_i % ITEM_SLOTS), ks, 0, 0, 0)
+            H.st_shared_v4(item_key_row(base, n_i), ks, 0, 0, 0)
         H.mbarrier_arrive(full)
         return n_i + 1
 
@@ -1026,7 +1031,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         :func:`place` gives it (the consumers may have read and released the slot: the
         producer writes it again only after this)."""
         _, _, at = item_slot(base, n_i)
-        ks, _, _, _ = H.ld_shared_v4(base + ITEM_KS + 16 * (n_i % ITEM_SLOTS))
+        ks, _, _, _ = H.ld_shared_v4(item_key_row(base, n_i))
         return slot_item(at, ks, geo)
 
     @cuda.jit(device=True, inline=True)
