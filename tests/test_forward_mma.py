@@ -186,9 +186,11 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
-def test_hopper_softcap_tanh_polynomial(monkeypatch):
+@pytest.mark.parametrize("of4", [2, 4])
+def test_hopper_softcap_tanh_polynomial(of4, monkeypatch):
     """A softcap alone with its tanh by ``forward_wgmma.TANH_POLY_COEFFS`` where a warp's
-    tile allows it (``make_forward_wgmma``'s ``tanh_poly``): 128 query rows, the first
+    tile allows it (``make_forward_wgmma``'s ``tanh_poly``: ``of4`` of every four scores,
+    the others by tanh.approx): 128 query rows, the first
     warpgroup's 64 with scores within the polynomial's range (q scaled by 0.6: |cap_in ·
     s| up to about 0.8, where a wrong coefficient shows), the
     second's with scores beyond it in every key tile (q scaled by 2: a vote that fails);
@@ -206,7 +208,7 @@ def test_hopper_softcap_tanh_polynomial(monkeypatch):
     default = [host(x) for x in numba_flash.attention_fwd(q, k, v, **opts)]
     plain, built = forward_wgmma.make_forward_wgmma, []
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, "tanh_poly": True}))
+                        lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, "tanh_poly": of4}))
                         or built[-1])
     out, lse = (host(x) for x in numba_flash.attention_fwd(q, k, v, **opts))
     assert built[-1].tanh_poly

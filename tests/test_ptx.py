@@ -338,7 +338,7 @@ cc, rows = (9, 0, "a"), []
 for d, rules in {kernels!r}:
     spec = registry.specialisation("forward_wgmma", "bfloat16", d, ScoreSpec(**rules), True, simulator=False, rows=4096)
     kern = F.make_forward_wgmma(spec.dtype, spec.d, spec.scores, bn=spec.tiling.BN, bm=spec.tiling.BM,
-                                fixed_max=F.FIXED_MAX_SOFTCAP, **{{"publish_ahead": False, "{option}": True}})
+                                fixed_max=F.FIXED_MAX_SOFTCAP, **{{"publish_ahead": False, "{option}": {value!r}}})
     code = ptx.compile_ptx(kern.py_func, spec.signature(), [cc], (kern.threads, 1))[cc]
     ptxas = ptx.find_ptxas()
     info = ptx.assemble(code, cc, ptxas, None) if ptxas else {{}}
@@ -359,11 +359,14 @@ OPTION_PROBES = {"publish": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"),
                  "head_major": ((".local",), PACKED_PATHS[:1]),
                  "publish_ahead": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), PACKED_PATHS),
                  "tanh_poly": (("vote.sync.all", "tanh.approx.f32", ".local"), ((128, {"softcap": True}),))}
+# the value each option is set to (else True): half the tanh by the polynomial
+OPTION_VALUES = {"tanh_poly": 2}
 
 
 def _probe_scripts():
     """The compile probes this module's tests read (:func:`probe_output`), by name."""
-    options = {option: OPTION_PROBE.format(option=option, counted=counted, kernels=kernels)
+    options = {option: OPTION_PROBE.format(option=option, counted=counted, kernels=kernels,
+                                           value=OPTION_VALUES.get(option, True))
                for option, (counted, kernels) in OPTION_PROBES.items()}
     return {"traced": TRACED_PROBE, **options}
 
@@ -413,7 +416,7 @@ def test_softcap_tanh_polynomial_compiles():
     item's first tile and the loop's) votes once and keeps tanh.approx for the warps that
     fall back (64 a tile), nothing in local memory; ptxas neither serialises a product
     across the vote's branch nor spills."""
-    assert _option_rows("tanh_poly") == [[2, 128, 0]]
+    assert _option_rows("tanh_poly") == [[2, 192, 0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):

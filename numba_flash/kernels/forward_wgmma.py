@@ -140,7 +140,7 @@ EXP2_FMA_SOFTCAP = 0
 # tanh.approx (which the tests' tolerances assume). Tiles with a larger score (a small
 # cap, or scores far out) take tanh.approx, the same in every lane of the warp. Off until
 # measured (make_forward_wgmma's ``tanh_poly``).
-TANH_POLY = False
+TANH_POLY = 0
 TANH_POLY_RANGE = 1.0
 TANH_POLY_COEFFS = (0.99969375, -0.32889187, 0.11541349, -0.02465389)
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
@@ -455,7 +455,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
                        publish: bool = None, head_major: bool = None, publish_ahead: bool = None,
-                       tanh_poly: bool = None):
+                       tanh_poly: int = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -478,8 +478,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     ``head_major``: packed sequences' units head by head within a sequence (default
     :data:`PACKED_HEAD_MAJOR`); ``publish_ahead``: with ``publish``, each item published
     one item ahead (default :func:`publishes_ahead`); ``tanh_poly``: under a softcap alone,
-    the tanh of a warp's tile by :data:`TANH_POLY_COEFFS` where its scores are within
-    :data:`TANH_POLY_RANGE` (default :data:`TANH_POLY`)."""
+    of every four scores' tanh how many (0-4) :data:`TANH_POLY_COEFFS` computes, where a
+    warp's tile is within :data:`TANH_POLY_RANGE` (default :data:`TANH_POLY`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -517,7 +517,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
     # the tanh by a polynomial where a warp's scores allow it (TANH_POLY)
-    POLY = TANH_RAW and (TANH_POLY if tanh_poly is None else tanh_poly)
+    POLY_OF4 = (TANH_POLY if tanh_poly is None else int(tanh_poly)) if TANH_RAW else 0
+    POLY = POLY_OF4 > 0
     # the rows' maxima raised lazily (RESCALE_SLACK): O rescaled only where one moved
     SLACK = RESCALE_SLACK if slack is None else slack
     LAZY = SLACK >= 0
@@ -538,6 +539,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     assert SMEM <= SMEM_LIMIT, ("shared memory", D, QBUF, STAGES, BN, BM)
     NS = BN // 2                          # S accumulator elements per thread
     NS_FMA = NS * EXP2_FMA // 4           # the first NS_FMA of them by ops.exp2_fma
+    NS_POLY = NS * POLY_OF4 // 4          # (TANH_POLY) the first NS_POLY tanh by the polynomial
     NP = NS // 2                          # the same, packed in 16-bit pairs
     qk = make_row_product(dtype_name, D, BN, SUB_Q, SUB_K, COLS)  # S = Q Kᵀ of one key tile (k-steps to d)
     pv = make_column_product(dtype_name, D, BN, SUB_K, COLS)      # O += P V of one key tile (N to d's atoms)
@@ -677,7 +679,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             poly = False
             if POLY:                         # every score of the warp's tile within the range
                 big = ZERO
-                for i in range(NS):
+                for i in range(NS_POLY):
                     big = max(big, abs(s[i]))
                 poly = warp.all_sync(warp.FULL_MASK, big * cin <= POLY_RANGE)
             if poly:
@@ -687,8 +689,11 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                 b5 = A5 * cin * c2 * c2
                 b7 = A7 * cin * c2 * c2 * c2
                 for i in range(NS):
-                    u = s[i] * s[i]
-                    s[i] = s[i] * cuda.fma(u, cuda.fma(u, cuda.fma(u, b7, b5), b3), b1)
+                    if i < NS_POLY:
+                        u = s[i] * s[i]
+                        s[i] = s[i] * cuda.fma(u, cuda.fma(u, cuda.fma(u, b7, b5), b3), b1)
+                    else:
+                        s[i] = ops.tanh_approx(s[i] * cin)
             else:
                 for i in range(NS):
                     s[i] = ops.tanh_approx(s[i] * cin)
@@ -1422,6 +1427,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     forward.head_major = HEAD_MAJOR
     forward.publish_ahead = AHEAD
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
-    forward.tanh_poly = POLY
+    forward.tanh_poly = POLY_OF4         # of every four tanh, how many by the polynomial
     forward.threads = THREADS
     return forward
