@@ -411,10 +411,11 @@ def test_packed_head_major_compiles():
 
 
 def test_softcap_tanh_polynomial_compiles():
-    """``make_forward_wgmma(tanh_poly=True)`` (``forward_wgmma.TANH_POLY``) compiles for
-    sm_90a where a softcap alone runs at d = 128 (full rows): each key tile's softmax (the
-    item's first tile and the loop's) votes once and keeps tanh.approx for the warps that
-    fall back (64 a tile), nothing in local memory; ptxas neither serialises a product
+    """``make_forward_wgmma(tanh_poly=2)`` (``forward_wgmma.TANH_POLY``: 2 of every four
+    scores by the polynomial) compiles for sm_90a where a softcap alone runs at d = 128
+    (full rows): each key tile's softmax (the item's first tile and the loop's) votes once
+    and keeps tanh.approx for the other half of the scores (32 a tile) and for the warps
+    that fall back (64 a tile), nothing in local memory; ptxas neither serialises a product
     across the vote's branch nor spills."""
     assert _option_rows("tanh_poly") == [[2, 192, 0]]
 

@@ -138,8 +138,12 @@ EXP2_FMA_SOFTCAP = 0
 # spill, no serialised product). x · P(x²) of degree 7 on [-1, 1]: largest error 3.3e-5,
 # relative 3.1e-4 near 0, within the 2^-11 relative error the PTX manual allows
 # tanh.approx (which the tests' tolerances assume). Tiles with a larger score (a small
-# cap, or scores far out) take tanh.approx, the same in every lane of the warp. Off until
-# measured (make_forward_wgmma's ``tanh_poly``).
+# cap, or scores far out) take tanh.approx, the same in every lane of the warp. The value:
+# of every four scores, how many take the polynomial (the rest tanh.approx), to balance the
+# two units (make_forward_wgmma's ``tanh_poly``). Measured on an H100 (item 138): level at
+# d = 128 with every share (all four 3.5% slower: the issue of the polynomial's six
+# instructions a score became the bound); at d = 64, 3 of 4 was 5.5-11% faster at 16 heads
+# and 3.8% slower at 32: off.
 TANH_POLY = 0
 TANH_POLY_RANGE = 1.0
 TANH_POLY_COEFFS = (0.99969375, -0.32889187, 0.11541349, -0.02465389)
@@ -364,7 +368,8 @@ ITEM_WORDS = 8
 # loads the producer waits for; docs/performance.md item 132), and the time saved in
 # their stores went into that wait. Measured on an H100 (item 135): the varlen batch of
 # bench.py serving 1.0-1.2% faster (the 450 cycles less wait an item, over its 33 items a
-# block), windows 0.9-1.6% slower (their producer spills 4-32 bytes with it): on for packed
+# block), windows 0.9-1.6% slower (their producer spills 4-32 bytes with it); causal rows at
+# d = 64 up to 4.5% slower, at d = 128 level (item 138): on for packed
 # rows (PUBLISH_AHEAD_PACKED), off for the others (PUBLISH_AHEAD). :func:`publishes_ahead`.
 PUBLISH_AHEAD = False
 PUBLISH_AHEAD_PACKED = True
