@@ -58,7 +58,7 @@ OPTIONS = [
     {"window": (7, None), "softcap": 3.0, "alibi": True},
     {"causal": True, "softcap": 2.0, "alibi": True},
     {"softcap": 20.0},                       # a softcap alone: its tanh's own path (the polynomial's where on)
-    {"causal": True, "softcap": 1.0},        # the same where the tiles' scores pass the polynomial's range
+    {"causal": True, "softcap": 1.0},        # the same where the tiles' scores exceed the polynomial's range
 ]
 # (Hq, Hkv, Nq, Nk, d): ragged against every tile size, Nq > Nk and Nq < Nk, GQA and MQA
 SHAPES = [(2, 2, 37, 53, 40), (4, 2, 70, 29, 64), (3, 1, 17, 131, 24)]

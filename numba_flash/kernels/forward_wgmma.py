@@ -523,6 +523,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
     # the tanh by a polynomial where a warp's scores allow it (TANH_POLY)
     POLY_OF4 = (TANH_POLY if tanh_poly is None else int(tanh_poly)) if TANH_RAW else 0
+    assert 0 <= POLY_OF4 <= 4, ("tanh_poly", POLY_OF4)
     POLY = POLY_OF4 > 0
     # the rows' maxima raised lazily (RESCALE_SLACK): O rescaled only where one moved
     SLACK = RESCALE_SLACK if slack is None else slack
