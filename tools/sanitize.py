@@ -27,7 +27,8 @@ shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs``
 of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), at shapes
 with an odd count of query tiles and rows that see no key, d = 128, d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``) and d = 256
-(``forward_wgmma.PAIRS_HEAD_DIM``); forward only. ``--set MODULE.NAME=VALUE`` (repeatable):
+(``forward_wgmma.PAIRS_HEAD_DIM``); forward only. ``--rules NAME``: only the score rules that include option ``NAME`` (e.g. ``softcap``:
+the calls a softcap change touches, within a sanitizer's time limit). ``--set MODULE.NAME=VALUE`` (repeatable):
 a numba_flash constant set first, e.g. ``--set kernels.forward_wgmma.PUBLISH_HEAD_DIM=0``.
 racecheck and the Hopper forward's published items (``forward_wgmma.PUBLISH_HEAD_DIM``, on
 for causal rows, windows, block masks and packed rows at d <= 128): racecheck reports the
@@ -259,6 +260,11 @@ def main():
     if "--d" in sys.argv:
         head_dim = int(sys.argv[sys.argv.index("--d") + 1])
         shapes = [s for s in shapes if s[-1] == head_dim]
+    if "--rules" in sys.argv:
+        rule = sys.argv[sys.argv.index("--rules") + 1]
+        options = [o for o in options if rule in o]
+        if not options:
+            sys.exit(f"sanitize.py: --rules {rule!r}: no score rule has it (options: {sorted(set().union(*OPTIONS))})")
     if "--quick" in sys.argv and "--transforms" not in sys.argv:
         shapes = shapes[:1]
     if "--low" in sys.argv or "--hopper" in sys.argv:
@@ -296,7 +302,7 @@ def main():
                 bad += not ok
                 print(f"{'ok ' if ok else 'BAD'} {dt:9s} {(hq, hkv, nq, nk, d)} {opts if 'alibi_slopes' not in opts else {**opts, 'alibi_slopes': '...'}} "
                       f"max err {max(errs):.1e}", flush=True)
-    if "--hopper" in sys.argv and not backward_only and not pairs:
+    if "--hopper" in sys.argv and not backward_only and not pairs and "--rules" not in sys.argv:
         bad += block_masks(rng, shapes[0], dtypes)
     return 1 if bad else 0
 
