@@ -27,8 +27,9 @@ shapes of head dim ``D`` (``--quick`` then takes the first of them). ``--pairs``
 of three blocks has a whole round of pairs (``wgmma_schedule.paired_places``), at shapes
 with an odd count of query tiles and rows that see no key, d = 128, d = 64 (whose
 calls of few rows take 128-row blocks: ``forward_wgmma.NARROW_CAUSAL_ROWS``) and d = 256
-(``forward_wgmma.PAIRS_HEAD_DIM``); forward only. ``--rules NAME``: only the score rules that include option ``NAME`` (e.g. ``softcap``:
-the calls a softcap change touches, within a sanitizer's time limit). ``--set MODULE.NAME=VALUE`` (repeatable):
+(``forward_wgmma.PAIRS_HEAD_DIM``); forward only. ``--rules NAME``: only the score rules
+that include option ``NAME`` and no block masks (e.g. ``softcap``: the calls a softcap
+change touches, within a sanitizer's time limit). ``--set MODULE.NAME=VALUE`` (repeatable):
 a numba_flash constant set first, e.g. ``--set kernels.forward_wgmma.PUBLISH_HEAD_DIM=0``.
 racecheck and the Hopper forward's published items (``forward_wgmma.PUBLISH_HEAD_DIM``, on
 for causal rows, windows, block masks and packed rows at d <= 128): racecheck reports the
