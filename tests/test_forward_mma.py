@@ -186,7 +186,7 @@ def test_hopper_family_score_rules(pingpong, rules, monkeypatch):
     check_forward_low(out, lse, q, k, v, opts, None)
 
 
-@pytest.mark.parametrize("of4", [2, 4])
+@pytest.mark.parametrize("of4", [2, 3, 4])
 def test_hopper_softcap_tanh_polynomial(of4, monkeypatch):
     """A softcap alone with its tanh by ``forward_wgmma.TANH_POLY_COEFFS`` where a warp's
     tile allows it (``make_forward_wgmma``'s ``tanh_poly``: ``of4`` of every four scores,
@@ -196,8 +196,9 @@ def test_hopper_softcap_tanh_polynomial(of4, monkeypatch):
     wrong by 0.02 stays within bf16's tolerance), the
     second's with scores beyond it in every key tile (q scaled by 2: a vote that fails);
     200 keys, the second tile ragged. Both within the oracle's tolerance; the first rows'
-    bits differ from tanh.approx's (the polynomial ran there), the second rows' are
-    tanh.approx's (each of their warps fell back)."""
+    bits differ from tanh.approx's (the same kernel built with ``tanh_poly=0``: the
+    polynomial ran there), the second rows' are tanh.approx's (each of their warps fell
+    back)."""
     from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
     rng = np.random.default_rng(61)
@@ -206,16 +207,42 @@ def test_hopper_softcap_tanh_polynomial(of4, monkeypatch):
     k, v = (rng.standard_normal((1, 200, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
     opts = {"softcap": 3.0}
     _assert_hopper_launch(q, k, v, **opts)
-    default = [host(x) for x in numba_flash.attention_fwd(q, k, v, **opts)]
     plain, built = forward_wgmma.make_forward_wgmma, []
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, "tanh_poly": of4}))
-                        or built[-1])
-    out, lse = (host(x) for x in numba_flash.attention_fwd(q, k, v, **opts))
-    assert built[-1].tanh_poly
+
+    def run(share):
+        monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                            lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, "tanh_poly": share}))
+                            or built[-1])
+        result = [host(x) for x in numba_flash.attention_fwd(q, k, v, **opts)]
+        assert built[-1].tanh_poly == share
+        return result
+
+    default = run(0)
+    out, lse = run(of4)
     check_forward_low(out, lse, q, k, v, opts, None)
     assert bits(out[:, :64]) != bits(default[0][:, :64])
     assert bits(out[:, 64:]) == bits(default[0][:, 64:]) and bits(lse[:, 64:]) == bits(default[1][:, 64:])
+
+
+def test_hopper_softcap_in_192_row_blocks(monkeypatch):
+    """A softcap alone at d = 64 in 192-row blocks (three consumer warpgroups:
+    ``forward_wgmma.WIDE_SOFTCAP_HEAD_DIM``), with the polynomial tanh for three of every
+    four scores (``TANH_POLY``): 200 query rows (the second block's 8 rows ragged), 150
+    keys (the second tile ragged), the oracle's answer."""
+    from numba_flash.kernels import forward_wgmma
+    _force_hopper(monkeypatch, cache=False)
+    monkeypatch.setattr(forward_wgmma, "WIDE_SOFTCAP_HEAD_DIM", 64)
+    monkeypatch.setattr(forward_wgmma, "TANH_POLY", {64: 3})
+    rng = np.random.default_rng()
+    q = (rng.standard_normal((1, 200, 64)) * 0.6).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 150, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    opts = {"softcap": 3.0}
+    from numba_flash import api
+    _, launches = api.plan_forward(q, k, v, **opts)
+    kernel = launches[-1][0]
+    assert "forward_wgmma" in kernel.py_func.__module__ and kernel.threads == forward_wgmma.threads_for(192)
+    out, lse = numba_flash.attention_fwd(q, k, v, **opts)
+    check_forward_low(out, lse, q, k, v, opts, None)
 
 
 @pytest.mark.parametrize("d", [256, 72])

@@ -352,15 +352,17 @@ print(json.dumps(rows))
 # published items on both consumer paths (a window at d = 128: one item at a time; causal
 # packed rows at d = 64: the item overlap), packed units head by head where a varlen batch
 # at d = 128 runs, items published ahead on both paths of packed rows, the softcap's tanh by
-# a polynomial where bench.py variants' softcap row runs
+# a polynomial where bench.py variants' softcap row runs and at d = 64 (192-row blocks)
 BOTH_PATHS = ((128, {"window": True}), (64, {"causal": True, "packed": True}))
 PACKED_PATHS = ((128, {"causal": True, "packed": True}), (64, {"causal": True, "packed": True}))
 OPTION_PROBES = {"publish": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), BOTH_PATHS),
                  "head_major": ((".local",), PACKED_PATHS[:1]),
                  "publish_ahead": (("st.shared.v4.u32", "ld.shared.v4.u32", ".local"), PACKED_PATHS),
-                 "tanh_poly": (("vote.sync.all", "tanh.approx.f32", ".local"), ((128, {"softcap": True}),))}
-# the value each option is set to (else True): half the tanh by the polynomial
-OPTION_VALUES = {"tanh_poly": 2}
+                 "tanh_poly": (("vote.sync.all", "tanh.approx.f32", ".local"),
+                               ((128, {"softcap": True}), (64, {"softcap": True})))}
+# the value each option is set to (else True): three of every four tanh by the polynomial
+# (forward_wgmma.TANH_POLY's share at d = 64)
+OPTION_VALUES = {"tanh_poly": 3}
 
 
 def _probe_scripts():
@@ -411,13 +413,14 @@ def test_packed_head_major_compiles():
 
 
 def test_softcap_tanh_polynomial_compiles():
-    """``make_forward_wgmma(tanh_poly=2)`` (``forward_wgmma.TANH_POLY``: 2 of every four
-    scores by the polynomial) compiles for sm_90a where a softcap alone runs at d = 128
-    (full rows): each key tile's softmax (the item's first tile and the loop's) votes once
-    and keeps tanh.approx for the other half of the scores (32 a tile) and for the warps
-    that fall back (64 a tile), nothing in local memory; ptxas neither serialises a product
-    across the vote's branch nor spills."""
-    assert _option_rows("tanh_poly") == [[2, 192, 0]]
+    """``make_forward_wgmma(tanh_poly=3)`` (``forward_wgmma.TANH_POLY``: 3 of every four
+    scores by the polynomial, d = 64's share) compiles for sm_90a where a softcap alone runs
+    at d = 128 (full rows) and at d = 64 (192-row blocks): each key tile's softmax (the
+    item's first tile and the loop's) votes once and keeps tanh.approx for the other
+    quarter of the scores (16 a tile) and for the warps that fall back (64 a tile), nothing
+    in local memory; ptxas neither serialises a product across the vote's branch nor
+    spills."""
+    assert _option_rows("tanh_poly") == [[2, 160, 0], [2, 160, 0]]
 
 
 def test_assemble_reads_wgmma_serialization(monkeypatch):

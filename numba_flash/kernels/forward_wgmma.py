@@ -140,11 +140,12 @@ EXP2_FMA_SOFTCAP = 0
 # tanh.approx (which the tests' tolerances assume). Tiles with a larger score (a small
 # cap, or scores far out) take tanh.approx, the same in every lane of the warp. The value:
 # of every four scores, how many take the polynomial (the rest tanh.approx), to balance the
-# two units (make_forward_wgmma's ``tanh_poly``). Measured on an H100 (item 138): level at
-# d = 128 with every share (all four 3.5% slower: the issue of the polynomial's six
-# instructions a score became the bound); at d = 64, 3 of 4 was 5.5-11% faster at 16 heads
-# and 3.8% slower at 32: off.
-TANH_POLY = 0
+# two units (make_forward_wgmma's ``tanh_poly``), per (padded) head dim; 0 where absent.
+# Measured on an H100: level at d = 128 with every share (all four 3.5% slower: the issue
+# of the polynomial's six instructions a score became the bound; item 138); at d = 64 in
+# 192-row blocks (:data:`WIDE_SOFTCAP_HEAD_DIM`) 3 of 4 against none 6-10% faster on full
+# rows, in 128-row blocks (causal rows) 8-11% (item 139).
+TANH_POLY = {64: 3}
 TANH_POLY_RANGE = 1.0
 TANH_POLY_COEFFS = (0.99969375, -0.32889187, 0.11541349, -0.02465389)
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
@@ -177,6 +178,19 @@ class WgmmaTiling:
 # on an H200 5-13% faster at N = 1024-4096, 2-5% slower at N = 8192-16384 (docs/performance.md
 # item 63)
 NARROW_CAUSAL_ROWS = 4096
+
+# The largest (padded) head dim at which a softcap takes :data:`BLOCK_ROWS` rows (192 at
+# d = 64, three consumers) rather than 128 (0: none). A softcapped score takes two
+# special-function results (tanh, exp2): at d = 64 a warpgroup's softmax (about 1024 of
+# the unit's cycles a 64 x 128 tile) is twice its products (512 tensor cycles), so with two
+# consumers the softmax bounds the loop; three give the tensor cores a third warpgroup's
+# products to run under it. ptxas 13 (sm_90a, bf16): no spill at 192 rows, with or without
+# the polynomial tanh (:data:`TANH_POLY`). Measured on an H100 (docs/performance.md item
+# 139), softcapped full rows at d = 64: 6-8% faster than in 128-row blocks, 17% and 7%
+# with the polynomial for three of four scores (an earlier H200 measurement, item 60, before
+# the rows' maxima were fixed at the cap: no faster). Causal rows of up to
+# NARROW_CAUSAL_ROWS keep 128-row blocks.
+WIDE_SOFTCAP_HEAD_DIM = 64
 
 # A softcap bounds every score: with the cap c, ``cap_out · tanh(·) <= cap_out`` (c log2 e,
 # the scores' log2 units), so each row's maximum may be taken as ``cap_out`` from the start
@@ -228,15 +242,16 @@ def longest_first(scores):
 def tiling(D, scores, rows=None):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
     or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
-    3-5% slower at d = 64), a softcap (causal: 6% slower; full: no faster), ALiBi, user
-    functions and packed sequences (their consumers would spill registers at 192 rows:
+    3-5% slower at d = 64), a softcap beyond :data:`WIDE_SOFTCAP_HEAD_DIM` (at d = 64
+    192 rows: 6-8% faster on an H100, item 139), ALiBi, user functions and packed sequences (their consumers would spill registers at 192 rows:
     16-144 bytes, ptxas 13), and causal rows where the call's query rows per sequence
     (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200:
     docs/performance.md items 60 and 63. (A softcap at d = 128 in 192 rows of 64-key tiles,
     three consumers: 4-11% slower on an H100, item 99; full rows of up to 2048 per sequence
     at d = 64 in 128-row blocks: level at 1024 rows, 10% slower at 2048 on an H100, item
     102.)"""
-    narrow = (scores.window or scores.softcap or scores.alibi or scores.packed or scores.mods is not None
+    narrow = (scores.window or scores.softcap and padded(D) > WIDE_SOFTCAP_HEAD_DIM or scores.alibi
+              or scores.packed or scores.mods is not None
               or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
     bm = BM if narrow else BLOCK_ROWS.get(padded(D), BM)
     plain = not (scores.masks_keys or scores.transforms or scores.packed)
@@ -522,7 +537,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # the rows' maxima taken as the cap (FIXED_MAX_SOFTCAP), where the launch's cap allows
     FIXED_MAX = TANH_RAW and (FIXED_MAX_SOFTCAP if fixed_max is None else fixed_max)
     # the tanh by a polynomial where a warp's scores allow it (TANH_POLY)
-    POLY_OF4 = (TANH_POLY if tanh_poly is None else int(tanh_poly)) if TANH_RAW else 0
+    POLY_OF4 = (TANH_POLY.get(D, 0) if tanh_poly is None else int(tanh_poly)) if TANH_RAW else 0
     assert 0 <= POLY_OF4 <= 4, ("tanh_poly", POLY_OF4)
     POLY = POLY_OF4 > 0
     # the rows' maxima raised lazily (RESCALE_SLACK): O rescaled only where one moved
