@@ -143,8 +143,9 @@ EXP2_FMA_SOFTCAP = 0
 # two units (make_forward_wgmma's ``tanh_poly``), per (padded) head dim; 0 where absent.
 # Measured on an H100: level at d = 128 with every share (all four 3.5% slower: the issue
 # of the polynomial's six instructions a score became the bound; item 138); at d = 64 in
-# 192-row blocks (:data:`WIDE_SOFTCAP_HEAD_DIM`) 3 of 4 against none 6-10% faster on full
-# rows, in 128-row blocks (causal rows) 8-11% (item 139).
+# 192-row blocks (:data:`WIDE_SOFTCAP_HEAD_DIM`) 3 of 4 against none 12% faster at 16 heads
+# (cap 30) and 2% slower at 32 heads (cap 50, not explained), in 128-row blocks (causal
+# rows) 8-11% faster (item 139).
 TANH_POLY = {64: 3}
 TANH_POLY_RANGE = 1.0
 TANH_POLY_COEFFS = (0.99969375, -0.32889187, 0.11541349, -0.02465389)
@@ -186,9 +187,10 @@ NARROW_CAUSAL_ROWS = 4096
 # consumers the softmax bounds the loop; three give the tensor cores a third warpgroup's
 # products to run under it. ptxas 13 (sm_90a, bf16): no spill at 192 rows, with or without
 # the polynomial tanh (:data:`TANH_POLY`). Measured on an H100 (docs/performance.md item
-# 139), softcapped full rows at d = 64: 6-8% faster than in 128-row blocks, 17% and 7%
-# with the polynomial for three of four scores (an earlier H200 measurement, item 60, before
-# the rows' maxima were fixed at the cap: no faster). Causal rows of up to
+# 139), softcapped full rows at d = 64: 6-8% faster than in 128-row blocks; with the
+# polynomial for three of four scores too, 17% and 7% faster than 128 rows without it (an
+# earlier H200 measurement, item 60, before the rows' maxima were fixed at the cap: no
+# faster). Causal rows of up to
 # NARROW_CAUSAL_ROWS keep 128-row blocks.
 WIDE_SOFTCAP_HEAD_DIM = 64
 
@@ -243,10 +245,11 @@ def tiling(D, scores, rows=None):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
     or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
     3-5% slower at d = 64), a softcap beyond :data:`WIDE_SOFTCAP_HEAD_DIM` (at d = 64
-    192 rows: 6-8% faster on an H100, item 139), ALiBi, user functions and packed sequences (their consumers would spill registers at 192 rows:
-    16-144 bytes, ptxas 13), and causal rows where the call's query rows per sequence
-    (``rows``, where known) are at most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200:
-    docs/performance.md items 60 and 63. (A softcap at d = 128 in 192 rows of 64-key tiles,
+    192 rows: 6-8% faster on an H100, item 139), ALiBi, user functions and packed
+    sequences (their consumers would spill registers at 192 rows: 16-144 bytes, ptxas 13),
+    and causal rows where the call's query rows per sequence (``rows``, where known) are at
+    most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200: docs/performance.md items 60 and
+    63. (A softcap at d = 128 in 192 rows of 64-key tiles,
     three consumers: 4-11% slower on an H100, item 99; full rows of up to 2048 per sequence
     at d = 64 in 128-row blocks: level at 1024 rows, 10% slower at 2048 on an H100, item
     102.)"""
