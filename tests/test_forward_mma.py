@@ -199,7 +199,6 @@ def test_hopper_softcap_tanh_polynomial(of4, monkeypatch):
     bits differ from tanh.approx's (the same kernel built with ``tanh_poly=0``: the
     polynomial ran there), the second rows' are tanh.approx's (each of their warps fell
     back)."""
-    from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
     rng = np.random.default_rng(61)
     q = rng.standard_normal((1, 128, 64)) * np.repeat([0.6, 2.0], 64)[:, None]
@@ -207,21 +206,45 @@ def test_hopper_softcap_tanh_polynomial(of4, monkeypatch):
     k, v = (rng.standard_normal((1, 200, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
     opts = {"softcap": 3.0}
     _assert_hopper_launch(q, k, v, **opts)
-    plain, built = forward_wgmma.make_forward_wgmma, []
-
-    def run(share):
-        monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                            lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, "tanh_poly": share}))
-                            or built[-1])
-        result = [host(x) for x in numba_flash.attention_fwd(q, k, v, **opts)]
-        assert built[-1].tanh_poly == share
-        return result
-
-    default = run(0)
-    out, lse = run(of4)
+    default = _run_built(monkeypatch, q, k, v, opts, tanh_poly=0)
+    out, lse = _run_built(monkeypatch, q, k, v, opts, tanh_poly=of4)
     check_forward_low(out, lse, q, k, v, opts, None)
     assert bits(out[:, :64]) != bits(default[0][:, :64])
     assert bits(out[:, 64:]) == bits(default[0][:, 64:]) and bits(lse[:, 64:]) == bits(default[1][:, 64:])
+
+
+def _run_built(monkeypatch, q, k, v, opts, **options):
+    """``attention_fwd(q, k, v, **opts)``'s (out, lse) on the host, its Hopper kernel built
+    with ``make_forward_wgmma``'s ``options`` (each checked on the kernel's attribute of
+    that name)."""
+    from numba_flash.kernels import forward_wgmma
+    plain, built = forward_wgmma.make_forward_wgmma, []
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
+                        lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, **options}))
+                        or built[-1])
+    result = [host(x) for x in numba_flash.attention_fwd(q, k, v, **opts)]
+    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma", plain)
+    assert all(getattr(built[-1], name) == value for name, value in options.items()), options
+    return result
+
+
+def test_hopper_softcap_polynomial_where_the_maxima_are_fixed(monkeypatch):
+    """``make_forward_wgmma(poly_fixed_only=True)`` (``forward_wgmma.TANH_POLY_FIXED_ONLY``):
+    the polynomial tanh only where the rows' maxima are fixed at the cap. bfloat16, d = 64,
+    every score within the polynomial's range at both caps: at a cap of 30 (within
+    ``FIXED_MAX_LIMIT``) its bits differ from tanh.approx's (the polynomial ran), at a cap
+    of 50 (beyond it: the running maxima) they are tanh.approx's; both within the oracle's
+    tolerance."""
+    _force_hopper(monkeypatch, cache=False)
+    rng = np.random.default_rng()
+    q = (rng.standard_normal((1, 130, 64)) * 2.0).astype(ml_dtypes.bfloat16)     # |cap_in · s| < 0.5
+    k, v = (rng.standard_normal((1, 150, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    for cap, fixed in ((30.0, True), (50.0, False)):
+        opts = {"softcap": cap}
+        tanh = _run_built(monkeypatch, q, k, v, opts, tanh_poly=0)
+        out, lse = _run_built(monkeypatch, q, k, v, opts, tanh_poly=3, poly_fixed_only=True)
+        check_forward_low(out, lse, q, k, v, opts, None)
+        assert (bits(out) != bits(tanh[0])) == fixed, cap
 
 
 def test_hopper_softcap_in_192_row_blocks(monkeypatch):
