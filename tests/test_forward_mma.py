@@ -247,23 +247,26 @@ def test_hopper_softcap_polynomial_where_the_maxima_are_fixed(monkeypatch):
         assert (bits(out) != bits(tanh[0])) == fixed, cap
 
 
-def test_hopper_softcap_in_192_row_blocks(monkeypatch):
-    """A softcap alone at d = 64 in 192-row blocks (three consumer warpgroups:
-    ``forward_wgmma.WIDE_SOFTCAP_HEAD_DIM``), with the polynomial tanh for three of every
-    four scores (``TANH_POLY``): 200 query rows (the second block's 8 rows ragged), 150
-    keys (the second tile ragged), the oracle's answer."""
+@pytest.mark.parametrize("d, keys", [(64, 128), (128, 64)])
+def test_hopper_softcap_in_192_row_blocks(d, keys, monkeypatch):
+    """A softcap alone in 192-row blocks (three consumer warpgroups:
+    ``forward_wgmma.SOFTCAP_TILES``; at d = 64 of 128-key tiles, the default, at d = 128
+    of 64-key tiles, an option), with the polynomial tanh for three of every four scores
+    (``TANH_POLY``): 200 query rows (the second block's 8 rows ragged), 150 keys (the last
+    tile ragged), the oracle's answer."""
     from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
-    monkeypatch.setattr(forward_wgmma, "WIDE_SOFTCAP_HEAD_DIM", 64)
-    monkeypatch.setattr(forward_wgmma, "TANH_POLY", {64: 3})
+    monkeypatch.setattr(forward_wgmma, "SOFTCAP_TILES", {d: (192, keys)})
+    monkeypatch.setattr(forward_wgmma, "TANH_POLY", {d: 3})
     rng = np.random.default_rng()
-    q = (rng.standard_normal((1, 200, 64)) * 0.6).astype(ml_dtypes.bfloat16)
-    k, v = (rng.standard_normal((1, 150, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
+    q = (rng.standard_normal((1, 200, d)) * 0.6).astype(ml_dtypes.bfloat16)
+    k, v = (rng.standard_normal((1, 150, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
     opts = {"softcap": 3.0}
     from numba_flash import api
     _, launches = api.plan_forward(q, k, v, **opts)
     kernel = launches[-1][0]
     assert "forward_wgmma" in kernel.py_func.__module__ and kernel.threads == forward_wgmma.threads_for(192)
+    assert kernel.tanh_poly == 3 and kernel.smem_bytes == forward_wgmma.smem_bytes(d, bn=keys, bm=192)
     out, lse = numba_flash.attention_fwd(q, k, v, **opts)
     check_forward_low(out, lse, q, k, v, opts, None)
 

@@ -469,7 +469,7 @@ def test_pairs_where_the_model_says():
 def test_block_rows_follow_the_rules(d):
     """The forward's tile shape per head dim and rules, as the registry hands it to the
     launches: 192 rows in four warpgroups at d = 64 without a window, ALiBi or packed rows
-    (a softcap too, up to ``WIDE_SOFTCAP_HEAD_DIM``), nor causal rows of calls with at most
+    (a softcap too where ``SOFTCAP_TILES`` says so), nor causal rows of calls with at most
     ``NARROW_CAUSAL_ROWS`` query rows, else 128 in three (a kernel of its own name where the call's rows chose it); the
     launch's threads and shared memory are the kernel's own."""
     from numba_flash import registry
@@ -478,7 +478,7 @@ def test_block_rows_follow_the_rules(d):
     for rules in (ScoreSpec(), ScoreSpec(causal=True), ScoreSpec(window=True), ScoreSpec(causal=True, softcap=True),
                   ScoreSpec(softcap=True), ScoreSpec(alibi=True), ScoreSpec(causal=True, packed=True)):
         spec = registry.specialisation("forward_wgmma", "bfloat16", d, rules, True)
-        wide = d == 64 and not (rules.window or rules.softcap and d > F.WIDE_SOFTCAP_HEAD_DIM or rules.alibi
+        wide = d == 64 and not (rules.window or rules.softcap and d not in F.SOFTCAP_TILES or rules.alibi
                                 or rules.packed)
         assert (spec.tiling.BM, spec.tiling.threads) == ((192, 512) if wide else (128, 384)), (d, rules)
         kern = spec.kernel()

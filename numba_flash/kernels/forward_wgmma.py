@@ -143,7 +143,7 @@ EXP2_FMA_SOFTCAP = 0
 # two units (make_forward_wgmma's ``tanh_poly``), per (padded) head dim; 0 where absent.
 # Measured on an H100: level at d = 128 with every share (all four 3.5% slower: the issue
 # of the polynomial's six instructions a score became the bound; item 138); at d = 64 in
-# 192-row blocks (:data:`WIDE_SOFTCAP_HEAD_DIM`) 3 of 4 against none 12% faster at 16 heads
+# 192-row blocks (:data:`SOFTCAP_TILES`) 3 of 4 against none 12% faster at 16 heads
 # (cap 30) and 2% slower at 32 heads (cap 50: beyond FIXED_MAX_LIMIT, the running maxima's
 # path, likely the cause; not yet separated from the heads), in 128-row blocks (causal
 # rows) 8-11% faster (item 139).
@@ -187,8 +187,8 @@ class WgmmaTiling:
 # item 63)
 NARROW_CAUSAL_ROWS = 4096
 
-# The largest (padded) head dim at which a softcap takes :data:`BLOCK_ROWS` rows (192 at
-# d = 64, three consumers) rather than 128 (0: none). A softcapped score takes two
+# The blocks of a softcap (query rows, keys per tile) by (padded) head dim, where no other
+# rule narrows them (:func:`tiling`); absent: 128 rows. A softcapped score takes two
 # special-function results (tanh, exp2): at d = 64 a warpgroup's softmax (about 1024 of
 # the unit's cycles a 64 x 128 tile) is twice its products (512 tensor cycles), so with two
 # consumers the softmax bounds the loop; three give the tensor cores a third warpgroup's
@@ -197,9 +197,11 @@ NARROW_CAUSAL_ROWS = 4096
 # 139), softcapped full rows at d = 64: 6-8% faster than in 128-row blocks; with the
 # polynomial for three of four scores too, 17% and 7% faster than 128 rows without it (an
 # earlier H200 measurement, item 60, before the rows' maxima were fixed at the cap: no
-# faster). Causal rows of up to
-# NARROW_CAUSAL_ROWS keep 128-row blocks.
-WIDE_SOFTCAP_HEAD_DIM = 64
+# faster). Causal rows of up to NARROW_CAUSAL_ROWS keep 128-row blocks. At d = 128 three
+# consumers fit with 64-key tiles (O's 64 registers, S's 32: ptxas 13, no spill, with the
+# polynomial too), measured 4-11% slower without the polynomial (item 99); with it, not
+# yet measured (``{64: (192, 128), 128: (192, 64)}``).
+SOFTCAP_TILES = {64: (192, BN)}
 
 # A softcap bounds every score: with the cap c, ``cap_out · tanh(·) <= cap_out`` (c log2 e,
 # the scores' log2 units), so each row's maximum may be taken as ``cap_out`` from the start
@@ -251,8 +253,8 @@ def longest_first(scores):
 def tiling(D, scores, rows=None):
     """The tile shape at head dim ``D`` for the rules ``scores``: :data:`BLOCK_ROWS` rows,
     or ``BM`` for a window (192-row tiles would cover more of the band's masked corners:
-    3-5% slower at d = 64), a softcap beyond :data:`WIDE_SOFTCAP_HEAD_DIM` (at d = 64
-    192 rows: 6-8% faster on an H100, item 139), ALiBi, user functions and packed
+    3-5% slower at d = 64), a softcap where :data:`SOFTCAP_TILES` has no tiles of its own
+    (at d = 64 192 rows: 6-8% faster on an H100, item 139), ALiBi, user functions and packed
     sequences (their consumers would spill registers at 192 rows: 16-144 bytes, ptxas 13),
     and causal rows where the call's query rows per sequence (``rows``, where known) are at
     most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200: docs/performance.md items 60 and
@@ -260,9 +262,12 @@ def tiling(D, scores, rows=None):
     three consumers: 4-11% slower on an H100, item 99; full rows of up to 2048 per sequence
     at d = 64 in 128-row blocks: level at 1024 rows, 10% slower at 2048 on an H100, item
     102.)"""
-    narrow = (scores.window or scores.softcap and padded(D) > WIDE_SOFTCAP_HEAD_DIM or scores.alibi
+    capped = SOFTCAP_TILES.get(padded(D)) if scores.softcap else None
+    narrow = (scores.window or scores.softcap and capped is None or scores.alibi
               or scores.packed or scores.mods is not None
               or scores.causal and rows is not None and rows <= NARROW_CAUSAL_ROWS)
+    if capped and not narrow:
+        return WgmmaTiling(BM=capped[0], BN=capped[1], threads=threads_for(capped[0]))
     bm = BM if narrow else BLOCK_ROWS.get(padded(D), BM)
     plain = not (scores.masks_keys or scores.transforms or scores.packed)
     bn = (WIDE_HEAD_FULL_BN if plain else WIDE_HEAD_BN) if padded(D) == 256 else BN
