@@ -247,21 +247,24 @@ def test_hopper_softcap_polynomial_where_the_maxima_are_fixed(monkeypatch):
         assert (bits(out) != bits(tanh[0])) == fixed, cap
 
 
-@pytest.mark.parametrize("d, keys", [(64, 128), (128, 64)])
-def test_hopper_softcap_in_192_row_blocks(d, keys, monkeypatch):
-    """A softcap alone in 192-row blocks (three consumer warpgroups:
+@pytest.mark.parametrize("d, keys, causal", [(64, 128, False), (64, 128, True), (128, 64, False)])
+def test_hopper_softcap_in_192_row_blocks(d, keys, causal, monkeypatch):
+    """A softcap in 192-row blocks (three consumer warpgroups:
     ``forward_wgmma.SOFTCAP_TILES``; at d = 64 of 128-key tiles, the default, at d = 128
     of 64-key tiles, an option), with the polynomial tanh for three of every four scores
     (``TANH_POLY``): 200 query rows (the second block's 8 rows ragged), 150 keys (the last
-    tile ragged), the oracle's answer."""
+    tile ragged), the oracle's answer. Causal rows take these blocks past
+    ``NARROW_CAUSAL_ROWS`` query rows (set to 0 here: the tiny call stands for a long
+    one)."""
     from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
     monkeypatch.setattr(forward_wgmma, "SOFTCAP_TILES", {d: (192, keys)})
     monkeypatch.setattr(forward_wgmma, "TANH_POLY", {d: 3})
+    monkeypatch.setattr(forward_wgmma, "NARROW_CAUSAL_ROWS", 0)
     rng = np.random.default_rng()
     q = (rng.standard_normal((1, 200, d)) * 0.6).astype(ml_dtypes.bfloat16)
     k, v = (rng.standard_normal((1, 150, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
-    opts = {"softcap": 3.0}
+    opts = {"softcap": 3.0, "causal": causal}
     from numba_flash import api
     _, launches = api.plan_forward(q, k, v, **opts)
     kernel = launches[-1][0]
