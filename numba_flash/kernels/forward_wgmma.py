@@ -258,10 +258,9 @@ def tiling(D, scores, rows=None):
     sequences (their consumers would spill registers at 192 rows: 16-144 bytes, ptxas 13),
     and causal rows where the call's query rows per sequence (``rows``, where known) are at
     most :data:`NARROW_CAUSAL_ROWS`. Measured on an H200: docs/performance.md items 60 and
-    63. (A softcap at d = 128 in 192 rows of 64-key tiles,
-    three consumers: 4-11% slower on an H100, item 99; full rows of up to 2048 per sequence
-    at d = 64 in 128-row blocks: level at 1024 rows, 10% slower at 2048 on an H100, item
-    102.)"""
+    63. (A softcap at d = 128 in 192 rows of 64-key tiles, three consumers: 4-11% slower on
+    an H100 without the polynomial tanh, item 99; full rows of up to 2048 per sequence at
+    d = 64 in 128-row blocks: level at 1024 rows, 10% slower at 2048 on an H100, item 102.)"""
     capped = SOFTCAP_TILES.get(padded(D)) if scores.softcap else None
     narrow = (scores.window or scores.softcap and capped is None or scores.alibi
               or scores.packed or scores.mods is not None
