@@ -206,26 +206,27 @@ def test_hopper_softcap_tanh_polynomial(of4, monkeypatch):
     k, v = (rng.standard_normal((1, 200, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
     opts = {"softcap": 3.0}
     _assert_hopper_launch(q, k, v, **opts)
-    default = _run_built(monkeypatch, q, k, v, opts, tanh_poly=0)
-    out, lse = _run_built(monkeypatch, q, k, v, opts, tanh_poly=of4)
+    call = lambda: numba_flash.attention_fwd(q, k, v, **opts)  # noqa: E731
+    default, _ = _run_built(monkeypatch, call, tanh_poly=0)
+    (out, lse), _ = _run_built(monkeypatch, call, tanh_poly=of4)
     check_forward_low(out, lse, q, k, v, opts, None)
     assert bits(out[:, :64]) != bits(default[0][:, :64])
     assert bits(out[:, 64:]) == bits(default[0][:, 64:]) and bits(lse[:, 64:]) == bits(default[1][:, 64:])
 
 
-def _run_built(monkeypatch, q, k, v, opts, **options):
-    """``attention_fwd(q, k, v, **opts)``'s (out, lse) on the host, its Hopper kernel built
-    with ``make_forward_wgmma``'s ``options`` (each checked on the kernel's attribute of
-    that name)."""
+def _run_built(monkeypatch, call, **options):
+    """``call()``'s results on the host and the Hopper kernel that computed them, built with
+    ``make_forward_wgmma``'s ``options`` over the registry's arguments (each checked on
+    the kernel's attribute of that name)."""
     from numba_flash.kernels import forward_wgmma
     plain, built = forward_wgmma.make_forward_wgmma, []
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
                         lambda dt, d, scores, **kw: built.append(plain(dt, d, scores, **{**kw, **options}))
                         or built[-1])
-    result = [host(x) for x in numba_flash.attention_fwd(q, k, v, **opts)]
+    result = [host(x) for x in call()]
     monkeypatch.setattr(forward_wgmma, "make_forward_wgmma", plain)
     assert all(getattr(built[-1], name) == value for name, value in options.items()), options
-    return result
+    return result, built[-1]
 
 
 def test_hopper_softcap_polynomial_where_the_maxima_are_fixed(monkeypatch):
@@ -241,8 +242,9 @@ def test_hopper_softcap_polynomial_where_the_maxima_are_fixed(monkeypatch):
     k, v = (rng.standard_normal((1, 150, 64)).astype(ml_dtypes.bfloat16) for _ in range(2))
     for cap, fixed in ((30.0, True), (50.0, False)):
         opts = {"softcap": cap}
-        tanh = _run_built(monkeypatch, q, k, v, opts, tanh_poly=0)
-        out, lse = _run_built(monkeypatch, q, k, v, opts, tanh_poly=3, poly_fixed_only=True)
+        call = lambda: numba_flash.attention_fwd(q, k, v, **opts)  # noqa: E731
+        tanh, _ = _run_built(monkeypatch, call, tanh_poly=0)
+        (out, lse), _ = _run_built(monkeypatch, call, tanh_poly=3, poly_fixed_only=True)
         check_forward_low(out, lse, q, k, v, opts, None)
         assert (bits(out) != bits(tanh[0])) == fixed, cap
 
@@ -519,10 +521,8 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
     ``option`` forced to ``forced(default kernel)``: asserts the kernel took it and the
     same bits. (In the simulator one persistent block takes every item, so every
     transition between items runs.)"""
-    from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
     rng = np.random.default_rng(seed)
-    plain = forward_wgmma.make_forward_wgmma
     if rules == "packed":
         cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
         q, k, v = (rng.standard_normal((int(cu[-1]), heads, d)).astype(ml_dtypes.bfloat16) for _ in range(3))
@@ -533,10 +533,7 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
         k, v = (rng.standard_normal((1, nk, d)).astype(ml_dtypes.bfloat16) for _ in range(2))
         _assert_hopper_launch(q, k, v, **opts)
         call = lambda: numba_flash.attention_fwd(q, k, v, **opts)  # noqa: E731
-    built = []
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda *a, **kw: built.append(plain(*a, **kw)) or built[-1])
-    default = [host(x) for x in call()]
+    default, kernel = _run_built(monkeypatch, call)
     if rules == "packed":
         for z in np.flatnonzero(lens):
             rows = slice(cu[z], cu[z + 1])
@@ -544,12 +541,9 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
                               *(np.swapaxes(x[rows], 0, 1)[None] for x in (q, k, v)), True, None)
     else:
         check_forward_low(default[0], default[1], q, k, v, opts, None)
-    value = forced(built[-1])
-    monkeypatch.setattr(forward_wgmma, "make_forward_wgmma",
-                        lambda dt, dd, scores, **kw: built.append(plain(dt, dd, scores, **{**kw, option: value}))
-                        or built[-1])
-    result = [host(x) for x in call()]
-    assert getattr(built[-1], option) is value
+    value = forced(kernel)
+    result, kernel = _run_built(monkeypatch, call, **{option: value})
+    assert getattr(kernel, option) is value
     assert [bits(x) for x in result] == [bits(x) for x in default], (option, value)
 
 
