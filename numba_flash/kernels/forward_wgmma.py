@@ -144,16 +144,11 @@ EXP2_FMA_SOFTCAP = 0
 # Measured on an H100: level at d = 128 with every share (all four 3.5% slower: the issue
 # of the polynomial's six instructions a score became the bound; item 138); at d = 64 in
 # 192-row blocks (:data:`SOFTCAP_TILES`) 3 of 4 against none 12% faster at 16 heads
-# (cap 30) and 2% slower at 32 heads (cap 50: beyond FIXED_MAX_LIMIT, the running maxima's
-# path, likely the cause; not yet separated from the heads), in 128-row blocks (causal
-# rows) 8-11% faster (item 139).
+# (cap 30) and 2% slower at 32 heads (cap 50), in 128-row blocks (causal rows) 8-11%
+# faster (item 139). Not the running maxima's path (a cap of 50 is beyond FIXED_MAX_LIMIT):
+# the polynomial left out where the maxima run, 0.1-1.2% faster at a cap of 50, level at
+# 30 (item 140; the option removed).
 TANH_POLY = {64: 3}
-# Whether the polynomial is taken only where the rows' maxima are fixed at the cap
-# (:data:`FIXED_MAX_SOFTCAP`; a cap beyond :data:`FIXED_MAX_LIMIT`, e.g. 50 in bfloat16,
-# takes the running maxima, whose max, shuffles and rescales a score are issued beside
-# the polynomial's six instructions): built, off, not yet measured (docs/performance.md
-# item 139: the one call with a cap of 50 was the one the polynomial slowed).
-TANH_POLY_FIXED_ONLY = False
 TANH_POLY_RANGE = 1.0
 TANH_POLY_COEFFS = (0.99969375, -0.32889187, 0.11541349, -0.02465389)
 ROWS = 64                         # query rows per consumer warpgroup (one wgmma M)
@@ -199,8 +194,9 @@ NARROW_CAUSAL_ROWS = 4096
 # earlier H200 measurement, item 60, before the rows' maxima were fixed at the cap: no
 # faster). Causal rows of up to NARROW_CAUSAL_ROWS keep 128-row blocks. At d = 128 three
 # consumers fit with 64-key tiles (O's 64 registers, S's 32: ptxas 13, no spill, with the
-# polynomial too), measured 4-11% slower without the polynomial (item 99); with it, not
-# yet measured (``{64: (192, 128), 128: (192, 64)}``).
+# polynomial too), measured 4-11% slower without the polynomial (item 99), and again on
+# an H100 with ``{64: (192, 128), 128: (192, 64)}``: softcapped full rows at (4, 16,
+# 4096, 128) 1.2% slower, with the polynomial for three of four scores 4.2% (item 140).
 SOFTCAP_TILES = {64: (192, BN)}
 
 # A softcap bounds every score: with the cap c, ``cap_out · tanh(·) <= cap_out`` (c log2 e,
@@ -489,7 +485,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
                        publish: bool = None, head_major: bool = None, publish_ahead: bool = None,
-                       tanh_poly: int = None, poly_fixed_only: bool = None):
+                       tanh_poly: int = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -513,10 +509,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :data:`PACKED_HEAD_MAJOR`); ``publish_ahead``: with ``publish``, each item published
     one item ahead (default :func:`publishes_ahead`); ``tanh_poly``: under a softcap alone,
     of every four scores' tanh how many (0-4) :data:`TANH_POLY_COEFFS` computes, where a
-    warp's tile is within :data:`TANH_POLY_RANGE` (default :data:`TANH_POLY`);
-    ``poly_fixed_only``: the polynomial only where the rows' maxima are fixed at the cap
-    (``fixed_max`` and the launch's cap within :data:`FIXED_MAX_LIMIT`; default
-    :data:`TANH_POLY_FIXED_ONLY`)."""
+    warp's tile is within :data:`TANH_POLY_RANGE` (default :data:`TANH_POLY`)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -557,7 +550,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     POLY_OF4 = (TANH_POLY.get(D, 0) if tanh_poly is None else int(tanh_poly)) if TANH_RAW else 0
     assert 0 <= POLY_OF4 <= 4, ("tanh_poly", POLY_OF4)
     POLY = POLY_OF4 > 0
-    POLY_FIXED_ONLY = POLY and (TANH_POLY_FIXED_ONLY if poly_fixed_only is None else poly_fixed_only)
     # the rows' maxima raised lazily (RESCALE_SLACK): O rescaled only where one moved
     SLACK = RESCALE_SLACK if slack is None else slack
     LAZY = SLACK >= 0
@@ -716,7 +708,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
         elif TANH_RAW:
             cin = sc[1]
             poly = False
-            if POLY and (not POLY_FIXED_ONLY or frozen(sc)):    # every score of the warp's tile in range
+            if POLY:                        # every score of the warp's tile in range
                 big = ZERO
                 for i in range(NS_POLY):
                     big = max(big, abs(s[i]))
@@ -1467,6 +1459,5 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     forward.publish_ahead = AHEAD
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
     forward.tanh_poly = POLY_OF4         # of every four tanh, how many by the polynomial
-    forward.poly_fixed_only = POLY_FIXED_ONLY
     forward.threads = THREADS
     return forward
