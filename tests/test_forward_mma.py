@@ -374,15 +374,18 @@ def test_hopper_other_head_dims_only_where_forced(monkeypatch):
 
 @pytest.mark.parametrize("opts, shape, sched", [
     ({"causal": True}, (1, 2, 640, 128), 15), ({"window": (150, 0)}, (1, 2, 640, 128), -1),
-    ({"causal": True}, (1, 3, 300, 256), 13)], ids=["causal", "window", "causal-d256"])
+    ({"causal": True}, (1, 3, 300, 256), 13), ({"causal": True}, (1, 3, 700, 64), 25)],
+    ids=["causal", "window", "causal-d256", "causal-192-rows"])
 def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     """The launch's schedule (``forward_wgmma.schedule``) on three persistent blocks, as a
     GPU of three multiprocessors would have it: causal rows on the pairs (forced where the
     model would weigh L2: ``L2_KV_BYTES`` 0, ``PAIRS_SLACK`` unbounded) with a tail, and a
     window whose rounds go the other way; at d = 256 (``forward_wgmma.PAIRS_HEAD_DIM``),
     three heads of three query tiles (the last ragged), a pair each in one whole round,
-    the middle tiles in the tail. The launch's ``sched`` is the model's, the result within
-    the oracle's tolerance (every tile once: NaN-poisoned outputs)."""
+    the middle tiles in the tail; in 192-row blocks (``PAIRS_WIDE``; ``NARROW_CAUSAL_ROWS``
+    0: the short call stands for a long one) three heads of four query tiles (the last
+    ragged), their pairs in two whole rounds. The launch's ``sched`` is the model's, the
+    result within the oracle's tolerance (every tile once: NaN-poisoned outputs)."""
     if ON_GPU:
         pytest.skip("the simulator's multiprocessor count is set here")
     from numba_flash import api
@@ -391,6 +394,10 @@ def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     monkeypatch.setattr(api, "_device_facts", lambda: (3, None, None))
     monkeypatch.setattr(wgmma_schedule, "L2_KV_BYTES", 0)
     monkeypatch.setattr(wgmma_schedule, "PAIRS_SLACK", float("inf"))
+    if shape[-1] == 64:
+        from numba_flash.kernels import forward_wgmma
+        monkeypatch.setattr(forward_wgmma, "PAIRS_WIDE", True)
+        monkeypatch.setattr(forward_wgmma, "NARROW_CAUSAL_ROWS", 0)
     wgmma_schedule.paired_places.cache_clear()
     try:
         rng = np.random.default_rng(51)
@@ -400,6 +407,7 @@ def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
         q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.bfloat16) for _ in range(3))
         _, launches = api.plan_forward(q, k, v, **opts)
         assert launches[-1][1] == 3 and launches[-1][4][-1] == sched, launches[-1][4][-1]
+        assert launches[-1][0].threads == (512 if shape[-1] == 64 else 384)
         out, lse = numba_flash.attention_fwd(q, k, v, **opts)
         check_forward_low(out, lse, q, k, v, opts, None)
     finally:

@@ -440,8 +440,8 @@ def test_pairs_where_the_model_says():
     """``paired_places``: the pairs' ``4 U0 + 2 flip + 1`` (``U0`` whole rounds' pairs, at
     most ``TAIL_ROUNDS`` rounds fewer than there are; the tail's parity), or 0 (longest
     first) where every head's K and V fit in L2 or the pairs' modelled makespan is not
-    within ``PAIRS_SLACK`` of the other's; only causal rows without other rules at 128 rows
-    take it. (4, 16, 4096, 128): the busiest block 3.1% over the mean with the tail of the
+    within ``PAIRS_SLACK`` of the other's; only causal rows without a window, packed
+    sequences or user functions take it (at 192 rows with ``PAIRS_WIDE``). (4, 16, 4096, 128): the busiest block 3.1% over the mean with the tail of the
     whole rounds' leftovers in pairs, 0.5% with the model's choice."""
     import numpy as np
     from numba_flash.kernels import forward_wgmma as F
@@ -459,7 +459,7 @@ def test_pairs_where_the_model_says():
     assert S.paired_places(32, 64, 132, kv(64, 4096)) > 0       # (4, 16, 4096, 128)
     assert S.paired_places(32, 16, 132, kv(16, 4096)) == 0      # (1, 16, 4096, 128): its K and V fit in L2
     assert S.paired_places(2, 144, 132, kv(144, 256)) == 0      # 144 pairs on 132 blocks: 12 twice as long
-    assert F.paired(ScoreSpec(causal=True), 128) and not F.paired(ScoreSpec(causal=True), 192)
+    assert F.paired(ScoreSpec(causal=True), 128) and F.paired(ScoreSpec(causal=True), 192, 64) == F.PAIRS_WIDE
     assert F.paired(ScoreSpec(causal=True), 128, 256)            # (up to PAIRS_HEAD_DIM: all head dims)
     assert not F.paired(ScoreSpec(window=True), 128) and not F.paired(ScoreSpec(causal=True, packed=True), 128)
     assert not F.paired(ScoreSpec(causal=True, window=True), 128) and not F.paired(ScoreSpec(), 128)

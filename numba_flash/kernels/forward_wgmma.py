@@ -103,6 +103,20 @@ SCHEDULE_PRODUCER_REGS = 40
 # kernels alone on an H100, d = 64 causal (4, 32, 4096) 3-5% faster, d = 128 causal level
 # to 1% faster, packed rows 0-2% slower at 56 (they keep 40): docs/performance.md item 123
 PAIRS_PRODUCER_REGS = 56
+# Whether causal rows in 192-row blocks (three consumers: d = 64 past NARROW_CAUSAL_ROWS)
+# take the pairs schedule too (:func:`paired`), the producer then keeping
+# WIDE_PAIRS_PRODUCER_REGS: the 512 threads' pool of 65536 less three consumers' 160 each.
+# ptxas 13 (sm_90a, bf16, d = 64): 100/132 bytes spilled (the producer's per-item
+# arithmetic), no serialised product. Without it 192-row blocks go longest first, every
+# head's K and V read at once: on an H200 (4, 32, 4096, 64) causal 5.7% slower than in
+# 128-row blocks on the pairs, where a call whose K and V fit L2 was 3% faster. Measured
+# on an H100 (docs/performance.md item 140): causal d = 64 at (1, 32, 16384) and (2, 32,
+# 8192) 4.0-4.1% faster; with NARROW_CAUSAL_ROWS 2048, (4, 32, 4096) 2.2% faster than its
+# 128-row blocks on the pairs. A causal softcap's 192-row blocks (SOFTCAP_TILES) take them
+# too (ptxas: 96 bytes spilled, as above), not yet measured on the pairs (predicted: as
+# much faster, the same K and V read).
+PAIRS_WIDE = True
+WIDE_PAIRS_PRODUCER_REGS = 32
 HEAD_DIMS = (64, 128, 256)          # the kernels' head dims (``wgmma_parts.padded``)
 # The head dims the family takes by default on a compute capability 9.0 GPU: every one it
 # takes (:func:`takes`). Measured on an H100 at d = 96 and 256 1.8-3.0x the mma.sync
@@ -177,10 +191,11 @@ class WgmmaTiling:
 
 
 # Causal rows at d = 64 with at most this many query rows per sequence take 128-row blocks
-# (and the pairs schedule where L2 calls for it: :func:`paired`) rather than 192: measured
-# on an H200 5-13% faster at N = 1024-4096, 2-5% slower at N = 8192-16384 (docs/performance.md
-# item 63)
-NARROW_CAUSAL_ROWS = 4096
+# rather than 192: measured on an H200 5-13% faster at N = 1024-4096, 2-5% slower at N =
+# 8192-16384 (docs/performance.md item 63), when 192-row blocks could not take the pairs
+# schedule (:data:`PAIRS_WIDE`); with it, on an H100, 192 rows at N = 4096 2.2-2.6% faster
+# (item 140), level at N = 2048 without it (item 139)
+NARROW_CAUSAL_ROWS = 2048
 
 # The blocks of a softcap (query rows, keys per tile) by (padded) head dim, where no other
 # rule narrows them (:func:`tiling`); absent: 128 rows. A softcapped score takes two
@@ -295,10 +310,10 @@ PAIRS_HEAD_DIM = 256
 def paired(scores, bm, d=128):
     """Whether the kernel for ``scores`` at ``bm`` rows takes the pairs schedule where its
     launch asks for it: causal rows without a window, user functions or packed sequences,
-    at 128 rows (at 192 the pairs are few and coarse: 22 query tiles per head at N = 4096),
-    head dim ``d`` at most :data:`PAIRS_HEAD_DIM` (padded)."""
-    return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed and bm == BM
-                and padded(d) <= PAIRS_HEAD_DIM)
+    at 128 rows (at 192 with :data:`PAIRS_WIDE`), head dim ``d`` at most
+    :data:`PAIRS_HEAD_DIM` (padded)."""
+    return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed
+                and (bm == BM or PAIRS_WIDE and bm == BLOCK_ROWS[64]) and padded(d) <= PAIRS_HEAD_DIM)
 
 
 def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
@@ -581,7 +596,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # their O of 128 needs: ptxas 13, causal packed rows' spill 60/212 -> 24/56 bytes, the
     # general rules' 168/372 -> 132/320, none in the producer; docs/performance.md items 112,
     # 118), and the consumers' share of the rest of the block's pool (consumer_registers)
-    PRODUCER_REGS = (PAIRS_PRODUCER_REGS if PAIRED and D <= 128 else
+    PRODUCER_REGS = (WIDE_PAIRS_PRODUCER_REGS if PAIRED and BM > 128 else
+                     PAIRS_PRODUCER_REGS if PAIRED and D <= 128 else
                      SCHEDULE_PRODUCER_REGS if PAIRED or PACKED and D < 256 else 24)
     give = H.setmaxnreg(PRODUCER_REGS, False)
     take = H.setmaxnreg(consumer_registers(PRODUCER_REGS, THREADS), True)
