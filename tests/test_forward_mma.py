@@ -232,11 +232,11 @@ def _run_built(monkeypatch, call, **options):
 @pytest.mark.parametrize("d, keys, causal", [(64, 128, False), (64, 128, True)])
 def test_hopper_softcap_in_192_row_blocks(d, keys, causal, monkeypatch):
     """A softcap in 192-row blocks (three consumer warpgroups:
-    ``forward_wgmma.SOFTCAP_TILES``, at d = 64 of 128-key tiles), with the polynomial tanh for three of every four scores
-    (``TANH_POLY``): 200 query rows (the second block's 8 rows ragged), 150 keys (the last
-    tile ragged), the oracle's answer. Causal rows take these blocks past
-    ``NARROW_CAUSAL_ROWS`` query rows (set to 0 here: the tiny call stands for a long
-    one)."""
+    ``forward_wgmma.SOFTCAP_TILES``, at d = 64 of 128-key tiles), with the polynomial tanh
+    for three of every four scores (``TANH_POLY``): 200 query rows (the second block's 8
+    rows ragged), 150 keys (the last tile ragged), the oracle's answer. Causal rows take
+    these blocks past ``NARROW_CAUSAL_ROWS`` query rows (set to 0 here: the tiny call
+    stands for a long one)."""
     from numba_flash.kernels import forward_wgmma
     _force_hopper(monkeypatch, cache=False)
     monkeypatch.setattr(forward_wgmma, "SOFTCAP_TILES", {d: (192, keys)})
@@ -532,6 +532,34 @@ def _forced_option_keeps_bits(monkeypatch, rules, d, nq, nk, lens, seed, option,
     result, kernel = _run_built(monkeypatch, call, **{option: value})
     assert getattr(kernel, option) is value
     assert [bits(x) for x in result] == [bits(x) for x in default], (option, value)
+
+
+@pytest.mark.parametrize("d, nq, nk", [(128, 300, 90), (128, 200, 350), (64, 250, 250)])
+def test_hopper_end_aligned_tiles_change_no_bit(d, nq, nk, monkeypatch):
+    """Causal query tiles aligned to the sequence's end (``make_forward_wgmma``'s
+    ``end_aligned``, ``forward_wgmma.END_ALIGNED_CAUSAL``): the first tile ragged, its rows
+    before 0 read as zeros and never stored. Every row visits the same key tiles in the same
+    order, so the bits are the default's: 300 query rows over 90 keys (rows that see no
+    key, the first tile's 84 rows before 0 among them), 200 over 350, and at d = 64 in
+    192-row blocks (``NARROW_CAUSAL_ROWS`` 0) 250 rows, whose first tile starts 134 rows
+    before 0 (two warpgroups wholly before it, the third across it)."""
+    from numba_flash.kernels import forward_wgmma
+    monkeypatch.setattr(forward_wgmma, "NARROW_CAUSAL_ROWS", 0)
+    _forced_option_keeps_bits(monkeypatch, "causal", d, nq, nk, np.array([0]), 61, "end_aligned",
+                              lambda kernel: not kernel.end_aligned)
+
+
+def test_hopper_end_aligned_rule(monkeypatch):
+    """``forward_wgmma.aligns_end``: with ``END_ALIGNED_CAUSAL`` causal rows alone (not a
+    window, packed sequences or full rows); without it none."""
+    from numba_flash.kernels import forward_wgmma as F
+    from numba_flash.scores import ScoreSpec
+    rules = (ScoreSpec(causal=True), ScoreSpec(causal=True, softcap=True), ScoreSpec(causal=True, window=True),
+             ScoreSpec(causal=True, packed=True), ScoreSpec())
+    monkeypatch.setattr(F, "END_ALIGNED_CAUSAL", True)
+    assert [F.aligns_end(s) for s in rules] == [True, True, False, False, False]
+    monkeypatch.setattr(F, "END_ALIGNED_CAUSAL", False)
+    assert not any(F.aligns_end(s) for s in rules)
 
 
 def test_hopper_overlap_rule(monkeypatch):

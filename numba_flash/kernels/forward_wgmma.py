@@ -197,6 +197,16 @@ class WgmmaTiling:
 # (item 140), level at N = 2048 without it (item 139)
 NARROW_CAUSAL_ROWS = 2048
 
+# Causal rows' query tiles aligned to the sequence's end rather than its start
+# (:func:`aligns_end`): where the query rows are not a multiple of the block's, the ragged
+# tile is the first (rows from ``Nq - n_qt · BM``, the ones before 0 zero-filled by the TMA,
+# never stored), which sees fewest keys, not the last, which sees them all. At N = 4096 in
+# 192-row blocks the last tile holds 64 rows: two of its three warpgroups work through
+# all 32 key tiles on rows past the sequence, 4.7% of the call's modelled work (key
+# tiles and ITEM_COST a warpgroup; 1.3-1.4% at 8192-16384). Built, off, not yet measured
+# (docs/performance.md item 141).
+END_ALIGNED_CAUSAL = False
+
 # The blocks of a softcap (query rows, keys per tile) by (padded) head dim, where no other
 # rule narrows them (:func:`tiling`); absent: 128 rows. A softcapped score takes two
 # special-function results (tanh, exp2): at d = 64 a warpgroup's softmax (about 1024 of
@@ -316,6 +326,14 @@ def paired(scores, bm, d=128):
                 and (bm == BM or PAIRS_WIDE and bm == BLOCK_ROWS[64]) and padded(d) <= PAIRS_HEAD_DIM)
 
 
+def aligns_end(scores):
+    """Whether the kernel for ``scores`` aligns its query tiles to the sequence's end
+    (:data:`END_ALIGNED_CAUSAL`): causal rows without a window, user functions or packed
+    sequences (whose rows before a sequence are another's)."""
+    return bool(END_ALIGNED_CAUSAL and scores.causal and not scores.window and scores.mods is None
+                and not scores.packed)
+
+
 def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
     """The Hopper forward's ``sched`` argument for a call of score rules ``rules``
     (``scores.Scores``) in blocks of ``bm`` query rows (not packed), head dim ``d``: the pairs schedule's
@@ -330,7 +348,7 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
     if longest_first(spec):
         if spec.mods is not None and spec.mods.blocks:
             return 0                          # (a block mask's items: costs the model does not know)
-        return -wgmma_schedule.longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn)
+        return -wgmma_schedule.longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn, aligns_end(spec))
     return 0
 
 
@@ -500,7 +518,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
                        stages: int = None, exp2_fma: int = None, bn: int = BN, bm: int = None,
                        overlap: bool = None, fixed_max: bool = None, slack: float = None, trace: bool = False,
                        publish: bool = None, head_major: bool = None, publish_ahead: bool = None,
-                       tanh_poly: int = None):
+                       tanh_poly: int = None, end_aligned: bool = None):
     """The kernel for one dtype, head dim and score rules; ``pingpong``: the consumer
     warpgroups take turns to issue their products (below), else they issue freely;
     ``qbuf``, ``stages``: Q buffers and ring stages (default: :func:`buffers`);
@@ -524,7 +542,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     :data:`PACKED_HEAD_MAJOR`); ``publish_ahead``: with ``publish``, each item published
     one item ahead (default :func:`publishes_ahead`); ``tanh_poly``: under a softcap alone,
     of every four scores' tanh how many (0-4) :data:`TANH_POLY_COEFFS` computes, where a
-    warp's tile is within :data:`TANH_POLY_RANGE` (default :data:`TANH_POLY`)."""
+    warp's tile is within :data:`TANH_POLY_RANGE` (default :data:`TANH_POLY`);
+    ``end_aligned``: query tiles aligned to the sequence's end (default :func:`aligns_end`;
+    causal rows only)."""
     BM = tiling(D, scores).BM if bm is None else bm
     assert takes(D), D
     D, COLS = padded(D), D                # the kernel's head dim; the output's columns
@@ -548,6 +568,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     LONGEST_FIRST = longest_first(scores)
     # causal rows: the pairs schedule where the launch asks for it (:func:`paired`)
     PAIRED = paired(scores, BM, D)
+    # query tiles from the sequence's end: the first one ragged, its rows before 0 not stored
+    END_ALIGNED = aligns_end(scores) if end_aligned is None else bool(end_aligned)
+    assert not (END_ALIGNED and (PACKED or not scores.causal or scores.window)), "end_aligned: causal rows only"
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
     # bits, then masked (one loop calling the function per score kept the scores in local
     # memory: a 416-byte stack)
@@ -604,7 +627,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     wait0, wait1 = H.wgmma_wait(0), H.wgmma_wait(1)
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     # packed sequences: out and lse as (B1, tokens, heads, ·), C-contiguous (make_store_rows)
-    store_rows = make_store_rows(dtype_name, D, COLS, rows_first=PACKED)
+    store_rows = make_store_rows(dtype_name, D, COLS, rows_first=PACKED, from_zero=END_ALIGNED)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None
@@ -990,6 +1013,8 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             qs, nq, ks, nk = seqs[z, 0], seqs[z, 1], seqs[z, 2], numba.int64(seqs[z, 3])
             g = (nk, nk - nq, geo[2], geo[3])
         q0 = qt * BM
+        if END_ALIGNED:                          # the first tile ragged (rows before 0)
+            q0 -= n_qt * BM - nq
         kt0, tiles = key_tiles(q0, g, slopes, b1, b2)
         return b1, b2, q0, kt0, tiles, qs, ks, nq, g
 
@@ -1010,9 +1035,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
             l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
         if tq4 == 0:
-            if row0 < nq:
+            if row0 < nq and (not END_ALIGNED or row0 >= 0):
                 put_lse(lse, b1, b2, qs + row0, NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T)
-            if row0 + 8 < nq:
+            if row0 + 8 < nq and (not END_ALIGNED or row0 + 8 >= 0):
                 put_lse(lse, b1, b2, qs + row0 + 8, NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T)
         return ZERO if l0 == ZERO else F32(1) / l0, ZERO if l1 == ZERO else F32(1) / l1
 
@@ -1475,5 +1500,6 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     forward.publish_ahead = AHEAD
     forward.overlap = OVERLAP             # as resolved (a test forces it the other way)
     forward.tanh_poly = POLY_OF4         # of every four tanh, how many by the polynomial
+    forward.end_aligned = END_ALIGNED
     forward.threads = THREADS
     return forward

@@ -144,7 +144,7 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int, cols: int
 
 
 @functools.lru_cache(maxsize=None)
-def make_store_rows(dtype_name: str, D: int, cols: int = None, rows_first: bool = False):
+def make_store_rows(dtype_name: str, D: int, cols: int = None, rows_first: bool = False, from_zero: bool = False):
     """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
     a 64 × ``D`` accumulator (two halves ``o0, o1`` of :func:`half_columns` each; ``o1``
     unused at ``D = 64``)
@@ -156,7 +156,8 @@ def make_store_rows(dtype_name: str, D: int, cols: int = None, rows_first: bool 
     ``out[b1, r, b2]``: packed sequences' ``(tokens, heads, d)`` output as a C-contiguous
     array, whose column offsets the compiler folds into the stores (a view of it with the
     heads first has a stride it only knows at run time: about twelve instructions of 64-bit
-    address arithmetic per 8-byte store).
+    address arithmetic per 8-byte store). With ``from_zero`` rows before 0 are left out too
+    (query tiles aligned to the sequence's end: the first tile's rows before it).
 
     The accumulator gives a lane two adjacent columns of each 8-column block (lane
     ``tq4`` of a quad: columns ``2 tq4, 2 tq4 + 1``), so storing them as they are writes 16
@@ -189,20 +190,26 @@ def make_store_rows(dtype_name: str, D: int, cols: int = None, rows_first: bool 
                     out[b1, b2, row, col] = value
 
     @cuda.jit(device=True, inline=True)
+    def stored(row, n_rows):
+        """Whether row ``row`` is stored: below ``n_rows`` (and with ``from_zero`` at least 0)."""
+        return row < n_rows and (not from_zero or row >= 0)
+
+    @cuda.jit(device=True, inline=True)
     def store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
         odd, half = tq4 & 1, tq4 >> 1
-        store_half(out, b1, b2, row0, row0 < n_rows, o0, 0, inv0, odd, half, 0)
-        store_half(out, b1, b2, row0 + 8, row0 + 8 < n_rows, o0, 1, inv1, odd, half, 0)
+        ok0, ok1 = stored(row0, n_rows), stored(row0 + 8, n_rows)
+        store_half(out, b1, b2, row0, ok0, o0, 0, inv0, odd, half, 0)
+        store_half(out, b1, b2, row0 + 8, ok1, o0, 1, inv1, odd, half, 0)
         if D == 128:
-            store_half(out, b1, b2, row0, row0 < n_rows, o1, 0, inv0, odd, half, 16)
-            store_half(out, b1, b2, row0 + 8, row0 + 8 < n_rows, o1, 1, inv1, odd, half, 16)
+            store_half(out, b1, b2, row0, ok0, o1, 0, inv0, odd, half, 16)
+            store_half(out, b1, b2, row0 + 8, ok1, o1, 1, inv1, odd, half, 16)
 
     @cuda.jit(device=True, inline=True)
     def store_rows_256(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
         """``D = 256``: each half's 64 registers as two 64-column blocks of 32 (``o1``'s
         second block only where it has one: :func:`o_columns`)."""
         odd, half = tq4 & 1, tq4 >> 1
-        ok0, ok1 = row0 < n_rows, row0 + 8 < n_rows
+        ok0, ok1 = stored(row0, n_rows), stored(row0 + 8, n_rows)
         store_half(out, b1, b2, row0, ok0, o0[:32], 0, inv0, odd, half, 0)
         store_half(out, b1, b2, row0 + 8, ok1, o0[:32], 1, inv1, odd, half, 0)
         store_half(out, b1, b2, row0, ok0, o0[32:], 0, inv0, odd, half, 16)

@@ -134,7 +134,7 @@ def _deal_loads(costs, b, grid, flip):
 
 
 @functools.lru_cache(maxsize=1024)
-def longest_first_flip(left, right, nq, nk, bm, b, grid, bn):
+def longest_first_flip(left, right, nq, nk, bm, b, grid, bn, aligned=False):
     """1 where the longest-first deal of rows a mask shortens (a causal mask, a window:
     ``left``, ``right`` the band's sides as ``scores.Scores`` has them) ends sooner in the
     model of every block's work (an item's key tiles plus :data:`ITEM_COST`) with the even
@@ -143,13 +143,15 @@ def longest_first_flip(left, right, nq, nk, bm, b, grid, bn):
     round's light items fall, and the blocks that take the last, partial round are the
     first ones: they should be the ones the round before left lightest. At (1, 16, 16384,
     128) with a window of 1024 keys the busiest block has 3.4% more work than the mean
-    with the odd rounds back, 1.2% with the even ones (docs/performance.md item 90)."""
+    with the odd rounds back, 1.2% with the even ones (docs/performance.md item 90).
+    ``aligned``: the query tiles aligned to the rows' end (``forward_wgmma.aligns_end``)."""
     import numpy as np
     from .. import scores as S
     n_qt = -(-nq // bm)
+    pad = n_qt * bm - nq if aligned else 0
     tiles = []
     for qt in range(n_qt - 1, -1, -1):           # longest first: the last query tile first
-        begin, end = S.key_range(S.Scores(left, right), qt * bm, bm, nq, nk)
+        begin, end = S.key_range(S.Scores(left, right), qt * bm - pad, bm, nq, nk)
         tiles.append(max(-(-end // bn) - begin // bn, 0) if end > begin else 0)
     costs = np.asarray(tiles, np.float64) + ITEM_COST
     return int(_deal_loads(costs, b, grid, 1).max() < _deal_loads(costs, b, grid, 0).max())
