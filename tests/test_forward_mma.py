@@ -374,8 +374,9 @@ def test_hopper_other_head_dims_only_where_forced(monkeypatch):
 
 @pytest.mark.parametrize("opts, shape, sched", [
     ({"causal": True}, (1, 2, 640, 128), 15), ({"window": (150, 0)}, (1, 2, 640, 128), -1),
-    ({"causal": True}, (1, 3, 300, 256), 13), ({"causal": True}, (1, 3, 700, 64), 25)],
-    ids=["causal", "window", "causal-d256", "causal-192-rows"])
+    ({"causal": True}, (1, 3, 300, 256), 13), ({"causal": True}, (1, 3, 700, 64), 25),
+    ({"causal": True, "softcap": 4.0}, (1, 3, 400, 64), 13)],
+    ids=["causal", "window", "causal-d256", "causal-192-rows", "causal-softcap-192-rows"])
 def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     """The launch's schedule (``forward_wgmma.schedule``) on three persistent blocks, as a
     GPU of three multiprocessors would have it: causal rows on the pairs (forced where the
@@ -384,8 +385,10 @@ def test_hopper_schedules_through_the_api(opts, shape, sched, monkeypatch):
     three heads of three query tiles (the last ragged), a pair each in one whole round,
     the middle tiles in the tail; in 192-row blocks (``PAIRS_WIDE``; ``NARROW_CAUSAL_ROWS``
     0: the short call stands for a long one) three heads of four query tiles (the last
-    ragged), their pairs in two whole rounds. The launch's ``sched`` is the model's, the
-    result within the oracle's tolerance (every tile once: NaN-poisoned outputs)."""
+    ragged), their pairs in two whole rounds, and with a softcap three heads of three query
+    tiles, a pair each in one whole round, the middle tiles in the tail. The launch's
+    ``sched`` is the model's, the result within the oracle's tolerance (every tile once:
+    NaN-poisoned outputs)."""
     if ON_GPU:
         pytest.skip("the simulator's multiprocessor count is set here")
     from numba_flash import api
