@@ -441,8 +441,9 @@ def test_pairs_where_the_model_says():
     most ``TAIL_ROUNDS`` rounds fewer than there are; the tail's parity), or 0 (longest
     first) where every head's K and V fit in L2 or the pairs' modelled makespan is not
     within ``PAIRS_SLACK`` of the other's; only causal rows without a window, packed
-    sequences or user functions take it (at 192 rows with ``PAIRS_WIDE``). (4, 16, 4096, 128): the busiest block 3.1% over the mean with the tail of the
-    whole rounds' leftovers in pairs, 0.5% with the model's choice."""
+    sequences or user functions take it (at 192 rows with ``PAIRS_WIDE``). (4, 16, 4096,
+    128): the busiest block 3.1% over the mean with the tail of the whole rounds' leftovers
+    in pairs, 0.5% with the model's choice."""
     import numpy as np
     from numba_flash.kernels import forward_wgmma as F
     from numba_flash.kernels import wgmma_schedule as S
@@ -470,8 +471,9 @@ def test_block_rows_follow_the_rules(d):
     """The forward's tile shape per head dim and rules, as the registry hands it to the
     launches: 192 rows in four warpgroups at d = 64 without a window, ALiBi or packed rows
     (a softcap too where ``SOFTCAP_TILES`` says so), nor causal rows of calls with at most
-    ``NARROW_CAUSAL_ROWS`` query rows, else 128 in three (a kernel of its own name where the call's rows chose it); the
-    launch's threads and shared memory are the kernel's own."""
+    ``NARROW_CAUSAL_ROWS`` query rows, else 128 in three (a kernel of its own name where
+    the call's rows chose it); the launch's threads and shared memory are the kernel's
+    own."""
     from numba_flash import registry
     from numba_flash.kernels import forward_wgmma as F
     from numba_flash.scores import ScoreSpec

@@ -322,16 +322,21 @@ def paired(scores, bm, d=128):
     launch asks for it: causal rows without a window, user functions or packed sequences,
     at 128 rows (at 192 with :data:`PAIRS_WIDE`), head dim ``d`` at most
     :data:`PAIRS_HEAD_DIM` (padded)."""
-    return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed
-                and (bm == BM or PAIRS_WIDE and bm == BLOCK_ROWS[64]) and padded(d) <= PAIRS_HEAD_DIM)
+    return bool(causal_alone(scores) and (bm == BM or PAIRS_WIDE and bm == BLOCK_ROWS[64])
+                and padded(d) <= PAIRS_HEAD_DIM)
+
+
+def causal_alone(scores):
+    """Causal rows without a window, user functions or packed sequences: the rows whose
+    query tiles :func:`paired` and :func:`aligns_end` may place as they choose."""
+    return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed)
 
 
 def aligns_end(scores):
     """Whether the kernel for ``scores`` aligns its query tiles to the sequence's end
-    (:data:`END_ALIGNED_CAUSAL`): causal rows without a window, user functions or packed
-    sequences (whose rows before a sequence are another's)."""
-    return bool(END_ALIGNED_CAUSAL and scores.causal and not scores.window and scores.mods is None
-                and not scores.packed)
+    (:data:`END_ALIGNED_CAUSAL`): :func:`causal_alone` rows (packed sequences' rows before a
+    sequence are another's)."""
+    return bool(END_ALIGNED_CAUSAL and causal_alone(scores))
 
 
 def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
@@ -570,7 +575,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     PAIRED = paired(scores, BM, D)
     # query tiles from the sequence's end: the first one ragged, its rows before 0 not stored
     END_ALIGNED = aligns_end(scores) if end_aligned is None else bool(end_aligned)
-    assert not (END_ALIGNED and (PACKED or not scores.causal or scores.window)), "end_aligned: causal rows only"
+    assert not END_ALIGNED or causal_alone(scores), "end_aligned: causal rows alone"
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
     # bits, then masked (one loop calling the function per score kept the scores in local
     # memory: a 416-byte stack)
