@@ -345,20 +345,41 @@ def pool_empty(ctx, pool, shape, dtype, handle, fill_dtype=None, fill=None):
     stream ``handle`` (an int) and freed on it when garbage-collected; None if empty or
     out of pool memory. ``fill``: a value to fill it with (in ``fill_dtype``, of the same
     size: 16-bit floats are allocated as their uint16 bits)."""
-    from cuda.bindings import driver as cu
-    from numba.cuda.cudadrv.driver import MemoryPointer
-
     size = dtype.itemsize * math.prod(shape)
     if size == 0:
         return None
-    err, ptr = cu.cuMemAllocFromPoolAsync(size, pool, handle)
-    if err != cu.CUresult.CUDA_SUCCESS:
+    found = pool_alloc(pool, [size], handle)
+    if found is None:
         return None                            # out of memory in the pool: let Numba try (and report)
-    mem = MemoryPointer(ctx, ptr, size, finalizer=functools.partial(_free_async, int(ptr), handle))
-    ary = DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=mem)
+    ary = pool_wrap(ctx, found[0], shape, dtype, handle)
     if fill is not None:
         _fill(ary, fill, fill_dtype or dtype, handle)
     return ary
+
+
+def pool_alloc(pool, sizes, handle):
+    """Memory from ``pool`` of each byte size in ``sizes`` (none 0), allocated on the
+    stream ``handle``: a list of driver pointers, or None where the pool cannot serve them
+    all (those it served are freed again)."""
+    from cuda.bindings import driver as cu
+    ptrs = []
+    for size in sizes:
+        err, ptr = cu.cuMemAllocFromPoolAsync(size, pool, handle)
+        if err != cu.CUresult.CUDA_SUCCESS:
+            for p in ptrs:
+                cu.cuMemFreeAsync(p, handle)
+            return None
+        ptrs.append(ptr)
+    return ptrs
+
+
+def pool_wrap(ctx, ptr, shape, dtype, handle):
+    """A C-contiguous Numba device array of ``dtype`` over the pool memory ``ptr``
+    (:func:`pool_alloc`'s), which it frees on the stream ``handle`` when garbage-collected."""
+    from numba.cuda.cudadrv.driver import MemoryPointer
+    size = dtype.itemsize * math.prod(shape)
+    mem = MemoryPointer(ctx, ptr, size, finalizer=functools.partial(_free_async, int(ptr), handle))
+    return DeviceNDArray(shape, _c_strides(shape, dtype.itemsize), dtype, gpu_data=mem)
 
 
 def _fill(ary, value, dtype, stream):

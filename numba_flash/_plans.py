@@ -17,6 +17,7 @@ and every call that fails or that the full path cannot describe as slots, always
 the full path.
 """
 import ctypes
+import math
 import threading
 
 import numpy as np
@@ -158,6 +159,7 @@ class Plan:
 
     def __init__(self, launches, outputs, scratch_bytes, finish, ctx, pool, n_uploads=0, keep=()):
         self.launches, self.outputs, self.scratch_bytes = launches, outputs, scratch_bytes
+        self.out_bytes = [alloc.itemsize * math.prod(shape) for shape, alloc, _ in outputs]
         self.finish, self.ctx, self.pool, self.n_uploads = finish, ctx, pool, n_uploads
         self.keep = tuple(keep)         # the constants' memory, whose pointers the launches hold
         self.has_maps = any(tmap is not None for ln in launches for *_, tmap in ln.slots)
@@ -175,27 +177,40 @@ class Plan:
         ``like``: the array whose kind the results take; for a PyTorch tensor they are
         PyTorch tensors from its allocator (on the current stream, the plan's, in the
         logical dtype), not Numba arrays from the pool wrapped afterwards: a Numba device
-        array and a PyTorch view of it cost tens of microseconds per output."""
+        array and a PyTorch view of it cost tens of microseconds per output. Otherwise the
+        outputs are pool memory, made Numba arrays once the kernels are queued (unless
+        ``poison`` fills them first): the kernels start that much sooner."""
         from cuda.bindings import driver as cu
         assert len(uploads) == self.n_uploads, (len(uploads), self.n_uploads)
         stream = sig.stream
+        offsets = _offsets(uploads)
+        if uploads and self.uploaded is not None and offsets != self.uploaded[1]:
+            return None                 # (a signature fixes the uploads' shapes)
         outs = _torch_outputs(self.outputs, like, poison, self.device_id) if like is not None else None
         torch_outs = outs is not None
-        if not torch_outs:
+        raw = None                      # the outputs' pool memory, not yet Numba arrays
+        if torch_outs:
+            out_ptrs = [o.data_ptr() for o in outs]
+        elif poison is None:
+            raw = _arrays.pool_alloc(self.pool, self.out_bytes, stream)
+            if raw is None:
+                return None
+            out_ptrs = [int(p) for p in raw]
+        else:
             outs = [_arrays.pool_empty(self.ctx, self.pool, shape, alloc, stream, dtype, poison)
                     for shape, alloc, dtype in self.outputs]
             if any(o is None for o in outs):
                 return None
-        offsets = _offsets(uploads)
-        if uploads and self.uploaded is not None and offsets != self.uploaded[1]:
-            return None                 # (a signature fixes the uploads' shapes)
+            out_ptrs = [_arrays.device_pointer(o) for o in outs]
         n_inputs = len(sig.pointers)
         roots = list(sig.pointers) + [0] * len(uploads)     # the uploads' addresses: under the lock
-        roots += [o.data_ptr() if torch_outs else _arrays.device_pointer(o) for o in outs]
+        roots += out_ptrs
         block = None                    # pool memory for the scratch, freed after the launches
         if self.scratch_bytes:
             err, block = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
             if err != cu.CUresult.CUDA_SUCCESS:
+                for p in raw or ():
+                    cu.cuMemFreeAsync(p, stream)
                 return None
             roots.append(int(block))
         maps = []       # the tensor maps whose addresses the launches take: alive until launched
@@ -212,10 +227,19 @@ class Plan:
                     err, = cu.cuLaunchKernel(ln.handle, *ln.grid, *ln.block, ln.smem, stream, ln.address, 0)
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
+        except BaseException:
+            for p in raw or ():
+                cu.cuMemFreeAsync(p, stream)        # (after whatever was queued)
+            raise
         finally:
             if block is not None:
                 cu.cuMemFreeAsync(block, stream)
-        return tuple(outs) if torch_outs else self.finish(outs)
+        if torch_outs:
+            return tuple(outs)
+        if raw is not None:
+            outs = [_arrays.pool_wrap(self.ctx, p, shape, alloc, stream) for p, (shape, alloc, _) in
+                    zip(raw, self.outputs)]
+        return self.finish(outs)
 
     def _resident(self, uploads, offsets, stream, context):
         """The device addresses of the call's ``uploads`` (at byte ``offsets``) in the

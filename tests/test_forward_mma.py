@@ -554,15 +554,16 @@ def test_hopper_end_aligned_tiles_change_no_bit(d, nq, nk, monkeypatch):
 
 def test_hopper_end_aligned_rule(monkeypatch):
     """``forward_wgmma.aligns_end``: with ``END_ALIGNED_CAUSAL`` causal rows alone (not a
-    window, packed sequences or full rows); without it none."""
+    window, packed sequences or full rows) in 192-row blocks, not 128; without it none."""
     from numba_flash.kernels import forward_wgmma as F
     from numba_flash.scores import ScoreSpec
     rules = (ScoreSpec(causal=True), ScoreSpec(causal=True, softcap=True), ScoreSpec(causal=True, window=True),
              ScoreSpec(causal=True, packed=True), ScoreSpec())
     monkeypatch.setattr(F, "END_ALIGNED_CAUSAL", True)
-    assert [F.aligns_end(s) for s in rules] == [True, True, False, False, False]
+    assert [F.aligns_end(s, 192) for s in rules] == [True, True, False, False, False]
+    assert not any(F.aligns_end(s, 128) for s in rules)
     monkeypatch.setattr(F, "END_ALIGNED_CAUSAL", False)
-    assert not any(F.aligns_end(s) for s in rules)
+    assert not any(F.aligns_end(s, 192) for s in rules)
 
 
 def test_hopper_overlap_rule(monkeypatch):

@@ -133,8 +133,9 @@ def test_torch_packed_qkv_on_a_side_stream(dtype, plan_runs, monkeypatch):
         pytest.skip("torch without CUDA")
     from numba_flash import _arrays
     pooled = []
-    original = _arrays.pool_empty
-    monkeypatch.setattr(_arrays, "pool_empty", lambda *a, **k: pooled.append(a) or original(*a, **k))
+    for name in ("pool_empty", "pool_alloc"):
+        original = getattr(_arrays, name)
+        monkeypatch.setattr(_arrays, name, lambda *a, _f=original, **k: pooled.append(a) or _f(*a, **k))
     tdt = getattr(torch, dtype)
     g = torch.Generator(device="cuda").manual_seed(5)
     s = torch.cuda.Stream()
@@ -182,6 +183,44 @@ def test_cupy_repeat_calls(plan_runs):
         cp.cuda.runtime.deviceSynchronize()
         check_forward(host(out), host(lse), cp.asnumpy(q), cp.asnumpy(k), cp.asnumpy(v), False, None)
     assert len(plan_runs) == 1
+
+
+@GPU_ONLY
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_unpoisoned_plan_calls_wrap_their_outputs_after_the_launch(dtype, plan_runs, monkeypatch):
+    """Without the poison a plan allocates its outputs as pool memory and makes them Numba
+    arrays once its kernels are queued: each call's outputs are arrays of their own (all
+    kept alive), of the logical dtype, matching the oracle, given back to the pool when
+    dropped. Before each call a NaN-filled block of out's size is freed into the pool, which
+    the call's allocation then likely reuses: an element the kernel failed to write would
+    stay NaN."""
+    from numba.cuda.cudadrv import devices
+    from numba_flash import _arrays
+    monkeypatch.setattr(api, "_POISON", None)
+    ctx = devices.get_context()
+    pool = _arrays.pool_for(ctx.device.id)
+    if not pool:
+        pytest.skip("the driver offers no memory pools")
+    kept = []
+    for call in range(3):
+        q, k, v = make_qkv(300 + call, (2, 3), 130, 200, 64, dtype)
+        stale = _arrays.pool_empty(ctx, pool, q.shape, np.dtype(np.uint16 if dtype == "bfloat16" else dtype), 0,
+                                   np.dtype(np.float32 if dtype == "float32" else np.uint16),
+                                   np.nan if dtype == "float32" else 0x7FC0)
+        del stale
+        out, lse = numba_flash.attention_fwd(*(_arrays.to_device(x) for x in (q, k, v)), causal=True)
+        assert len(plan_runs) == call
+        assert str(out.dtype) == dtype and lse.dtype == np.float32 and out.shape == q.shape
+        check = check_forward_low if dtype == "bfloat16" else check_forward
+        check(host(out), host(lse), q, k, v, True, None)
+        kept.append((out, lse))
+    pointers = [_arrays.device_pointer(a) for pair in kept for a in pair]
+    assert len(set(pointers)) == len(pointers), "two live outputs share memory"
+    cuda.synchronize()
+    used = _arrays.pool_usage()[0]
+    del kept, out, lse
+    cuda.synchronize()
+    assert _arrays.pool_usage()[0] < used, "dropped outputs were not given back to the pool"
 
 
 @GPU_ONLY

@@ -194,8 +194,9 @@ class WgmmaTiling:
 # rather than 192: measured on an H200 5-13% faster at N = 1024-4096, 2-5% slower at N =
 # 8192-16384 (docs/performance.md item 63), when 192-row blocks could not take the pairs
 # schedule (:data:`PAIRS_WIDE`); with it, on an H100, 192 rows at N = 4096 2.2-2.6% faster
-# (item 140), level at N = 2048 without it (item 139)
-NARROW_CAUSAL_ROWS = 2048
+# (item 140), level at N = 2048 without it (item 139); with end-aligned tiles
+# (:data:`END_ALIGNED_CAUSAL`) 192 rows at N = 2048 0.8% faster (item 142)
+NARROW_CAUSAL_ROWS = 1024
 
 # Causal rows' query tiles aligned to the sequence's end rather than its start
 # (:func:`aligns_end`): where the query rows are not a multiple of the block's, the ragged
@@ -203,9 +204,12 @@ NARROW_CAUSAL_ROWS = 2048
 # never stored), which sees fewest keys, not the last, which sees them all. At N = 4096 in
 # 192-row blocks the last tile holds 64 rows: two of its three warpgroups work through
 # all 32 key tiles on rows past the sequence, 4.7% of the call's modelled work (key
-# tiles and ITEM_COST a warpgroup; 1.3-1.4% at 8192-16384). Built, off, not yet measured
-# (docs/performance.md item 141).
-END_ALIGNED_CAUSAL = False
+# tiles and ITEM_COST a warpgroup; 1.3-1.4% at 8192-16384). In blocks of more than ``BM``
+# rows only (three consumers): on an H100 (4, 32, 4096, 64) causal 2.5-3.5% faster, (4, 32,
+# 3000, 64) 0.7%, 8192-16384 rows level; the 128-row kernel spills 28 bytes with it (ptxas
+# 13) and was 2.7% slower at (8, 32, 2048, 64), whose rows are a multiple of its blocks
+# (docs/performance.md items 141, 142).
+END_ALIGNED_CAUSAL = True
 
 # The blocks of a softcap (query rows, keys per tile) by (padded) head dim, where no other
 # rule narrows them (:func:`tiling`); absent: 128 rows. A softcapped score takes two
@@ -332,11 +336,12 @@ def causal_alone(scores):
     return bool(scores.causal and not scores.window and scores.mods is None and not scores.packed)
 
 
-def aligns_end(scores):
-    """Whether the kernel for ``scores`` aligns its query tiles to the sequence's end
-    (:data:`END_ALIGNED_CAUSAL`): :func:`causal_alone` rows (packed sequences' rows before a
-    sequence are another's)."""
-    return bool(END_ALIGNED_CAUSAL and causal_alone(scores))
+def aligns_end(scores, bm):
+    """Whether the kernel for ``scores`` in blocks of ``bm`` query rows aligns its query
+    tiles to the sequence's end (:data:`END_ALIGNED_CAUSAL`): :func:`causal_alone` rows
+    (packed sequences' rows before a sequence are another's) in blocks of more than ``BM``
+    rows."""
+    return bool(END_ALIGNED_CAUSAL and causal_alone(scores) and bm > BM)
 
 
 def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
@@ -353,7 +358,7 @@ def schedule(rules, bm, nq, nk, b, grid, kv_bytes, bn=BN, d=128):
     if longest_first(spec):
         if spec.mods is not None and spec.mods.blocks:
             return 0                          # (a block mask's items: costs the model does not know)
-        return -wgmma_schedule.longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn, aligns_end(spec))
+        return -wgmma_schedule.longest_first_flip(rules.left, rules.right, nq, nk, bm, b, grid, bn, aligns_end(spec, bm))
     return 0
 
 
@@ -574,7 +579,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     # causal rows: the pairs schedule where the launch asks for it (:func:`paired`)
     PAIRED = paired(scores, BM, D)
     # query tiles from the sequence's end: the first one ragged, its rows before 0 not stored
-    END_ALIGNED = aligns_end(scores) if end_aligned is None else bool(end_aligned)
+    END_ALIGNED = aligns_end(scores, BM) if end_aligned is None else bool(end_aligned)
     assert not END_ALIGNED or causal_alone(scores), "end_aligned: causal rows alone"
     # a block mask with holes: its partial tiles' pairs are asked of mask_mod into a set of
     # bits, then masked (one loop calling the function per score kept the scores in local
