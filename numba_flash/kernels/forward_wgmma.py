@@ -82,7 +82,7 @@ from ..scores import SOFTCAP_TANH, ScoreSpec, block_lists, block_row_rules, bloc
 from . import wgmma_schedule
 from .forward import LN2
 from .wgmma_parts import (SUB, consumer_registers, make_column_product, make_row_product, o_columns,
-                          make_store_rows, padded, wait_phase)
+                          make_row_stored, make_store_rows, padded, wait_phase)
 
 BM, BN = 128, 128                 # query rows per block (64 per consumer), keys per tile
 THREADS = 384
@@ -638,6 +638,7 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
     pack = ops.pack_bf16x2 if dtype_name == "bfloat16" else ops.pack_f16x2
     # packed sequences: out and lse as (B1, tokens, heads, ·), C-contiguous (make_store_rows)
     store_rows = make_store_rows(dtype_name, D, COLS, rows_first=PACKED, from_zero=END_ALIGNED)
+    row_stored = make_row_stored(END_ALIGNED)       # (the lse's rows: the same as O's)
     row_keys, in_row, key_range, _, tile_needs_mask, score, score_consts = device_rules(
         scores, "float32", SOFTCAP_TANH[dtype_name], block_rows=True, mask_apart=MASK_APART)
     pair_visible = mask_rule(scores) if MASK_APART else None
@@ -1045,9 +1046,9 @@ def make_forward_wgmma(dtype_name: str, D: int, scores: ScoreSpec, pingpong: boo
             l0 += warp.shfl_xor_sync(warp.FULL_MASK, l0, off)
             l1 += warp.shfl_xor_sync(warp.FULL_MASK, l1, off)
         if tq4 == 0:
-            if row0 < nq and (not END_ALIGNED or row0 >= 0):
+            if row_stored(row0, nq):
                 put_lse(lse, b1, b2, qs + row0, NEG_INF if l0 == ZERO else (m0 + math.log2(l0)) * LN2_T)
-            if row0 + 8 < nq and (not END_ALIGNED or row0 + 8 >= 0):
+            if row_stored(row0 + 8, nq):
                 put_lse(lse, b1, b2, qs + row0 + 8, NEG_INF if l1 == ZERO else (m1 + math.log2(l1)) * LN2_T)
         return ZERO if l0 == ZERO else F32(1) / l0, ZERO if l1 == ZERO else F32(1) / l1
 

@@ -144,6 +144,17 @@ def make_column_product(dtype_name: str, D: int, n_k: int, sub_b: int, cols: int
 
 
 @functools.lru_cache(maxsize=None)
+def make_row_stored(from_zero: bool = False):
+    """``stored(row, n_rows)``: whether an item's row ``row`` is written out (O and lse):
+    below ``n_rows``, and with ``from_zero`` at least 0 (query tiles aligned to the
+    sequence's end: the first tile's rows before it are not the call's)."""
+    @cuda.jit(device=True, inline=True)
+    def stored(row, n_rows):
+        return row < n_rows and (not from_zero or row >= 0)
+    return stored
+
+
+@functools.lru_cache(maxsize=None)
 def make_store_rows(dtype_name: str, D: int, cols: int = None, rows_first: bool = False, from_zero: bool = False):
     """``store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4)``: a thread's part of
     a 64 × ``D`` accumulator (two halves ``o0, o1`` of :func:`half_columns` each; ``o1``
@@ -189,10 +200,7 @@ def make_store_rows(dtype_name: str, D: int, cols: int = None, rows_first: bool 
                 else:
                     out[b1, b2, row, col] = value
 
-    @cuda.jit(device=True, inline=True)
-    def stored(row, n_rows):
-        """Whether row ``row`` is stored: below ``n_rows`` (and with ``from_zero`` at least 0)."""
-        return row < n_rows and (not from_zero or row >= 0)
+    stored = make_row_stored(from_zero)
 
     @cuda.jit(device=True, inline=True)
     def store_rows(out, b1, b2, row0, n_rows, o0, o1, inv0, inv1, tq4):
