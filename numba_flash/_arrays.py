@@ -366,11 +366,18 @@ def pool_alloc(pool, sizes, handle):
     for size in sizes:
         err, ptr = cu.cuMemAllocFromPoolAsync(size, pool, handle)
         if err != cu.CUresult.CUDA_SUCCESS:
-            for p in ptrs:
-                cu.cuMemFreeAsync(p, handle)
+            pool_free(ptrs, handle)
             return None
         ptrs.append(ptr)
     return ptrs
+
+
+def pool_free(ptrs, handle):
+    """Return :func:`pool_alloc`'s memory ``ptrs`` to its pool, ordered on the stream
+    ``handle`` (after whatever is queued there)."""
+    from cuda.bindings import driver as cu
+    for p in ptrs:
+        cu.cuMemFreeAsync(p, handle)
 
 
 def pool_wrap(ctx, ptr, shape, dtype, handle):

@@ -209,8 +209,7 @@ class Plan:
         if self.scratch_bytes:
             err, block = cu.cuMemAllocFromPoolAsync(self.scratch_bytes, self.pool, stream)
             if err != cu.CUresult.CUDA_SUCCESS:
-                for p in raw or ():
-                    cu.cuMemFreeAsync(p, stream)
+                _arrays.pool_free(raw or (), stream)
                 return None
             roots.append(int(block))
         maps = []       # the tensor maps whose addresses the launches take: alive until launched
@@ -228,8 +227,7 @@ class Plan:
                     if err != cu.CUresult.CUDA_SUCCESS:
                         raise RuntimeError(f"cuLaunchKernel failed: {err!r}")
         except BaseException:
-            for p in raw or ():
-                cu.cuMemFreeAsync(p, stream)        # (after whatever was queued)
+            _arrays.pool_free(raw or (), stream)    # (after whatever was queued)
             raise
         finally:
             if block is not None:
